@@ -1,0 +1,1 @@
+"""Pallas kernels and their references; usable without k3jax."""

@@ -1,0 +1,1 @@
+"""pallas_kernels/kda package."""
