@@ -1,0 +1,194 @@
+"""Mixture-of-experts SwiGLU FFN: sigmoid router, routed experts, shared expert(s).
+
+Routed experts run on tokens sorted by expert through a grouped matmul
+(`jax.lax.ragged_dot`); `impl="dense"` evaluates every expert on every token
+with einsums and is the reference the grouped path is tested against.
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax import routing
+from k3jax.routing import RouterConfig
+
+MOE_IMPLS = ("ragged", "dense")
+
+
+class RouterState(nnx.Variable):
+  """Non-trainable carried router state (the per-expert bias of stateful routers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """Shape and routing of one MoE FFN.
+
+  Attributes:
+    d_model: model width.
+    num_experts: routed experts E.
+    top_k: routed experts per token.
+    expert_hidden: SwiGLU width of one routed expert.
+    num_shared_experts: always-on experts (merged into one SwiGLU of width
+      num_shared_experts * shared_hidden).
+    shared_hidden: width of one shared expert; None means expert_hidden.
+    router: RouterConfig.
+    impl: "ragged" (grouped matmul on sorted tokens) or "dense" (reference).
+    dtype: compute dtype of the expert matmuls (accumulation is float32).
+    param_dtype: parameter dtype.
+  """
+
+  d_model: int
+  num_experts: int
+  top_k: int
+  expert_hidden: int
+  num_shared_experts: int = 0
+  shared_hidden: int | None = None
+  router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+  impl: str = "ragged"
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  def __post_init__(self):
+    for name in ("d_model", "num_experts", "top_k", "expert_hidden"):
+      value = getattr(self, name)
+      if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"MoEConfig.{name}={value!r}; must be an int >= 1")
+    if self.top_k > self.num_experts:
+      raise ValueError(
+          f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+    if not (isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0):
+      raise ValueError(
+          f"MoEConfig.num_shared_experts={self.num_shared_experts!r}; must be an int >= 0")
+    if self.shared_hidden is not None and not (
+        isinstance(self.shared_hidden, int) and self.shared_hidden >= 1):
+      raise ValueError(
+          f"MoEConfig.shared_hidden={self.shared_hidden!r}; must be an int >= 1 or None")
+    if not isinstance(self.router, RouterConfig):
+      raise ValueError(f"MoEConfig.router must be a RouterConfig, got {self.router!r}")
+    if self.impl not in MOE_IMPLS:
+      raise ValueError(f"MoEConfig.impl={self.impl!r}; allowed: {MOE_IMPLS}")
+
+
+def _param(rngs, init, shape, dtype, names):
+  # Logical axis names only; a mesh and rules map them later (no eager sharding).
+  init = nnx.with_partitioning(init, names, eager_sharding=False)
+  return nnx.Param(init(rngs.params(), shape, dtype))
+
+
+class MoE(nnx.Module):
+  """Routed SwiGLU experts + optional shared experts.
+
+  Parameters and their logical axes:
+    router_kernel [d, E] ("embed", None): small, kept replicated over experts.
+    wi_gate, wi_up [E, d, h] ("expert", "embed", "mlp"); wo [E, h, d]
+    ("expert", "mlp", "embed"); shared_* [d, hs] ("embed", "mlp") and
+    [hs, d] ("mlp", "embed").
+  """
+
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    c = config
+    init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                             in_axis=-2, out_axis=-1)
+    self.router_kernel = _param(rngs, init, (c.d_model, c.num_experts), jnp.float32,
+                                ("embed", None))
+    self.wi_gate = _param(rngs, init, (c.num_experts, c.d_model, c.expert_hidden),
+                          c.param_dtype, ("expert", "embed", "mlp"))
+    self.wi_up = _param(rngs, init, (c.num_experts, c.d_model, c.expert_hidden),
+                        c.param_dtype, ("expert", "embed", "mlp"))
+    self.wo = _param(rngs, init, (c.num_experts, c.expert_hidden, c.d_model),
+                     c.param_dtype, ("expert", "mlp", "embed"))
+    if c.num_shared_experts:
+      hs = c.num_shared_experts * (c.shared_hidden or c.expert_hidden)
+      self.shared_gate = _param(rngs, init, (c.d_model, hs), c.param_dtype, ("embed", "mlp"))
+      self.shared_up = _param(rngs, init, (c.d_model, hs), c.param_dtype, ("embed", "mlp"))
+      self.shared_out = _param(rngs, init, (hs, c.d_model), c.param_dtype, ("mlp", "embed"))
+    else:
+      self.shared_gate = self.shared_up = self.shared_out = None
+    state = routing.init_router_state(c.num_experts, c.router)
+    self.router_state = None if state is None else RouterState(state)
+
+  def __call__(self, x_btd: jax.Array, *, deterministic: bool = False):
+    """Applies the layer.
+
+    Args:
+      x_btd: [B, T, d] input.
+      deterministic: eval mode; the router state is read but not updated.
+
+    Returns:
+      y_btd: [B, T, d] in x's dtype.
+      aux: dict of float32 scalars max_vio, max_vio_routed, drop_fraction,
+        load_cv, aux_loss (0 for routers without one), and load [E].
+    """
+    c = self.config
+    if x_btd.ndim != 3 or x_btd.shape[-1] != c.d_model:
+      raise ValueError(f"x must have shape [B, T, {c.d_model}], got {x_btd.shape}")
+    b, t, d = x_btd.shape
+    x_nd = x_btd.reshape(b * t, d)
+    scores_ne = jax.nn.sigmoid(
+        jnp.dot(x_nd.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32)))
+    state = None if self.router_state is None else self.router_state.get_value()
+    idx_nk, w_nk, stats, new_state = routing.route(
+        scores_ne, k=c.top_k, config=c.router, state=state)
+    if self.router_state is not None and not deterministic:
+      self.router_state.set_value(new_state)
+    if c.impl == "ragged":
+      y_nd = self._routed_ragged(x_nd, idx_nk, w_nk)
+    else:
+      y_nd = self._routed_dense(x_nd, idx_nk, w_nk)
+    if self.shared_gate is not None:
+      y_nd = y_nd + _swiglu(x_nd, self.shared_gate[...], self.shared_up[...],
+                            self.shared_out[...], c.dtype)
+    aux = {key: stats[key] for key in
+           ("max_vio", "max_vio_routed", "drop_fraction", "load_cv", "aux_loss", "load")}
+    return y_nd.reshape(b, t, d).astype(x_btd.dtype), aux
+
+  def _routed_ragged(self, x_nd, idx_nk, w_nk):
+    """Sorts (token, expert) pairs by expert and runs grouped matmuls. [N, d] f32."""
+    c = self.config
+    n, k = idx_nk.shape
+    kept_a = (w_nk > 0).reshape(-1)
+    # Dropped pairs sort after every expert and fall outside all groups.
+    key_a = jnp.where(kept_a, idx_nk.reshape(-1), c.num_experts)
+    order = jnp.argsort(key_a, stable=True)
+    group_sizes = jnp.bincount(key_a, length=c.num_experts + 1)[: c.num_experts]
+    group_sizes = group_sizes.astype(jnp.int32)
+    token_sorted = order // k
+    xs = x_nd[token_sorted].astype(c.dtype)
+    gate = jax.lax.ragged_dot(xs, self.wi_gate[...].astype(c.dtype), group_sizes,
+                              preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(xs, self.wi_up[...].astype(c.dtype), group_sizes,
+                            preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(c.dtype)
+    ys = jax.lax.ragged_dot(h, self.wo[...].astype(c.dtype), group_sizes,
+                            preferred_element_type=jnp.float32)
+    w_sorted = w_nk.reshape(-1)[order]
+    # Rows past the last group are unspecified by ragged_dot: mask, don't multiply.
+    ys = jnp.where(kept_a[order][:, None], ys * w_sorted[:, None], 0.0)
+    inverse = jnp.argsort(order)
+    return jnp.sum(ys[inverse].reshape(n, k, -1), axis=1)
+
+  def _routed_dense(self, x_nd, idx_nk, w_nk):
+    """Every expert on every token, combined by dense weights. [N, d] f32 (reference)."""
+    c = self.config
+    combine_ne = jnp.einsum("nke,nk->ne",
+                            jax.nn.one_hot(idx_nk, c.num_experts, dtype=jnp.float32), w_nk)
+    xs = x_nd.astype(c.dtype)
+    gate = jnp.einsum("nd,edh->neh", xs, self.wi_gate[...].astype(c.dtype),
+                      preferred_element_type=jnp.float32)
+    up = jnp.einsum("nd,edh->neh", xs, self.wi_up[...].astype(c.dtype),
+                    preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(c.dtype)
+    y_ned = jnp.einsum("neh,ehd->ned", h, self.wo[...].astype(c.dtype),
+                       preferred_element_type=jnp.float32)
+    return jnp.einsum("ned,ne->nd", y_ned, combine_ne)
+
+
+def _swiglu(x_nd, w_gate, w_up, w_out, dtype):
+  """Dense SwiGLU, [N, d] -> [N, d] float32."""
+  xs = x_nd.astype(dtype)
+  gate = jnp.dot(xs, w_gate.astype(dtype), preferred_element_type=jnp.float32)
+  up = jnp.dot(xs, w_up.astype(dtype), preferred_element_type=jnp.float32)
+  h = (jax.nn.silu(gate) * up).astype(dtype)
+  return jnp.dot(h, w_out.astype(dtype), preferred_element_type=jnp.float32)

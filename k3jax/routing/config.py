@@ -1,0 +1,75 @@
+"""Router configuration shared by every router family."""
+import dataclasses
+
+ROUTER_NAMES = (
+    "quantile",
+    "quantile_lagged",
+    "bias_sign",
+    "aux_loss",
+    "expert_choice",
+    "topk",
+)
+QUANTILE_IMPLS = ("exact", "histogram")
+STATEFUL_ROUTERS = ("quantile_lagged", "bias_sign")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+  """Which router to run and its knobs.
+
+  Attributes:
+    name: one of ROUTER_NAMES. "topk" is plain top-k with no balancing.
+    capacity_factor: each expert keeps at most
+      ceil(capacity_factor * T * k / E) assignments per batch; overflow moves to
+      the token's next choice with room, else it is dropped. None means
+      dropless (no capacity). expert_choice needs a number.
+    quantile_impl: "exact" (top_k per expert) or "histogram" (fixed bins per
+      expert over its value range; cheaper for large E).
+    num_bins: bins per expert for the histogram quantiles.
+    bias_update_rate: the step u of bias_sign, b_e += u * sign(mean - load_e).
+    aux_loss_coef: alpha of the Switch/GShard loss alpha * E * sum_e f_e P_e.
+    overflow_choices: how many choices past the k-th a token may fall back to
+      when its preferred experts are full; None means k.
+  """
+
+  name: str = "quantile"
+  capacity_factor: float | None = 1.0
+  quantile_impl: str = "exact"
+  num_bins: int = 1000
+  bias_update_rate: float = 1e-3
+  aux_loss_coef: float = 1e-2
+  overflow_choices: int | None = None
+
+  def __post_init__(self):
+    if self.name not in ROUTER_NAMES:
+      raise ValueError(f"RouterConfig.name={self.name!r}; allowed: {ROUTER_NAMES}")
+    if self.capacity_factor is not None and not self.capacity_factor > 0:
+      raise ValueError(
+          f"RouterConfig.capacity_factor={self.capacity_factor!r}; must be > 0 "
+          "or None (dropless)")
+    if self.name == "expert_choice" and self.capacity_factor is None:
+      raise ValueError(
+          "RouterConfig(name='expert_choice') needs a capacity_factor > 0, "
+          "got None")
+    if self.quantile_impl not in QUANTILE_IMPLS:
+      raise ValueError(
+          f"RouterConfig.quantile_impl={self.quantile_impl!r}; allowed: "
+          f"{QUANTILE_IMPLS}")
+    if not (isinstance(self.num_bins, int) and self.num_bins >= 2):
+      raise ValueError(f"RouterConfig.num_bins={self.num_bins!r}; must be an int >= 2")
+    if not self.bias_update_rate >= 0:
+      raise ValueError(
+          f"RouterConfig.bias_update_rate={self.bias_update_rate!r}; must be >= 0")
+    if not self.aux_loss_coef >= 0:
+      raise ValueError(
+          f"RouterConfig.aux_loss_coef={self.aux_loss_coef!r}; must be >= 0")
+    if self.overflow_choices is not None and not (
+        isinstance(self.overflow_choices, int) and self.overflow_choices >= 0):
+      raise ValueError(
+          f"RouterConfig.overflow_choices={self.overflow_choices!r}; must be an "
+          "int >= 0 or None")
+
+  @property
+  def stateful(self) -> bool:
+    """Whether the router carries a per-expert bias across batches."""
+    return self.name in STATEFUL_ROUTERS
