@@ -1,0 +1,108 @@
+"""Causal softmax attention with grouped KV heads and no positional encoding.
+
+Full-sequence calls use `jax.nn.dot_product_attention` (cuDNN on GPU when the
+dtype allows, XLA otherwise). Decoding keeps a preallocated KV cache.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.params import fan_in_init, logical_param
+
+
+def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                  dtype) -> dict:
+  """Zero KV cache: k, v [B, max_len, KVH, hd] and the filled length `pos` (int32)."""
+  shape = (batch, max_len, num_kv_heads, head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+          "pos": jnp.zeros((), jnp.int32)}
+
+
+class CausalSelfAttention(nnx.Module):
+  """Multi-head causal attention with GQA (`num_heads % num_kv_heads == 0`).
+
+  Args:
+    d_model: model width D.
+    num_heads: query heads H.
+    num_kv_heads: key/value heads (H must be a multiple).
+    head_dim: per-head width hd.
+    dtype: compute dtype; softmax runs in float32 inside the attention op.
+    param_dtype: parameter dtype.
+    implementation: passed to `jax.nn.dot_product_attention` (None = auto).
+  """
+
+  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+               dtype=jnp.float32, param_dtype=jnp.float32, implementation: str | None = None,
+               rngs: nnx.Rngs):
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
+        d_model, num_heads, num_kv_heads, head_dim)
+    self.dtype = dtype
+    self.implementation = implementation
+    init = fan_in_init(d_model)
+    self.wq = logical_param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "kv"), param_dtype)
+    self.wk = logical_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "heads", "kv"), param_dtype)
+    self.wv = logical_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "heads", "kv"), param_dtype)
+    self.wo = logical_param(rngs, fan_in_init(num_heads * head_dim), (num_heads, head_dim, d_model),
+                            ("heads", "kv", "embed"), param_dtype)
+
+  def _qkv(self, x_btd):
+    x = x_btd.astype(self.dtype)
+    q = jnp.einsum("btd,dhk->bthk", x, self.wq[...].astype(self.dtype))
+    k = jnp.einsum("btd,dhk->bthk", x, self.wk[...].astype(self.dtype))
+    v = jnp.einsum("btd,dhk->bthk", x, self.wv[...].astype(self.dtype))
+    return q, k, v
+
+  def _out(self, o_bthk):
+    return jnp.einsum("bthk,hkd->btd", o_bthk.astype(self.dtype), self.wo[...].astype(self.dtype))
+
+  def _check(self, x_btd):
+    if x_btd.ndim != 3 or x_btd.shape[-1] != self.d_model:
+      raise ValueError(f"attention expects [B, T, {self.d_model}], got {x_btd.shape}")
+
+  def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, dict]:
+    """x_btd: [B, T, D] -> ([B, T, D] compute dtype, stats {})."""
+    self._check(x_btd)
+    q, k, v = self._qkv(x_btd)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+    return self._out(o), {}
+
+  def prefill(self, x_btd: jax.Array, max_len: int) -> tuple[jax.Array, dict, dict]:
+    """Full causal pass over a prompt that also fills a cache of `max_len` slots.
+
+    Returns ([B, T, D], stats, cache) with cache from `init_kv_cache`.
+    """
+    self._check(x_btd)
+    b, t, _ = x_btd.shape
+    if t > max_len:
+      raise ValueError(f"prompt length {t} exceeds cache length {max_len}")
+    q, k, v = self._qkv(x_btd)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+    cache = init_kv_cache(b, max_len, self.num_kv_heads, self.head_dim, self.dtype)
+    cache["k"] = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, 0))
+    cache["v"] = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, 0, 0))
+    cache["pos"] = jnp.asarray(t, jnp.int32)
+    return self._out(o), {}, cache
+
+  def decode(self, x_b1d: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """One new token per sequence: x_b1d [B, 1, D] -> ([B, 1, D], new cache).
+
+    Writes the token's key/value at slot `pos` and attends over slots
+    [0, pos]. Overrunning the cache is the caller's responsibility
+    (`k3jax.models.generate` checks lengths up front).
+    """
+    self._check(x_b1d)
+    if x_b1d.shape[1] != 1:
+      raise ValueError(f"decode takes one token per sequence, got shape {x_b1d.shape}")
+    q, k, v = self._qkv(x_b1d)
+    pos = cache["pos"]
+    k_cache = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, pos, 0, 0))
+    v_cache = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, pos, 0, 0))
+    b = x_b1d.shape[0]
+    lengths = jnp.full((b,), pos + 1, jnp.int32)
+    o = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths,
+                                     implementation="xla")
+    return self._out(o), {"k": k_cache, "v": v_cache, "pos": pos + 1}

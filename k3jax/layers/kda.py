@@ -1,0 +1,229 @@
+"""Kimi Delta Attention (KDA) token mixer.
+
+Per head h (DESIGN.md, "Model"):
+    q, k, v = silu(causal_depthwise_conv(x W_{q,k,v}))
+    q, k    = l2_norm(q), l2_norm(k)
+    g       = gate(x W_fa W_fb + b_f)      [B, T, H, K] float32 log-decay
+    beta    = sigmoid(x W_beta)            [B, T, H]
+    o       = chunk_kda(q, k, v, g, beta)  (K ** -0.5 folded into q)
+    y       = (rms_norm_h(o) * sigmoid(x W_out_gate)) W_o
+
+The gate is the bounded `g_min * sigmoid(.)` (default) or the softplus
+baseline `-exp(A_log) * softplus(. + dt_bias)` from `k3jax.layers.gates`.
+Decoding carries the conv windows and the [B, H, K, V] float32 state.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.layers import gates
+from k3jax.layers.norms import l2_norm, rms_norm
+from k3jax.layers.params import fan_in_init, logical_param
+from pallas_kernels.kda import api as kda_api
+from pallas_kernels.kda import reference as kda_reference
+
+GATES = ("bounded", "softplus")
+
+
+def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array) -> jax.Array:
+  """y[t] = sum_j w[j] * x[t - (W - 1) + j], zeros before the start.
+
+  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K].
+  """
+  width = w_whk.shape[0]
+  t = x_bthk.shape[1]
+  xp = jnp.pad(x_bthk, ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
+  y = jnp.zeros_like(x_bthk)
+  for j in range(width):
+    y = y + xp[:, j:j + t] * w_whk[j].astype(x_bthk.dtype)
+  return y
+
+
+def _conv_tail(x_bthk: jax.Array, width: int) -> jax.Array:
+  """The last `width - 1` inputs [B, W-1, H, K], zero-padded on the left."""
+  keep = width - 1
+  xp = jnp.pad(x_bthk, ((0, 0), (keep, 0), (0, 0), (0, 0)))
+  return xp[:, xp.shape[1] - keep:]
+
+
+def _inv_sigmoid(p: np.ndarray) -> np.ndarray:
+  return np.log(p) - np.log1p(-p)
+
+
+class KDA(nnx.Module):
+  """Multi-head KDA layer. Input and output [B, T, D].
+
+  Args:
+    d_model: D.
+    num_heads: H.
+    head_dim: K = V (per-head key and value width).
+    conv_size: width of the short causal depthwise convolutions.
+    gate: "bounded" or "softplus".
+    g_min: lower bound of the bounded gate (negative).
+    chunk_size, sub_chunk, diagonal, implementation: passed to `chunk_kda`.
+    dtype: compute dtype of projections and the kernel's q/k/v.
+    param_dtype: parameter dtype.
+  """
+
+  def __init__(self, d_model: int, num_heads: int, head_dim: int, *, conv_size: int = 4,
+               gate: str = "bounded", g_min: float = -5.0, chunk_size: int = 64,
+               sub_chunk: int = 16, diagonal: str = "dense", implementation: str = "xla",
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if gate not in GATES:
+      raise ValueError(f"unknown KDA gate {gate!r}; allowed: {GATES}")
+    if conv_size < 1:
+      raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+    if gate == "softplus" and diagonal == "dense":
+      raise ValueError("the softplus gate is unbounded; it needs diagonal='pairwise', not 'dense'")
+    self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
+    self.conv_size, self.gate, self.g_min = conv_size, gate, float(g_min)
+    self.chunk_size, self.sub_chunk = chunk_size, sub_chunk
+    self.diagonal, self.implementation = diagonal, implementation
+    self.dtype = dtype
+    h, k = num_heads, head_dim
+    dense = fan_in_init(d_model)
+    self.wq = logical_param(rngs, dense, (d_model, h, k), ("embed", "heads", "kv"), param_dtype)
+    self.wk = logical_param(rngs, dense, (d_model, h, k), ("embed", "heads", "kv"), param_dtype)
+    self.wv = logical_param(rngs, dense, (d_model, h, k), ("embed", "heads", "kv"), param_dtype)
+    conv = fan_in_init(conv_size)
+    self.conv_q = logical_param(rngs, conv, (conv_size, h, k), (None, "heads", "kv"), param_dtype)
+    self.conv_k = logical_param(rngs, conv, (conv_size, h, k), (None, "heads", "kv"), param_dtype)
+    self.conv_v = logical_param(rngs, conv, (conv_size, h, k), (None, "heads", "kv"), param_dtype)
+    # Low-rank gate projection (rank = head_dim), as the gate needs H*K outputs.
+    self.wf_a = logical_param(rngs, dense, (d_model, k), ("embed", None), param_dtype)
+    self.wf_b = logical_param(rngs, fan_in_init(k), (k, h, k), (None, "heads", "kv"), param_dtype)
+    # Gate bias: initial per-channel decays spread log-uniformly over
+    # g in [-0.5, -0.01] (forgetting horizons of ~2 to ~100 tokens).
+    target = -np.exp(np.random.default_rng(0).uniform(np.log(0.01), np.log(0.5), (h, k)))
+    if gate == "bounded":
+      bias = _inv_sigmoid(np.clip(target / self.g_min, 1e-6, 1 - 1e-6))
+      self.f_bias = logical_param(None, lambda *_: jnp.asarray(bias, param_dtype), (h, k),
+                                  ("heads", "kv"), param_dtype)
+    else:
+      # g = -exp(A_log) * softplus(z + dt_bias); A = 1, softplus(dt_bias) = -target.
+      dt_bias = np.log(np.expm1(-target))
+      self.a_log = logical_param(None, jax.nn.initializers.zeros, (h,), ("heads",), param_dtype)
+      self.f_bias = logical_param(None, lambda *_: jnp.asarray(dt_bias, param_dtype), (h, k),
+                                  ("heads", "kv"), param_dtype)
+    self.wb = logical_param(rngs, dense, (d_model, h), ("embed", "heads"), param_dtype)
+    self.w_og = logical_param(rngs, dense, (d_model, h, k), ("embed", "heads", "kv"), param_dtype)
+    self.o_norm = logical_param(None, jax.nn.initializers.ones, (k,), ("kv",), param_dtype)
+    self.wo = logical_param(rngs, fan_in_init(h * k), (h, k, d_model), ("heads", "kv", "embed"),
+                            param_dtype)
+
+  # -- pieces shared by the full pass and decoding --------------------------
+
+  def _project(self, x_btd):
+    """Pre-conv q, k, v projections [B, T, H, K] in the compute dtype."""
+    x = x_btd.astype(self.dtype)
+    proj = lambda w: jnp.einsum("btd,dhk->bthk", x, w[...].astype(self.dtype))
+    return proj(self.wq), proj(self.wk), proj(self.wv)
+
+  def _gates(self, x_btd):
+    """g [B, T, H, K] float32 log-decay and beta [B, T, H] float32."""
+    x = x_btd.astype(jnp.float32)
+    z = jnp.einsum("btd,dr->btr", x, self.wf_a[...].astype(jnp.float32))
+    z = jnp.einsum("btr,rhk->bthk", z, self.wf_b[...].astype(jnp.float32))
+    if self.gate == "bounded":
+      g = gates.bounded_gate(z + self.f_bias[...].astype(jnp.float32), self.g_min)
+    else:
+      g = gates.softplus_gate(z, self.a_log[...].astype(jnp.float32)[:, None],
+                              self.f_bias[...].astype(jnp.float32))
+    beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.wb[...].astype(jnp.float32)))
+    return g.astype(jnp.float32), beta
+
+  def _activate(self, q, k, v):
+    """SiLU after the conv, unit-norm q and k."""
+    q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+    return l2_norm(q), l2_norm(k), v
+
+  def _output(self, x_btd, o_bthv):
+    """Per-head RMS norm, sigmoid output gate, output projection -> [B, T, D]."""
+    x = x_btd.astype(self.dtype)
+    og = jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.w_og[...].astype(self.dtype)))
+    o = rms_norm(o_bthv.astype(jnp.float32)) * self.o_norm[...].astype(jnp.float32)
+    o = (o * og.astype(jnp.float32)).astype(self.dtype)
+    return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(self.dtype))
+
+  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
+    lower = self.g_min if self.gate == "bounded" else None
+    return kda_api.chunk_kda(
+        q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+        chunk_size=self.chunk_size, lower_bound=lower, diagonal=self.diagonal,
+        sub_chunk=self.sub_chunk, implementation=self.implementation,
+        interpret=self.implementation == "pallas" and jax.default_backend() == "cpu")
+
+  @staticmethod
+  def _stats(g):
+    return {"g_mean": jnp.mean(g), "g_min": jnp.min(g)}
+
+  def _check(self, x_btd):
+    if x_btd.ndim != 3 or x_btd.shape[-1] != self.d_model:
+      raise ValueError(f"KDA expects [B, T, {self.d_model}], got {x_btd.shape}")
+
+  # -- public entry points ---------------------------------------------------
+
+  def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, dict]:
+    """x_btd: [B, T, D] -> ([B, T, D] compute dtype, {g_mean, g_min})."""
+    y, stats, _ = self._forward(x_btd, with_cache=False)
+    return y, stats
+
+  def prefill(self, x_btd: jax.Array, max_len: int | None = None) -> tuple[jax.Array, dict, dict]:
+    """Full pass over a prompt that also returns the decoding cache.
+
+    Returns ([B, T, D], stats, cache) where cache holds `conv_q/k/v`
+    [B, W-1, H, K] (last pre-conv inputs) and `state` [B, H, K, V] float32.
+    `max_len` is accepted for interface symmetry with attention; KDA's cache
+    does not grow.
+    """
+    del max_len
+    return self._forward(x_btd, with_cache=True)
+
+  def _forward(self, x_btd, *, with_cache):
+    self._check(x_btd)
+    qp, kp, vp = self._project(x_btd)
+    q = causal_depthwise_conv(qp, self.conv_q[...])
+    k = causal_depthwise_conv(kp, self.conv_k[...])
+    v = causal_depthwise_conv(vp, self.conv_v[...])
+    q, k, v = self._activate(q, k, v)
+    g, beta = self._gates(x_btd)
+    o, state = self._kernel(q, k, v, g, beta, output_final_state=with_cache)
+    y = self._output(x_btd, o)
+    cache = None
+    if with_cache:
+      w = self.conv_size
+      cache = {"conv_q": _conv_tail(qp, w), "conv_k": _conv_tail(kp, w),
+               "conv_v": _conv_tail(vp, w), "state": state.astype(jnp.float32)}
+    return y, self._stats(g), cache
+
+  def init_cache(self, batch: int) -> dict:
+    """Empty decoding cache for `batch` sequences (same layout as `prefill`'s)."""
+    h, k, w = self.num_heads, self.head_dim, self.conv_size
+    tail = jnp.zeros((batch, w - 1, h, k), self.dtype)
+    return {"conv_q": tail, "conv_k": tail, "conv_v": tail,
+            "state": jnp.zeros((batch, h, k, k), jnp.float32)}
+
+  def decode(self, x_b1d: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """One token per sequence: x_b1d [B, 1, D] -> ([B, 1, D], new cache)."""
+    self._check(x_b1d)
+    if x_b1d.shape[1] != 1:
+      raise ValueError(f"decode takes one token per sequence, got shape {x_b1d.shape}")
+    qp, kp, vp = self._project(x_b1d)
+    new_cache = {}
+    acts = []
+    for name, xp, w in (("conv_q", qp, self.conv_q), ("conv_k", kp, self.conv_k),
+                        ("conv_v", vp, self.conv_v)):
+      window = jnp.concatenate([cache[name].astype(xp.dtype), xp], axis=1)  # [B, W, H, K]
+      acts.append(jnp.einsum("bwhk,whk->bhk", window, w[...].astype(xp.dtype))[:, None])
+      new_cache[name] = window[:, 1:]
+    q, k, v = self._activate(*acts)
+    g, beta = self._gates(x_b1d)
+    o, state = kda_reference.naive_recurrent_kda(
+        q, k, v, g, beta, initial_state=cache["state"], output_final_state=True)
+    new_cache["state"] = state.astype(jnp.float32)
+    return self._output(x_b1d, o), new_cache

@@ -1,0 +1,247 @@
+"""HybridLM: the K3 hybrid decoder (KDA + attention mixers, MoE FFNs).
+
+    x = embed(tokens)
+    for layer i:   (two sublayers each: mixer 2i, FFN 2i + 1)
+      out = mixer_i(norm(residual.read(2i)));       residual.write(2i, out)
+      out = ffn_i(norm(residual.read(2i + 1)));     residual.write(2i + 1, out)
+    logits = head(norm(residual.finish()))
+
+The residual strategy (prenorm / block / full AttnRes) is one object behind
+the same read/write interface, so this file never branches on it. Mixers are
+KDA ("K") or causal softmax attention ("A") following `layer_pattern`; FFNs
+are MoE (routed + shared experts) except an optional dense first layer.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.attention import CausalSelfAttention
+from k3jax.layers.ffn import SwiGLU
+from k3jax.layers.kda import KDA
+from k3jax.layers.norms import RMSNorm
+from k3jax.layers.params import fan_in_init, logical_param
+from k3jax.layers.residual import make_residual
+from k3jax.models.config import ModelConfig
+
+
+class DenseFFN(nnx.Module):
+  """SwiGLU with the MoE calling convention: (y_btd, aux={})."""
+
+  def __init__(self, d_model: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+    self.mlp = SwiGLU(d_model, hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  def __call__(self, x_btd, *, deterministic: bool = False):
+    del deterministic
+    return self.mlp(x_btd), {}
+
+
+def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs):
+  dtype, pdt = config.compute_dtype, config.params_dtype
+  if not config.is_moe_layer(layer):
+    return DenseFFN(config.d_model, config.dense_hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
+  from k3jax.layers import moe  # pylint: disable=g-import-not-at-top
+  moe_config = moe.MoEConfig(
+      d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
+      expert_hidden=config.expert_hidden, num_shared_experts=config.num_shared_experts,
+      router=config.router, dtype=config.dtype, param_dtype=config.param_dtype)
+  return moe.MoE(moe_config, rngs=rngs)
+
+
+def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
+  dtype, pdt = config.compute_dtype, config.params_dtype
+  if kind == "K":
+    return KDA(config.d_model, config.num_heads, config.head_dim, conv_size=config.conv_size,
+               gate=config.gate, g_min=config.g_min, chunk_size=config.kda_chunk_size,
+               sub_chunk=config.kda_sub_chunk, diagonal=config.kda_diagonal,
+               implementation=config.kda_implementation, dtype=dtype, param_dtype=pdt,
+               rngs=rngs)
+  return CausalSelfAttention(config.d_model, config.num_heads, config.num_kv_heads,
+                             config.head_dim, dtype=dtype, param_dtype=pdt, rngs=rngs)
+
+
+class DecoderLayer(nnx.Module):
+  """One layer: a token mixer and an FFN, each with its own pre-norm."""
+
+  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+    pdt = config.params_dtype
+    self.kind = config.layer_types[layer]
+    self.mixer_norm = RMSNorm(config.d_model, param_dtype=pdt)
+    self.mixer = _make_mixer(config, self.kind, rngs)
+    self.ffn_norm = RMSNorm(config.d_model, param_dtype=pdt)
+    self.ffn = _make_ffn(config, layer, rngs)
+
+
+class HybridLM(nnx.Module):
+  """Decoder-only LM. `__call__(tokens_bt) -> (logits_btv float32, aux)`.
+
+  aux keys: `aux_loss` (sum over MoE layers, 0 without experts),
+  `router/<layer>/<stat>` for every router statistic of every MoE layer, and
+  `gate/<layer>/mean`, `gate/<layer>/min` of the KDA log-decay g.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    if not isinstance(config, ModelConfig):
+      raise ValueError(f"HybridLM needs a ModelConfig, got {type(config)}")
+    self.config = config
+    d, v, pdt = config.d_model, config.vocab_size, config.params_dtype
+    self.embed = logical_param(rngs, jax.nn.initializers.normal(d ** -0.5), (v, d),
+                               ("vocab", "embed"), pdt)
+    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
+    self.residual = make_residual(config.residual, config.num_sublayers, d,
+                                  block_size=config.attnres_block_size, param_dtype=pdt)
+    self.final_norm = RMSNorm(d, param_dtype=pdt)
+    if not config.tie_embeddings:
+      self.head = logical_param(rngs, fan_in_init(d), (d, v), ("embed", "vocab"), pdt)
+
+  # -- shared body -----------------------------------------------------------
+
+  def _logits(self, h_btd):
+    h = self.final_norm(h_btd).astype(self.config.compute_dtype)
+    w = (self.embed[...].T if self.config.tie_embeddings else self.head[...])
+    return jnp.einsum("btd,dv->btv", h, w.astype(self.config.compute_dtype),
+                      preferred_element_type=jnp.float32)
+
+  def _run(self, tokens_bt, mixer_fn, *, deterministic):
+    """Runs every layer; mixer_fn(layer, mixer, h) -> (out, stats, cache)."""
+    cfg = self.config
+    if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
+      raise ValueError(f"tokens must be an int array [B, T], got {tokens_bt.dtype}{tokens_bt.shape}")
+    x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(cfg.compute_dtype)
+    state = self.residual.start(x)
+    aux = {}
+    aux_loss = jnp.zeros((), jnp.float32)
+    caches = []
+    for i, layer in enumerate(self.layers):
+      h = layer.mixer_norm(self.residual.read(state, 2 * i))
+      out, stats, cache = mixer_fn(i, layer.mixer, h)
+      caches.append(cache)
+      if layer.kind == "K" and stats:
+        aux[f"gate/{i}/mean"] = stats["g_mean"]
+        aux[f"gate/{i}/min"] = stats["g_min"]
+      state = self.residual.write(state, 2 * i, out)
+      h = layer.ffn_norm(self.residual.read(state, 2 * i + 1))
+      out, ffn_aux = layer.ffn(h, deterministic=deterministic)
+      for name, value in ffn_aux.items():
+        if name == "aux_loss":
+          aux_loss = aux_loss + jnp.asarray(value, jnp.float32)
+        aux[f"router/{i}/{name}"] = value
+      state = self.residual.write(state, 2 * i + 1, out)
+    aux["aux_loss"] = aux_loss
+    return self._logits(self.residual.finish(state)), aux, caches
+
+  # -- public entry points ---------------------------------------------------
+
+  def __call__(self, tokens_bt: jax.Array, *, deterministic: bool = False):
+    """tokens_bt: [B, T] int -> (logits [B, T, V] float32, aux dict)."""
+    def mixer_fn(i, mixer, h):
+      del i
+      out, stats = mixer(h)
+      return out, stats, None
+    logits, aux, _ = self._run(tokens_bt, mixer_fn, deterministic=deterministic)
+    return logits, aux
+
+  def prefill(self, tokens_bt: jax.Array, max_len: int):
+    """Full pass over prompts that also builds the decoding cache.
+
+    Args:
+      tokens_bt: [B, T] int prompts (same length T for the whole batch).
+      max_len: total positions the cache must hold (prompt + new tokens).
+
+    Returns:
+      (logits [B, T, V] float32, cache): cache is a list with one dict per
+      layer (KDA: conv windows + state; attention: KV cache with `pos`).
+    """
+    if tokens_bt.shape[1] > max_len:
+      raise ValueError(f"prompt length {tokens_bt.shape[1]} exceeds max_len={max_len}")
+    def mixer_fn(i, mixer, h):
+      del i
+      return mixer.prefill(h, max_len)
+    logits, _, caches = self._run(tokens_bt, mixer_fn, deterministic=True)
+    return logits, caches
+
+  def decode(self, tokens_b1: jax.Array, cache: list):
+    """One token per sequence: tokens_b1 [B, 1] -> (logits [B, 1, V] float32, cache)."""
+    if tokens_b1.ndim != 2 or tokens_b1.shape[1] != 1:
+      raise ValueError(f"decode takes tokens [B, 1], got shape {tokens_b1.shape}")
+    if len(cache) != self.config.num_layers:
+      raise ValueError(f"cache has {len(cache)} layers, model has {self.config.num_layers}")
+    def mixer_fn(i, mixer, h):
+      out, new = mixer.decode(h, cache[i])
+      return out, {}, new
+    logits, _, caches = self._run(tokens_b1, mixer_fn, deterministic=True)
+    return logits, caches
+
+
+# -- sizes and FLOPs -----------------------------------------------------------
+
+
+def _abstract_params(config: ModelConfig):
+  model = nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0)))
+  return list(nnx.state(model, nnx.Param).flat_state())
+
+
+def _axes(var) -> tuple:
+  return tuple(var.get_metadata().get("out_sharding") or ())
+
+
+@functools.lru_cache(maxsize=64)
+def _counts(config: ModelConfig) -> dict:
+  total = embed = expert = 0
+  for path, var in _abstract_params(config):
+    size = int(jnp.size(var.value)) if hasattr(var, "value") else int(var.size)
+    total += size
+    if path and path[0] in ("embed", "head"):
+      embed += size
+    if "expert" in _axes(var):
+      expert += size
+  return {"total": total, "embedding": embed, "expert": expert}
+
+
+def param_count(config: ModelConfig, *, include_embeddings: bool = True) -> int:
+  """Number of parameters of `HybridLM(config)` (exact, from abstract init).
+
+  `include_embeddings=False` leaves out the token embedding and untied head.
+  """
+  c = _counts(config)
+  return c["total"] - (0 if include_embeddings else c["embedding"])
+
+
+def active_param_count(config: ModelConfig, *, include_embeddings: bool = True) -> int:
+  """Parameters a token touches: routed-expert weights (logical axis "expert")
+  count at top_k / num_experts; everything else in full."""
+  c = _counts(config)
+  active = c["total"] - c["expert"]
+  if config.num_experts:
+    active += c["expert"] * config.top_k // config.num_experts
+  return active - (0 if include_embeddings else c["embedding"])
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward = 3x forward), for MFU.
+
+  Forward per token:
+  * 2 x active non-embedding parameters (every weight is used in one matmul),
+    plus 2 D V for the output projection (also when tied);
+  * attention layers: 4 H hd x seq_len / 2 (QK^T and PV over the causal
+    half, as a causal flash kernel computes it);
+  * KDA layers, per head, the dense chunked form with chunk C:
+    2 C (3 K + 2 V) for the intra-chunk matrices and their products
+    (A_kk, A_qk, M applied to k and v, A_qk V') plus 6 K V for the state
+    products (W S, q S, k^T V').
+  """
+  if seq_len < 1:
+    raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+  d, v = config.d_model, config.vocab_size
+  fwd = 2.0 * active_param_count(config, include_embeddings=False) + 2.0 * d * v
+  h, hd = config.num_heads, config.head_dim
+  c = min(config.kda_chunk_size, seq_len)
+  for kind in config.layer_types:
+    if kind == "A":
+      fwd += 4.0 * h * hd * seq_len / 2
+    else:
+      fwd += h * (2.0 * c * (3 * hd + 2 * hd) + 6.0 * hd * hd)
+  return 3.0 * fwd
