@@ -1,0 +1,252 @@
+"""Pallas backward kernels of chunked KDA (backend-neutral bodies).
+
+The backward recomputes the forward's intra-chunk quantities (with
+M = (I + A_kk)^-1 kept) and per-chunk entry states, then runs:
+
+* `state_bwd`: grid (B, H, V/BV), chunks in reverse. Carries dS, the
+  gradient of the state leaving the chunk:
+    dV' = A_qk^T dO + (k e^{G_last - G}) dS
+    dS  <- e^{G_last} dS + (q e^G)^T dO - W^T dV'
+  and writes dV', the per-chunk dS and d initial_state.
+* `intra_bwd`: grid (B, H, chunks), all parallel. From dO, dV', the entry
+  state S and dS of one chunk it forms dq, dk, dv, dbeta and dG (the
+  gradient of the within-chunk cumsum G; `pallas_op` turns it into dg with a
+  reverse cumsum). The anchored score gradients use the same row sub-tiles
+  and anchors as the forward; `pairwise` handles diagonal tiles with the
+  explicit [L, L, K] decay.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_fwd import dot, iota, onehot_rows, pair_decay, tile_factors
+
+_F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------
+# Reverse state kernel
+# ---------------------------------------------------------------------------
+
+
+def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
+                      do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, scale, chunk_size, cfg):
+  c = chunk_size
+  tp, dk = q_ref.shape
+  nc = tp // c
+  bv = do_ref.shape[-1]
+
+  def body(j, ds):
+    i = nc - 1 - j
+    seq = seq_ref[i]
+    ds = jnp.where(last_ref[i] != 0, dht_ref[seq].astype(_F32), ds)
+    dhs_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :] = ds
+    start = pl.multiple_of(i * c, c)
+    rows = pl.ds(start, c)
+    g = g_ref[rows, :]
+    g_last = g_ref[pl.ds(start + c - 1, 1), :]
+    q = q_ref[rows, :].astype(_F32) * scale
+    k = k_ref[rows, :].astype(_F32)
+    do = do_ref[rows, :]
+    dvn = dot(aqk_ref[rows, :], do, cfg, ta=True) + dot(k * jnp.exp(g_last - g), ds, cfg)
+    dvn_ref[rows, :] = dvn
+    ds = (jnp.transpose(jnp.exp(g_last)) * ds + dot(q * jnp.exp(g), do, cfg, ta=True)
+          - dot(w_ref[rows, :], dvn, cfg, ta=True))
+
+    @pl.when(first_ref[i] != 0)
+    def _():
+      dh0_ref[seq] = ds
+
+    return ds
+
+  lax.fori_loop(0, nc, body, jnp.zeros((dk, bv), _F32))
+
+
+def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
+              cfg: KernelConfig, varlen: bool):
+  """Runs the reverse state kernel.
+
+  Args:
+    meta: (first_n, last_n, seq_n) int32 [NC], as for `state_fwd`.
+    q, k, g_cum, w: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; do: [B, Tp, H*V].
+    dht: [Nh, H, K, V] f32, gradient of the final states.
+
+  Returns:
+    dv_new [B, Tp, H*V] f32, dS per chunk [B, H, NC*K, V] f32 (gradient of
+    the state leaving each chunk), dh0 [Nh, H, K, V] f32 (rows of sequences
+    that start; others untouched).
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk = hk // h
+  dv = do.shape[-1] // h
+  nc = tp // c
+  bv = cfg.block_v
+  nv = dv // bv
+  nh = dht.shape[0]
+  n_blk = nh if varlen else 1
+  meta_spec = cfg.meta_block_spec(nc)
+  kspec = pl.BlockSpec((None, tp, dk), lambda ib, ih, iv: (ib, 0, ih))
+  vspec = pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv))
+  aspec = pl.BlockSpec((None, None, tp, c), lambda ib, ih, iv: (ib, ih, 0, 0))
+  if varlen:
+    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (0, ih, 0, iv))
+  else:
+    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+  sspec = pl.BlockSpec((None, None, nc * dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+  kernel = functools.partial(_state_bwd_kernel, scale=scale, chunk_size=c, cfg=cfg)
+  return pl.pallas_call(
+      kernel, grid=(b, h, nv),
+      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, aspec, vspec, hspec],
+      out_specs=[vspec, sspec, hspec],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv), _F32),
+                 jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
+                 jax.ShapeDtypeStruct(dht.shape, _F32)],
+      compiler_params=cfg.compiler_params("state_bwd"),
+      interpret=cfg.interpret, name="kda_state_bwd",
+  )(*meta, q, k, g_cum, w, a_qk, do, dht)
+
+
+# ---------------------------------------------------------------------------
+# Intra-chunk backward kernel
+# ---------------------------------------------------------------------------
+
+
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref,
+                      vn_ref, dvn_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
+                      *, scale, ell, diagonal, cfg):
+  c = q_ref.shape[0]
+  q = q_ref[...].astype(_F32) * scale
+  k = k_ref[...].astype(_F32)
+  v = v_ref[...].astype(_F32)
+  g = g_ref[...]
+  beta = beta_ref[...]
+  do = do_ref[...].astype(_F32)
+  s = hs_ref[...]          # [K, V] state entering the chunk
+  ds = dhs_ref[...]        # [K, V] gradient of the state leaving it
+  vn = vn_ref[...]
+  dvn = dvn_ref[...]
+  m = m_ref[...]
+  row_c = iota((c, 1), 0)
+  eg = jnp.exp(g)
+  g_last = g_ref[pl.ds(c - 1, 1), :]
+  kdec = jnp.exp(g_last - g)
+
+  # O += (q e^G) S.
+  dqt = dot(do, s, cfg, tb=True)
+  dq = eg * dqt
+  dgc = q * eg * dqt
+  # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
+  dkt = dot(vn, ds, cfg, tb=True)
+  kk = k * kdec
+  dk = kdec * dkt
+  dgc = dgc - kk * dkt
+  dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
+            + jnp.transpose(jnp.sum(ds * s, axis=1, keepdims=True)) * jnp.exp(g_last))
+  # V' = U - W S with U = M (beta v), W = M (beta k e^G).
+  dw = -dot(dvn, s, cfg, tb=True)
+  bkg = beta * k * eg
+  bv = beta * v
+  dm = dot(dvn, bv, cfg, tb=True) + dot(dw, bkg, cfg, tb=True)
+  dbkg = dot(m, dw, cfg, ta=True)
+  dbv = dot(m, dvn, cfg, ta=True)
+  dv = beta * dbv
+  dbeta = jnp.sum(dbv * v, axis=1, keepdims=True) + jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
+  dk = dk + beta * eg * dbkg
+  dgc = dgc + bkg * dbkg
+  # M = (I + A_kk)^-1  =>  dA = -M^T dM M^T on the strictly lower part.
+  row, col = iota((c, c), 0), iota((c, c), 1)
+  da = jnp.where(row > col, -dot(dot(m, dm, cfg, ta=True), m, cfg, tb=True), 0.0)
+  daq = jnp.where(row >= col, dot(do, vn, cfg, tb=True), 0.0)
+
+  # Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T.
+  dq_a = jnp.zeros_like(q)
+  dk_a = jnp.zeros_like(q)
+  r_acc = jnp.zeros_like(q)   # sum_j dA_ij k_j e^{G_i - G_j}
+  dk_col = jnp.zeros_like(q)
+  bk = beta * k
+  for r in range(c // ell):
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
+    daq_r = jnp.where(in_r, daq, 0.0)
+    da_r = jnp.where(in_r, da, 0.0)
+    yk = k * col_f
+    dq_a += row_f * dot(daq_r, yk, cfg)
+    dk_a += col_f * dot(daq_r, q * row_f, cfg, ta=True)
+    r_acc += row_f * dot(da_r, yk, cfg)
+    dk_col += col_f * dot(da_r, bk * row_f, cfg, ta=True)
+    if diagonal == "pairwise":
+      rows = pl.ds(r * ell, ell)
+      q_l = q_ref[rows, :].astype(_F32) * scale
+      k_l = k_ref[rows, :].astype(_F32)
+      g_l = g_ref[rows, :]
+      b_l = beta_ref[rows, :]
+      e_cl = onehot_rows(c, ell, r)
+      daq_l = dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
+      da_l = dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
+      pq = pair_decay(g_l, False)
+      pk = pair_decay(g_l, True)
+      dq_l = jnp.sum(daq_l[:, :, None] * k_l[None, :, :] * pq, axis=1)
+      dk_l = jnp.sum(daq_l[:, :, None] * q_l[:, None, :] * pq, axis=0)
+      r_l = jnp.sum(da_l[:, :, None] * k_l[None, :, :] * pk, axis=1)
+      dkc_l = jnp.sum(da_l[:, :, None] * (b_l * k_l)[:, None, :] * pk, axis=0)
+      dq_a += dot(e_cl, dq_l, cfg, dtype=_F32)
+      dk_a += dot(e_cl, dk_l, cfg, dtype=_F32)
+      r_acc += dot(e_cl, r_l, cfg, dtype=_F32)
+      dk_col += dot(e_cl, dkc_l, cfg, dtype=_F32)
+  dq = dq + dq_a
+  dk = dk + dk_a + beta * r_acc + dk_col
+  dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
+  dgc = dgc + q * dq_a - k * dk_a + bk * r_acc - k * dk_col
+  dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
+
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+  dg_ref[...] = dgc
+  dbeta_ref[...] = dbeta
+
+
+def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
+              sub_chunk, diagonal, scale, cfg: KernelConfig):
+  """Runs the intra-chunk backward kernel.
+
+  Args:
+    q, k, g_cum: [B, Tp, H*K]; v, do, v_new, dv_new: [B, Tp, H*V];
+    beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] f32 (entry state and
+    gradient of the exit state per chunk); m: [B, H, Tp, C] f32.
+
+  Returns:
+    dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,
+    dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1].
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk_, dv_ = hk // h, v.shape[-1] // h
+  nc = tp // c
+  kspec = pl.BlockSpec((None, c, dk_), lambda ib, ih, ic: (ib, ic, ih))
+  vspec = pl.BlockSpec((None, c, dv_), lambda ib, ih, ic: (ib, ic, ih))
+  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
+  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
+  sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
+  kernel = functools.partial(_intra_bwd_kernel, scale=scale, ell=sub_chunk,
+                             diagonal=diagonal, cfg=cfg)
+  return pl.pallas_call(
+      kernel, grid=(b, h, nc),
+      in_specs=[kspec, kspec, vspec, kspec, bspec, vspec, sspec, sspec, vspec, vspec, cspec],
+      out_specs=[kspec, kspec, vspec, kspec, bspec],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), _F32),
+                 jax.ShapeDtypeStruct((b, tp, hk), _F32),
+                 jax.ShapeDtypeStruct((b, tp, h * dv_), _F32),
+                 jax.ShapeDtypeStruct((b, tp, hk), _F32),
+                 jax.ShapeDtypeStruct((b, h, tp, 1), _F32)],
+      compiler_params=cfg.compiler_params("intra_bwd"),
+      interpret=cfg.interpret, name="kda_intra_bwd",
+  )(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)

@@ -1,0 +1,132 @@
+"""Tile sizes and per-backend compiler parameters of the Pallas KDA kernels.
+
+Everything that differs between the Triton (GPU), Mosaic (TPU) and interpret
+(CPU) lowerings lives here; the kernel bodies in `kernel_fwd.py` and
+`kernel_bwd.py` are backend-neutral and ask this module for:
+
+* `compiler_params(stage)`: the `pallas_call` compiler parameters,
+* `dot_precision(dtype)`: the precision of matmuls whose operands are `dtype`,
+* `meta_block_spec(n)`: where per-chunk integer metadata lives (SMEM on TPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+BACKENDS = ("triton", "tpu", "interpret")
+
+# Kernel stages, each a separate pallas_call.
+STAGES = ("intra_fwd", "state_fwd", "state_bwd", "intra_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static tiling and lowering choices for one call of the KDA kernels.
+
+  Attributes:
+    backend: "triton" (GPU), "tpu" (Mosaic) or "interpret" (CPU emulation).
+    block_v: V-tile of the state kernels (their grid is B x H x V/block_v).
+    num_warps: Triton warps per stage, as ((stage, warps), ...).
+    num_stages: Triton software-pipelining stages of the state kernels' loop.
+    mm_dtype: operand dtype of the large matmuls (bf16 for bf16 inputs; f32
+      inputs keep f32 operands).
+  """
+  backend: str
+  block_v: int
+  num_warps: tuple[tuple[str, int], ...] = (
+      ("intra_fwd", 4), ("state_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8))
+  num_stages: int = 2
+  mm_dtype: jnp.dtype = jnp.float32
+
+  def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+  @property
+  def interpret(self) -> bool:
+    return self.backend == "interpret"
+
+  def compiler_params(self, stage: str, grid_rank: int = 3):
+    """`pallas_call` compiler parameters of `stage` for this backend."""
+    if stage not in STAGES:
+      raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if self.backend == "triton":
+      from jax.experimental.pallas import triton as pltriton
+      return pltriton.CompilerParams(num_warps=dict(self.num_warps)[stage],
+                                     num_stages=self.num_stages)
+    if self.backend == "tpu":
+      from jax.experimental.pallas import tpu as pltpu
+      return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
+    return None
+
+  def dot_precision(self, dtype):
+    """Matmul precision for operands of `dtype`.
+
+    f32 operands must stay f32-accurate: the Triton lowering would otherwise
+    use single-pass TF32 (~1e-3 relative error). On the GPU 3xTF32 gives
+    ~1e-6 on tensor cores; elsewhere HIGHEST is exact f32.
+    """
+    if jnp.dtype(dtype) != jnp.float32:
+      return None
+    if self.backend == "triton":
+      return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return jax.lax.Precision.HIGHEST
+
+  def meta_block_spec(self, n: int) -> pl.BlockSpec:
+    """BlockSpec of an int32 [n] per-chunk metadata vector read by scalar index."""
+    if self.backend == "tpu":
+      from jax.experimental.pallas import tpu as pltpu
+      return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return pl.BlockSpec((n,), lambda *_: (0,))
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and (n & (n - 1)) == 0
+
+
+def default_backend(interpret: bool) -> str:
+  """The backend a call runs on: interpret mode, or the default JAX platform."""
+  if interpret:
+    return "interpret"
+  platform = jax.default_backend()
+  if platform == "gpu":
+    return "triton"
+  if platform == "tpu":
+    return "tpu"
+  raise ValueError(
+      f"implementation='pallas' needs a GPU or TPU (default backend is {platform!r}); "
+      "pass interpret=True to emulate the kernels on the CPU")
+
+
+def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: int,
+                sub_chunk: int, block_v: int | None = None) -> KernelConfig:
+  """Checks the tile shapes for `backend` and returns its KernelConfig.
+
+  Args:
+    backend: one of BACKENDS.
+    dtype: dtype of q/k/v (bf16, f16 or f32).
+    head_k, head_v: K and V head dims.
+    chunk_size: C; sub_chunk: L (divides C).
+    block_v: V-tile of the state kernels; default min(V, 64).
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  dtype = jnp.dtype(dtype)
+  if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    raise ValueError(f"the pallas KDA kernels take bf16/f16/f32 q, k, v; got {dtype}")
+  for name, n in (("K", head_k), ("V", head_v), ("chunk_size", chunk_size),
+                  ("sub_chunk", sub_chunk)):
+    # Triton tensors must have power-of-two sizes; keep one rule everywhere.
+    if not _is_pow2(n) or n < 8 and name != "sub_chunk":
+      raise ValueError(f"{name} must be a power of two >= 8 for the pallas kernels, got {n}")
+  if chunk_size < 16:
+    raise ValueError(f"chunk_size must be >= 16 (tensor-core tile), got {chunk_size}")
+  if block_v is None:
+    block_v = min(head_v, 64)
+  if not _is_pow2(block_v) or head_v % block_v:
+    raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {block_v}")
+  mm_dtype = jnp.float32 if dtype == jnp.float32 else dtype
+  return KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype)

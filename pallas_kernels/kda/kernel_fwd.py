@@ -1,0 +1,285 @@
+"""Pallas forward kernels of chunked KDA (backend-neutral bodies).
+
+Two kernels, chunk length C, sub-tile (diagonal tile) length L:
+
+* `intra_fwd`: grid (B, H, chunks), all parallel. Per chunk it builds the
+  anchored scores A_kk (strictly lower) and A_qk (lower), inverts the unit
+  lower-triangular I + A_kk by forward substitution in f32, and writes
+  W = M (beta k e^G), U = M (beta v), A_qk (and M when the backward asks).
+* `state_fwd`: grid (B, H, V/BV). Carries the f32 state S [K, BV] through the
+  chunks: V' = U - W S; O = (q e^G) S + A_qk V';
+  S <- e^{G_last} S + (k e^{G_last - G})^T V'.
+
+Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u, o as
+[B, Tp, H*V]; beta as [B, H, Tp, 1]; A_qk and M as [B, H, Tp, C]; states as
+[N, H, K, V]; per-chunk states as [B, H, NC*K, V]. Tp = NC * C.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.kernel_config import KernelConfig
+
+_F32 = jnp.float32
+
+
+# ---------------------------------------------------------------------------
+# Shared in-kernel helpers (also used by kernel_bwd)
+# ---------------------------------------------------------------------------
+
+
+def dot(a, b, cfg: KernelConfig, *, ta: bool = False, tb: bool = False, dtype=None):
+  """a @ b (a^T if ta, b^T if tb) with f32 accumulation; operands cast to `dtype`.
+
+  `dtype` defaults to cfg.mm_dtype; pass float32 for matmuls that must be
+  f32-accurate (one-hot embeddings).
+  """
+  dtype = cfg.mm_dtype if dtype is None else dtype
+  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), dims,
+                         precision=cfg.dot_precision(dtype),
+                         preferred_element_type=_F32)
+
+
+def iota(shape, axis):
+  return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
+  """Anchored decay factors of row sub-tile r.
+
+  The anchor is the FIRST row of tile r, never a later one, so no output can
+  depend on a future gate.
+
+  Args:
+    g_ck: [C, K] within-chunk cumulative log-decay.
+    anchor_1k: [1, K], g_ck at row r * ell.
+
+  Returns:
+    row_ck: e^{G_i - a} on the rows of tile r (<= 1), zero elsewhere.
+    col_ck: e^{a - G_j} on the columns tile r may see through the anchored
+      matmul (earlier tiles: <= 1; its own tile when `dense`:
+      <= e^{|g_min| (L - 1)}), zero elsewhere. Exponents are masked before
+      exp, so nothing overflows.
+  """
+  c = g_ck.shape[0]
+  row = iota((c, 1), 0)
+  in_r = (row >= r * ell) & (row < (r + 1) * ell)
+  visible = row < ((r + 1) * ell if diagonal == "dense" else r * ell)
+  diff = g_ck - anchor_1k
+  row_ck = jnp.where(in_r, jnp.exp(jnp.where(in_r, diff, 0.0)), 0.0)
+  col_ck = jnp.where(visible, jnp.exp(jnp.where(visible, -diff, 0.0)), 0.0)
+  return row_ck, col_ck
+
+
+def pair_decay(g_lk, strict: bool):
+  """[L, L, K] explicit decay e^{G_i - G_j} for j < i (strict) or j <= i, else 0."""
+  ell = g_lk.shape[0]
+  ok = iota((ell, ell, 1), 1) < iota((ell, ell, 1), 0) + (0 if strict else 1)
+  diff = g_lk[:, None, :] - g_lk[None, :, :]
+  return jnp.where(ok, jnp.exp(jnp.where(ok, diff, 0.0)), 0.0)
+
+
+def onehot_rows(c: int, ell: int, r: int):
+  """[C, L] f32 embedding E with E[r * ell + l, l] = 1."""
+  return (iota((c, ell), 0) == iota((c, ell), 1) + r * ell).astype(_F32)
+
+
+def unit_lower_inverse(a_cc):
+  """(I + A)^-1 for strictly lower-triangular A [C, C], by forward substitution.
+
+  Row i of M is e_i - sum_{j<i} A_ij M_j. Pure f32 elementwise work: no
+  powers of A are formed, so nothing cancels catastrophically.
+  """
+  c = a_cc.shape[0]
+  row = iota((c, 1), 0)
+
+  def body(i, m):
+    a_i = jnp.sum(jnp.where(row == i, a_cc, 0.0), axis=0)
+    upd = jnp.sum(a_i[:, None] * m, axis=0)
+    return jnp.where(row == i, m - upd[None, :], m)
+
+  eye = (iota((c, c), 0) == iota((c, c), 1)).astype(_F32)
+  return lax.fori_loop(1, c, body, eye)
+
+
+# ---------------------------------------------------------------------------
+# Intra-chunk kernel
+# ---------------------------------------------------------------------------
+
+
+def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
+                      *m_ref, scale, ell, diagonal, cfg):
+  c = q_ref.shape[0]
+  q = q_ref[...].astype(_F32) * scale
+  k = k_ref[...].astype(_F32)
+  v = v_ref[...].astype(_F32)
+  g = g_ref[...]
+  beta = beta_ref[...]
+  bk = beta * k
+  akk = jnp.zeros((c, c), _F32)
+  aqk = jnp.zeros((c, c), _F32)
+  for r in range(c // ell):
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    yk = k * col_f
+    akk += dot(bk * row_f, yk, cfg, tb=True)
+    aqk += dot(q * row_f, yk, cfg, tb=True)
+    if diagonal == "pairwise":
+      rows = pl.ds(r * ell, ell)
+      k_l = k_ref[rows, :].astype(_F32)
+      q_l = q_ref[rows, :].astype(_F32) * scale
+      g_l = g_ref[rows, :]
+      b_l = beta_ref[rows, :]
+      e_cl = onehot_rows(c, ell, r)
+      d_kk = jnp.sum((b_l * k_l)[:, None, :] * k_l[None, :, :] * pair_decay(g_l, True), axis=2)
+      d_qk = jnp.sum(q_l[:, None, :] * k_l[None, :, :] * pair_decay(g_l, False), axis=2)
+      akk += dot(dot(e_cl, d_kk, cfg, dtype=_F32), e_cl, cfg, tb=True, dtype=_F32)
+      aqk += dot(dot(e_cl, d_qk, cfg, dtype=_F32), e_cl, cfg, tb=True, dtype=_F32)
+  row, col = iota((c, c), 0), iota((c, c), 1)
+  akk = jnp.where(row > col, akk, 0.0)
+  aqk = jnp.where(row >= col, aqk, 0.0)
+  m = unit_lower_inverse(akk)
+  w_ref[...] = dot(m, bk * jnp.exp(g), cfg).astype(w_ref.dtype)
+  u_ref[...] = dot(m, beta * v, cfg).astype(u_ref.dtype)
+  aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+  if m_ref:
+    m_ref[0][...] = m
+
+
+def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
+              cfg: KernelConfig, save_m: bool = False):
+  """Runs the intra-chunk kernel.
+
+  Args:
+    q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
+      cumsum; beta: [B, H, Tp, 1] f32.
+    save_m: also return M = (I + A_kk)^-1 for the backward.
+
+  Returns:
+    w [B, Tp, H*K], u [B, Tp, H*V] (cfg.mm_dtype), a_qk [B, H, Tp, C]
+    (cfg.mm_dtype) and, if save_m, m [B, H, Tp, C] f32.
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk, dv = hk // h, v.shape[-1] // h
+  nc = tp // c
+  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih))
+  vspec = pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih))
+  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
+  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
+  out_shape = [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype),
+               jax.ShapeDtypeStruct((b, tp, h * dv), cfg.mm_dtype),
+               jax.ShapeDtypeStruct((b, h, tp, c), cfg.mm_dtype)]
+  out_specs = [kspec, vspec, cspec]
+  if save_m:
+    out_shape.append(jax.ShapeDtypeStruct((b, h, tp, c), _F32))
+    out_specs.append(cspec)
+  kernel = functools.partial(_intra_fwd_kernel, scale=scale, ell=sub_chunk,
+                             diagonal=diagonal, cfg=cfg)
+  return pl.pallas_call(
+      kernel, grid=(b, h, nc),
+      in_specs=[kspec, kspec, vspec, kspec, bspec],
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=cfg.compiler_params("intra_fwd"),
+      interpret=cfg.interpret, name="kda_intra_fwd",
+  )(q, k, v, g_cum, beta)
+
+
+# ---------------------------------------------------------------------------
+# Inter-chunk (state) kernel
+# ---------------------------------------------------------------------------
+
+
+def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
+                      aqk_ref, h0_ref, o_ref, ht_ref, *save_refs, scale, chunk_size,
+                      cfg):
+  c = chunk_size
+  tp, dk = q_ref.shape
+  nc = tp // c
+  bv = u_ref.shape[-1]
+  mm = cfg.mm_dtype
+
+  def body(i, s):
+    seq = seq_ref[i]
+    s = jnp.where(first_ref[i] != 0, h0_ref[seq].astype(_F32), s)
+    start = pl.multiple_of(i * c, c)
+    rows = pl.ds(start, c)
+    g = g_ref[rows, :]
+    g_last = g_ref[pl.ds(start + c - 1, 1), :]
+    q = q_ref[rows, :].astype(_F32) * scale
+    k = k_ref[rows, :].astype(_F32)
+    s_mm = s.astype(mm)
+    v_new = u_ref[rows, :].astype(_F32) - dot(w_ref[rows, :], s_mm, cfg)
+    if save_refs:
+      hs_ref, vn_ref = save_refs
+      hs_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :] = s.astype(hs_ref.dtype)
+      vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
+    o = dot(q * jnp.exp(g), s_mm, cfg) + dot(aqk_ref[rows, :], v_new, cfg)
+    o_ref[rows, :] = o.astype(o_ref.dtype)
+    s = jnp.transpose(jnp.exp(g_last)) * s + dot(k * jnp.exp(g_last - g), v_new, cfg, ta=True)
+
+    @pl.when(last_ref[i] != 0)
+    def _():
+      ht_ref[seq] = s
+
+    return s
+
+  lax.fori_loop(0, nc, body, jnp.zeros((dk, bv), _F32))
+
+
+def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
+              cfg: KernelConfig, varlen: bool, save: bool = False, out_dtype=None):
+  """Runs the state kernel over all chunks.
+
+  Args:
+    meta: (first_n, last_n, seq_n), int32 [NC] each: chunk starts / ends a
+      sequence, and its state row (index into h0 / ht within the block).
+    q, k, g_cum, w: [B, Tp, H*K]; u: [B, Tp, H*V]; a_qk: [B, H, Tp, C].
+    h0: [Nh, H, K, V] f32. Fixed-length: Nh = B, one row per batch row;
+      varlen (B == 1): all sequence rows.
+    save: also return per-chunk entry states [B, H, NC*K, V] f32 and V'
+      [B, Tp, H*V] f32 for the backward.
+
+  Returns:
+    o [B, Tp, H*V] (out_dtype), ht [Nh, H, K, V] f32 (rows of sequences that
+    end; others untouched), and (hs, v_new) if save.
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk = hk // h
+  dv = u.shape[-1] // h
+  nc = tp // c
+  bv = cfg.block_v
+  nv = dv // bv
+  nh = h0.shape[0]
+  n_blk = nh if varlen else 1
+  meta_spec = cfg.meta_block_spec(nc)
+  kspec = pl.BlockSpec((None, tp, dk), lambda ib, ih, iv: (ib, 0, ih))
+  vspec = pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv))
+  aspec = pl.BlockSpec((None, None, tp, c), lambda ib, ih, iv: (ib, ih, 0, 0))
+  if varlen:
+    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (0, ih, 0, iv))
+  else:
+    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
+  out_shape = [jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype or q.dtype),
+               jax.ShapeDtypeStruct(h0.shape, _F32)]
+  out_specs = [vspec, hspec]
+  if save:
+    out_shape += [jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
+                  jax.ShapeDtypeStruct((b, tp, h * dv), _F32)]
+    out_specs += [pl.BlockSpec((None, None, nc * dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv)),
+                  vspec]
+  kernel = functools.partial(_state_fwd_kernel, scale=scale, chunk_size=c, cfg=cfg)
+  return pl.pallas_call(
+      kernel, grid=(b, h, nv),
+      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, vspec, aspec, hspec],
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=cfg.compiler_params("state_fwd"),
+      interpret=cfg.interpret, name="kda_state_fwd",
+  )(*meta, q, k, g_cum, w, u, a_qk, h0)

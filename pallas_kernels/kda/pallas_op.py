@@ -1,0 +1,198 @@
+"""`implementation="pallas"` of chunked KDA: layout, varlen packing, custom VJP.
+
+The Pallas kernels (`kernel_fwd`, `kernel_bwd`) work on a chunk grid: every
+sequence starts at a chunk boundary and the time axis is a multiple of C.
+This module
+
+* pads T (fixed length) or gathers packed sequences onto the grid
+  (`tiling.pack_varlen`), and scatters the outputs back; plain autodiff
+  differentiates these gathers;
+* computes the within-chunk cumsum G of the gates (and the reverse cumsum of
+  dG in the backward) in XLA;
+* joins the forward and backward kernels with `jax.custom_vjp`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import kernel_bwd
+from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import tiling
+
+_F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Hashable static arguments of the custom-VJP core."""
+  heads: int
+  chunk_size: int
+  sub_chunk: int
+  diagonal: str
+  scale: float
+  varlen: bool
+  cfg: kernel_config.KernelConfig
+
+
+def _chunk_cumsum(g_btf, chunk_size, reverse=False):
+  """Within-chunk (reverse) cumsum along T of [B, Tp, F] f32."""
+  b, tp, f = g_btf.shape
+  g = g_btf.reshape(b, tp // chunk_size, chunk_size, f)
+  g = jax.lax.cumsum(g, axis=2, reverse=reverse)
+  return g.reshape(b, tp, f)
+
+
+def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
+  """Kernel forward on the chunk grid. Shapes as in `_core`."""
+  b, tp, h, dk = q.shape
+  dv = v.shape[-1]
+  cfg = st.cfg
+  q2, k2 = q.reshape(b, tp, h * dk), k.reshape(b, tp, h * dk)
+  v2 = v.reshape(b, tp, h * dv)
+  g_cum = _chunk_cumsum(g.reshape(b, tp, h * dk).astype(_F32), st.chunk_size)
+  beta_t = jnp.transpose(beta.astype(_F32), (0, 2, 1))[..., None]
+  kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
+  intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
+                               diagonal=st.diagonal, save_m=save, **kw)
+  w, u, a_qk = intra[:3]
+  outs = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
+                              save=save, out_dtype=q.dtype, **kw)
+  o = outs[0].reshape(b, tp, h, dv)
+  if not save:
+    return o, outs[1]
+  return o, outs[1], dict(q2=q2, k2=k2, v2=v2, g_cum=g_cum, beta_t=beta_t, w=w,
+                          a_qk=a_qk, m=intra[3], hs=outs[2], v_new=outs[3])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(st: _Static, q, k, v, g, beta, h0, first_n, last_n, seq_n):
+  """Chunk-grid KDA.
+
+  Args:
+    q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g: [B, Tp, H, K] f32; beta:
+      [B, Tp, H]; h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32.
+
+  Returns:
+    o [B, Tp, H, V] (q.dtype), ht [Nh, H, K, V] f32.
+  """
+  return _forward(st, q, k, v, g, beta, h0, (first_n, last_n, seq_n))
+
+
+def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
+  out = _forward(st, q, k, v, g, beta, h0, (first_n, last_n, seq_n))
+  return out, (q, k, v, g, beta, h0, first_n, last_n, seq_n)
+
+
+def _core_bwd(st, res, cts):
+  q, k, v, g, beta, h0, first_n, last_n, seq_n = res
+  do, dht = cts
+  meta = (first_n, last_n, seq_n)
+  b, tp, h, dk = q.shape
+  dv = v.shape[-1]
+  cfg = st.cfg
+  # Recompute the forward's intermediates (M, entry states, V').
+  _, _, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
+  kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
+  do2 = do.reshape(b, tp, h * dv).astype(cfg.mm_dtype)
+  dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, r["q2"], r["k2"], r["g_cum"], r["w"],
+                                          r["a_qk"], do2, dht.astype(_F32),
+                                          varlen=st.varlen, **kw)
+  dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
+      r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
+      r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal, **kw)
+  dg = _chunk_cumsum(dg_cum, st.chunk_size, reverse=True)
+  # Only rows of sequences that start somewhere were written by the kernel.
+  if st.varlen:
+    started = jnp.zeros((h0.shape[0],), jnp.int32).at[seq_n].max(first_n)
+    dh0 = jnp.where(started[:, None, None, None] != 0, dh0, 0.0)
+  return (dq.reshape(q.shape).astype(q.dtype), dk_.reshape(k.shape).astype(k.dtype),
+          dv_.reshape(v.shape).astype(v.dtype), dg.reshape(g.shape).astype(g.dtype),
+          jnp.transpose(dbeta[..., 0], (0, 2, 1)).astype(beta.dtype), dh0,
+          None, None, None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
+                     cu_seqlens=None, chunk_size=64, lower_bound=None, diagonal="dense",
+                     sub_chunk=16, interpret=False, backend=None, block_v=None):
+  """Chunked KDA with Pallas kernels; differentiable (custom VJP).
+
+  Arguments are validated by `api.chunk_kda` (this entry re-checks only what
+  the kernels need: power-of-two tiles, dtypes).
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] float32 log-decay;
+    beta: [B, T, H].
+    scale: python float multiplying q.
+    initial_state: [N, H, K, V] or None.
+    output_final_state: also return the final states.
+    cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
+    chunk_size: C; sub_chunk: L, the diagonal tile length.
+    lower_bound: g_min; only validated (by api) for the dense path.
+    diagonal: "dense" or "pairwise".
+    interpret: emulate the kernels on the CPU.
+    backend: override of the lowering ("triton", "tpu", "interpret"); None
+      picks from `interpret` and the default JAX platform.
+    block_v: V-tile of the state kernels (default min(V, 64)).
+
+  Returns:
+    (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
+  """
+  del lower_bound  # Validated by the caller against sub_chunk.
+  if diagonal not in ("dense", "pairwise"):
+    raise ValueError(f"diagonal must be 'dense' or 'pairwise', got {diagonal!r}")
+  b, t_len, h, dk = q.shape
+  dv = v.shape[-1]
+  if backend is None:
+    backend = kernel_config.default_backend(interpret)
+  cfg = kernel_config.make_config(backend=backend, dtype=q.dtype, head_k=dk, head_v=dv,
+                                  chunk_size=chunk_size, sub_chunk=sub_chunk,
+                                  block_v=block_v)
+  c = chunk_size
+  g = g.astype(_F32)
+  varlen = cu_seqlens is not None
+  st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
+               scale=float(scale), varlen=varlen, cfg=cfg)
+  tensors = (q, k, v, g, beta)
+
+  if not varlen:
+    tensors = [tiling.pad_time(x, c) for x in tensors]
+    nc = tensors[0].shape[1] // c
+    chunk = jnp.arange(nc, dtype=jnp.int32)
+    meta = ((chunk == 0).astype(jnp.int32), (chunk == nc - 1).astype(jnp.int32),
+            jnp.zeros((nc,), jnp.int32))
+    h0 = (jnp.zeros((b, h, dk, dv), _F32) if initial_state is None
+          else initial_state.astype(_F32))
+    o, ht = _core(st, *tensors, h0, *meta)
+    o = o[:, :t_len]
+    return o, (ht if output_final_state else None)
+
+  num_seqs = cu_seqlens.shape[0] - 1
+  layout = tiling.pack_varlen(cu_seqlens, t_len, c)
+  tensors = [jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)[:, layout.src_index_n]
+             for x in tensors]
+  seq_n = layout.chunk_seq_n
+  last_n = jnp.concatenate([seq_n[1:] != seq_n[:-1], jnp.ones((1,), bool)])
+  meta = (layout.chunk_first_n.astype(jnp.int32), last_n.astype(jnp.int32), seq_n)
+  # Row N collects the unused trailing chunks; rows padded to a power of two.
+  nh = _next_pow2(num_seqs + 1)
+  h0 = (jnp.zeros((num_seqs, h, dk, dv), _F32) if initial_state is None
+        else initial_state.astype(_F32))
+  h0_rows = jnp.concatenate([h0, jnp.zeros((nh - num_seqs, h, dk, dv), _F32)], axis=0)
+  o, ht = _core(st, *tensors, h0_rows, *meta)
+  o = o[:, layout.dst_index_t]
+  if not output_final_state:
+    return o, None
+  final = jnp.where(layout.empty_s[:, None, None, None], h0, ht[:num_seqs])
+  return o, final
