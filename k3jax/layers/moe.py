@@ -71,9 +71,10 @@ class MoEConfig:
 
 
 def _param(rngs, init, shape, dtype, names):
-  # Logical axis names only; a mesh and rules map them later (no eager sharding).
-  init = nnx.with_partitioning(init, names, eager_sharding=False)
-  return nnx.Param(init(rngs.params(), shape, dtype))
+  # Logical axis names as metadata; shard eagerly only inside an active mesh.
+  eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names,
+                   eager_sharding=eager)
 
 
 class MoE(nnx.Module):

@@ -33,6 +33,7 @@ def routing_causality_probe(scores_bse: jax.Array, new_future_se: jax.Array, *,
     raise ValueError(f"new_future_se shape {new_future_se.shape}, expected {(s - t - 1, e)}")
   changed_bse = scores_bse.at[sequence, t + 1:].set(new_future_se)
 
+  @jax.jit
   def run(x_bse):
     idx, w, _, _ = routing.route(x_bse.reshape(b * s, e), k=k, config=config, state=state)
     return idx.reshape(b, s, k), w.reshape(b, s, k)
