@@ -175,14 +175,14 @@ class MoE(nnx.Module):
     c = self.config
     combine_ne = jnp.einsum("nke,nk->ne",
                             jax.nn.one_hot(idx_nk, c.num_experts, dtype=jnp.float32), w_nk)
-    xs = x_nd.astype(c.dtype)
-    gate = jnp.einsum("nd,edh->neh", xs, self.wi_gate[...].astype(c.dtype),
-                      preferred_element_type=jnp.float32)
-    up = jnp.einsum("nd,edh->neh", xs, self.wi_up[...].astype(c.dtype),
-                    preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(c.dtype)
-    y_ned = jnp.einsum("neh,ehd->ned", h, self.wo[...].astype(c.dtype),
-                       preferred_element_type=jnp.float32)
+    # Operands rounded to the compute dtype, products accumulated in float32:
+    # the same arithmetic as the grouped path, on every backend.
+    rnd = lambda a: a.astype(c.dtype).astype(jnp.float32)
+    xs = rnd(x_nd)
+    gate = jnp.einsum("nd,edh->neh", xs, rnd(self.wi_gate[...]))
+    up = jnp.einsum("nd,edh->neh", xs, rnd(self.wi_up[...]))
+    h = rnd(jax.nn.silu(gate) * up)
+    y_ned = jnp.einsum("neh,ehd->ned", h, rnd(self.wo[...]))
     return jnp.einsum("ned,ne->nd", y_ned, combine_ne)
 
 
