@@ -46,32 +46,45 @@ class ResidualState:
     sources: stored [B, T, D] tensors (prenorm: the running sum only;
       full AttnRes: embedding + every output; block AttnRes: embedding +
       completed block summaries).
+    keys: AttnRes only, rms(source) float32 for each stored source, so that
+      every source is normalised once, not once per reader.
     partial: block AttnRes only, the running sum of the current block, or
       None at a block boundary.
   """
   sources: list
+  keys: list = dataclasses.field(default_factory=list)
   partial: jax.Array | None = None
 
   @property
   def num_stored(self) -> int:
-    """Number of [B, T, D] tensors currently held."""
+    """Number of [B, T, D] tensors currently held (keys not counted)."""
     return len(self.sources) + (self.partial is not None)
 
 
-def mix_sources(query_d: jax.Array, sources: list) -> jax.Array:
+def _key(v_btd: jax.Array) -> jax.Array:
+  return rms_norm(v_btd.astype(jnp.float32))
+
+
+def mix_sources(query_d: jax.Array, sources: list, keys: list | None = None) -> jax.Array:
   """softmax_i(query . rms(v_i)) weighted sum of the sources.
 
   Args:
     query_d: [D] pseudo-query.
-    sources: list of n tensors [B, T, D] (n >= 1).
+    sources: list of n tensors v_i [B, T, D] (n >= 1).
+    keys: optional precomputed rms(v_i) float32, one per source.
 
   Returns:
     [B, T, D] mixture in the sources' dtype (weights and sum in float32).
   """
-  v_nbtd = jnp.stack(sources).astype(jnp.float32)
-  logits_nbt = jnp.einsum("d,nbtd->nbt", query_d.astype(jnp.float32), rms_norm(v_nbtd))
+  if keys is None:
+    keys = [_key(v) for v in sources]
+  q = query_d.astype(jnp.float32)
+  # Elementwise products + reductions rather than tiny dot_generals: same
+  # math, and far fewer kernels for XLA to compile on CPU.
+  logits_nbt = jnp.stack([jnp.sum(q * k, axis=-1) for k in keys])
   w_nbt = jax.nn.softmax(logits_nbt, axis=0)
-  return jnp.einsum("nbt,nbtd->btd", w_nbt, v_nbtd).astype(sources[0].dtype)
+  out = sum(w_nbt[i][..., None] * v.astype(jnp.float32) for i, v in enumerate(sources))
+  return out.astype(sources[0].dtype)
 
 
 class PreNormResidual(nnx.Module):
@@ -112,27 +125,28 @@ class _AttnResBase(nnx.Module):
     self.queries = logical_param(None, jax.nn.initializers.zeros, (num_sublayers, d_model),
                                  (None, "embed"), param_dtype)
 
-  def _mix(self, reader: int, sources: list) -> jax.Array:
+  def _mix(self, reader: int, sources: list, keys: list) -> jax.Array:
     if len(sources) == 1:
       return sources[0]
-    return mix_sources(self.queries[reader], sources)
+    return mix_sources(self.queries[reader], sources, keys)
 
   def start(self, x_btd: jax.Array) -> ResidualState:
-    return ResidualState(sources=[x_btd])
+    return ResidualState(sources=[x_btd], keys=[_key(x_btd)])
 
 
 class FullAttnResResidual(_AttnResBase):
   """Every sublayer attends over the embedding and all earlier outputs."""
 
   def read(self, state: ResidualState, layer: int) -> jax.Array:
-    return self._mix(layer - 1, state.sources)
+    return self._mix(layer - 1, state.sources, state.keys)
 
   def write(self, state: ResidualState, layer: int, out_btd: jax.Array) -> ResidualState:
     del layer
-    return ResidualState(sources=state.sources + [out_btd.astype(state.sources[0].dtype)])
+    out = out_btd.astype(state.sources[0].dtype)
+    return ResidualState(sources=state.sources + [out], keys=state.keys + [_key(out)])
 
   def finish(self, state: ResidualState) -> jax.Array:
-    return self._mix(self.num_sublayers - 1, state.sources)
+    return self._mix(self.num_sublayers - 1, state.sources, state.keys)
 
 
 class BlockAttnResResidual(_AttnResBase):
@@ -149,21 +163,23 @@ class BlockAttnResResidual(_AttnResBase):
       raise ValueError(f"block_size must be >= 1, got {block_size}")
     self.block_size = block_size
 
-  def _current(self, state: ResidualState) -> list:
-    return state.sources + ([state.partial] if state.partial is not None else [])
+  def _current(self, state: ResidualState) -> tuple[list, list]:
+    if state.partial is None:
+      return state.sources, state.keys
+    return state.sources + [state.partial], state.keys + [_key(state.partial)]
 
   def read(self, state: ResidualState, layer: int) -> jax.Array:
-    return self._mix(layer - 1, self._current(state))
+    return self._mix(layer - 1, *self._current(state))
 
   def write(self, state: ResidualState, layer: int, out_btd: jax.Array) -> ResidualState:
     out = out_btd.astype(state.sources[0].dtype)
     partial = out if state.partial is None else state.partial + out
     if (layer + 1) % self.block_size == 0:  # block complete: store its summary
-      return ResidualState(sources=state.sources + [partial], partial=None)
-    return ResidualState(sources=state.sources, partial=partial)
+      return ResidualState(sources=state.sources + [partial], keys=state.keys + [_key(partial)])
+    return ResidualState(sources=state.sources, keys=state.keys, partial=partial)
 
   def finish(self, state: ResidualState) -> jax.Array:
-    return self._mix(self.num_sublayers - 1, self._current(state))
+    return self._mix(self.num_sublayers - 1, *self._current(state))
 
 
 def make_residual(kind: str, num_sublayers: int, d_model: int, *, block_size: int = 1,

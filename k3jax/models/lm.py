@@ -22,6 +22,7 @@ from flax import nnx
 from k3jax.layers.attention import CausalSelfAttention
 from k3jax.layers.ffn import SwiGLU
 from k3jax.layers.kda import KDA
+from k3jax.layers.moe import MoE, MoEConfig
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import fan_in_init, logical_param
 from k3jax.layers.residual import make_residual
@@ -43,12 +44,11 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs):
   dtype, pdt = config.compute_dtype, config.params_dtype
   if not config.is_moe_layer(layer):
     return DenseFFN(config.d_model, config.dense_hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
-  from k3jax.layers import moe  # pylint: disable=g-import-not-at-top
-  moe_config = moe.MoEConfig(
+  moe_config = MoEConfig(
       d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
       expert_hidden=config.expert_hidden, num_shared_experts=config.num_shared_experts,
-      router=config.router, dtype=config.dtype, param_dtype=config.param_dtype)
-  return moe.MoE(moe_config, rngs=rngs)
+      router=config.router, dtype=dtype, param_dtype=pdt)
+  return MoE(moe_config, rngs=rngs)
 
 
 def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
@@ -128,7 +128,8 @@ class HybridLM(nnx.Module):
       for name, value in ffn_aux.items():
         if name == "aux_loss":
           aux_loss = aux_loss + jnp.asarray(value, jnp.float32)
-        aux[f"router/{i}/{name}"] = value
+        if jnp.ndim(value) == 0:  # scalars only (per-expert load stays out)
+          aux[f"router/{i}/{name}"] = value
       state = self.residual.write(state, 2 * i + 1, out)
     aux["aux_loss"] = aux_loss
     return self._logits(self.residual.finish(state)), aux, caches
