@@ -14,6 +14,7 @@ are MoE (routed + shared experts) except an optional dense first layer.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +194,7 @@ def _axes(var) -> tuple:
 def _counts(config: ModelConfig) -> dict:
   total = embed = expert = 0
   for path, var in _abstract_params(config):
-    size = int(jnp.size(var.value)) if hasattr(var, "value") else int(var.size)
+    size = math.prod(var.get_value().shape)
     total += size
     if path and path[0] in ("embed", "head"):
       embed += size

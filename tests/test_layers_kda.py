@@ -1,0 +1,155 @@
+"""KDA token-mixer layer (k3jax.layers.kda) against a float64 numpy reference."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.layers import kda as kda_lib
+
+D, H, K, W = 16, 2, 8, 3
+CHUNK, SUB = 8, 4
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 6e-2}
+
+
+def _layer(gate="bounded", dtype=jnp.float32, implementation="xla", seed=0):
+  diagonal = "dense" if gate == "bounded" else "pairwise"
+  return kda_lib.KDA(D, H, K, conv_size=W, gate=gate, g_min=-5.0, chunk_size=CHUNK,
+                     sub_chunk=SUB, diagonal=diagonal, implementation=implementation,
+                     dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def _x(b, t, seed=1):
+  return np.random.default_rng(seed).standard_normal((b, t, D)).astype(np.float32)
+
+
+def _sigmoid(z):
+  return 1.0 / (1.0 + np.exp(-z))
+
+
+def _reference(layer, x):
+  """The whole layer in float64 numpy, with the token-by-token delta rule."""
+  p = {n: np.asarray(v[...], np.float64) for n, v in nnx.state(layer, nnx.Param).items()}
+  x = x.astype(np.float64)
+  b, t, _ = x.shape
+
+  def conv_silu(xp, w):
+    pad = np.concatenate([np.zeros((b, W - 1) + xp.shape[2:]), xp], axis=1)
+    y = sum(w[j] * pad[:, j:j + t] for j in range(W))
+    return y * _sigmoid(y)
+
+  def l2(a):
+    return a / np.sqrt(np.sum(a * a, -1, keepdims=True) + 1e-6)
+
+  q = l2(conv_silu(np.einsum("btd,dhk->bthk", x, p["wq"]), p["conv_q"]))
+  k = l2(conv_silu(np.einsum("btd,dhk->bthk", x, p["wk"]), p["conv_k"]))
+  v = conv_silu(np.einsum("btd,dhk->bthk", x, p["wv"]), p["conv_v"])
+  z = np.einsum("btr,rhk->bthk", x @ p["wf_a"], p["wf_b"])
+  if layer.gate == "bounded":
+    g = layer.g_min * _sigmoid(z + p["f_bias"])
+  else:
+    g = -np.exp(p["a_log"])[:, None] * np.log1p(np.exp(z + p["f_bias"]))
+  beta = _sigmoid(np.einsum("btd,dh->bth", x, p["wb"]))
+  o = np.zeros((b, t, H, K))
+  for bi in range(b):
+    for h in range(H):
+      s = np.zeros((K, K))
+      for ti in range(t):
+        s = s * np.exp(g[bi, ti, h])[:, None]
+        kt = k[bi, ti, h]
+        s = s + beta[bi, ti, h] * np.outer(kt, v[bi, ti, h] - s.T @ kt)
+        o[bi, ti, h] = s.T @ (q[bi, ti, h] * K ** -0.5)
+  og = _sigmoid(np.einsum("btd,dhk->bthk", x, p["w_og"]))
+  o = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + 1e-6) * p["o_norm"] * og
+  return np.einsum("bthk,hkd->btd", o, p["wo"]), g
+
+
+def _forward(layer, x):
+  return nnx.jit(lambda m, x: m(x))(layer, x)
+
+
+def test_causal_depthwise_conv_matches_loop():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 7, H, K)).astype(np.float32)
+  w = rng.standard_normal((4, H, K)).astype(np.float32)
+  got = jax.jit(kda_lib.causal_depthwise_conv)(x, w)
+  want = np.zeros_like(x)
+  for t in range(7):
+    for j in range(4):
+      src = t - 3 + j
+      if src >= 0:
+        want[:, t] += w[j] * x[:, src]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_layer_matches_float64_reference(gate):
+  layer = _layer(gate)
+  x = _x(2, 19)  # not a multiple of the chunk
+  y, stats = _forward(layer, x)
+  chex.assert_shape(y, (2, 19, D))
+  assert y.dtype == jnp.float32
+  ref, g = _reference(layer, x)
+  np.testing.assert_allclose(y, ref, rtol=TOL[jnp.float32], atol=TOL[jnp.float32] * np.abs(ref).max())
+  np.testing.assert_allclose(stats["g_mean"], g.mean(), rtol=1e-5)
+  np.testing.assert_allclose(stats["g_min"], g.min(), rtol=1e-5)
+  if gate == "bounded":
+    assert -5.0 < float(stats["g_min"]) and float(jnp.max(g)) < 0
+
+
+def test_bfloat16_activations_stay_close_to_float32():
+  x = _x(1, 13, seed=4)
+  y32, _ = _forward(_layer(), x)
+  y16, _ = _forward(_layer(dtype=jnp.bfloat16), x)
+  assert y16.dtype == jnp.bfloat16
+  scale = float(np.abs(y32).max())
+  np.testing.assert_allclose(np.asarray(y16, np.float32), y32, rtol=0, atol=TOL[jnp.bfloat16] * scale)
+
+
+def test_decode_equals_full_pass():
+  layer = _layer()
+  x = _x(2, 14, seed=5)
+  full, _ = _forward(layer, x)
+  y0, _, cache = nnx.jit(lambda m, x: m.prefill(x))(layer, x[:, :10])  # crosses a chunk edge
+  chex.assert_shape(cache["state"], (2, H, K, K))
+  chex.assert_shape(cache["conv_q"], (2, W - 1, H, K))
+  step = nnx.jit(lambda m, x, c: m.decode(x, c))
+  outs = [y0]
+  for t in range(10, 14):
+    y, cache = step(layer, x[:, t:t + 1], cache)
+    outs.append(y)
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_short_prompt_and_empty_cache_decode():
+  """A prompt shorter than the conv window, and decoding from init_cache."""
+  layer = _layer()
+  x = _x(1, 4, seed=6)
+  full, _ = _forward(layer, x)
+  step = nnx.jit(lambda m, x, c: m.decode(x, c))
+  cache = layer.init_cache(1)
+  outs = []
+  for t in range(4):
+    y, cache = step(layer, x[:, t:t + 1], cache)
+    outs.append(y)
+  np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_are_finite_and_nonzero():
+  layer = _layer()
+  x = _x(1, 11, seed=7)
+  grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0] ** 2)))(layer, x)
+  for name, g in nnx.to_flat_state(grads):
+    g = np.asarray(g[...])
+    assert np.all(np.isfinite(g)), name
+    assert np.abs(g).max() > 0, name
+
+
+def test_bad_configs():
+  with pytest.raises(ValueError, match="pairwise"):
+    kda_lib.KDA(D, H, K, gate="softplus", diagonal="dense", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="unknown KDA gate"):
+    kda_lib.KDA(D, H, K, gate="exp", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"\[B, T, 16\]"):
+    _layer()(np.zeros((2, 3), np.float32))

@@ -1,0 +1,204 @@
+"""HybridLM: config validation, shapes/dtypes, causality, sizes, a few training steps."""
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from k3jax.models import lm
+from k3jax.models.config import ModelConfig
+from k3jax.routing import RouterConfig
+
+CAUSAL_ROUTER = RouterConfig(name="topk", capacity_factor=None)  # dropless top-k: per token
+
+
+def _config(**overrides):
+  base = dict(vocab_size=32, d_model=16, num_layers=2, layer_pattern="KA", num_heads=2,
+              head_dim=8, num_kv_heads=1, conv_size=3, kda_chunk_size=8, kda_sub_chunk=4,
+              num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1, dense_hidden=32,
+              router=CAUSAL_ROUTER, residual="block_attnres", attnres_block_size=2)
+  base.update(overrides)
+  return ModelConfig(**base)
+
+
+def _tokens(b, t, vocab=32, seed=0):
+  return np.random.default_rng(seed).integers(0, vocab, (b, t), dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def model():
+  return lm.HybridLM(_config(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def forward():
+  return nnx.jit(lambda m, t: m(t, deterministic=True))
+
+
+# -- config ------------------------------------------------------------------
+
+
+def test_config_rejects_unsafe_g_min_for_sub_chunk():
+  with pytest.raises(ValueError, match=r"g_min=-6.0 with kda_sub_chunk=16"):
+    ModelConfig(g_min=-6.0, kda_sub_chunk=16)
+  ModelConfig(g_min=-6.0, kda_sub_chunk=8)  # 6 * 7 = 42: safe
+  ModelConfig(g_min=-6.0, kda_sub_chunk=16, kda_diagonal="pairwise")  # no dense diagonal
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("layer_pattern", "KXA", "layer_pattern"),
+    ("layer_pattern", "", "layer_pattern"),
+    ("num_kv_heads", 3, "num_kv_heads=3 must divide"),
+    ("gate", "exp", "gate='exp'"),
+    ("residual", "postnorm", "residual='postnorm'"),
+    ("kda_implementation", "cuda", "kda_implementation"),
+    ("kda_sub_chunk", 24, "kda_sub_chunk=24 must divide"),
+    ("top_k", 9, "top_k=9"),
+    ("dtype", "float16", "dtype='float16'"),
+    ("d_model", 0, "d_model=0"),
+    ("g_min", 1.0, "g_min"),
+])
+def test_config_errors_name_the_field(field, value, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig(**{field: value})
+
+
+def test_config_softplus_needs_pairwise():
+  with pytest.raises(ValueError, match="pairwise"):
+    ModelConfig(gate="softplus")
+  ModelConfig(gate="softplus", kda_diagonal="pairwise")
+
+
+def test_from_dict_rejects_unknown_keys_and_builds_router():
+  with pytest.raises(ValueError, match=r"\['d_modle'\]"):
+    ModelConfig.from_dict({"d_modle": 8})
+  with pytest.raises(ValueError, match=r"\['capacity'\]"):
+    ModelConfig.from_dict({"router": {"capacity": 2}})
+  cfg = ModelConfig.from_dict({"d_model": 32, "router": {"name": "topk", "capacity_factor": None}})
+  assert cfg.router == RouterConfig(name="topk", capacity_factor=None)
+  assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_layer_pattern_repeats_to_num_layers():
+  assert _config(num_layers=6, layer_pattern="KKKA").layer_types == tuple("KKKAKK")
+  cfg = _config(num_layers=3)
+  assert [cfg.is_moe_layer(i) for i in range(3)] == [False, True, True]
+  assert not any(_config(num_experts=0).is_moe_layer(i) for i in range(2))
+
+
+# -- forward -----------------------------------------------------------------
+
+
+def test_shapes_dtypes_and_aux(model, forward):
+  logits, aux = forward(model, _tokens(2, 12))
+  chex.assert_shape(logits, (2, 12, 32))
+  assert logits.dtype == jnp.float32
+  assert np.all(np.isfinite(logits))
+  for key in ("aux_loss", "gate/0/mean", "gate/0/min", "router/1/max_vio",
+              "router/1/drop_fraction", "router/1/load_cv", "router/1/aux_loss"):
+    assert key in aux, key
+    chex.assert_shape(aux[key], ())
+  assert "gate/1/mean" not in aux  # layer 1 is attention
+  assert "router/0/max_vio" not in aux  # layer 0 is the dense FFN
+  assert -5.0 < float(aux["gate/0/min"]) <= float(aux["gate/0/mean"]) < 0
+
+
+def test_bfloat16_policy():
+  cfg = _config(dtype="bfloat16", param_dtype="bfloat16", residual="prenorm",
+                router=RouterConfig())
+  model = lm.HybridLM(cfg, rngs=nnx.Rngs(1))
+  dtypes = {path: v.get_value().dtype for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+  # Everything in bf16 except the MoE router kernel, which the MoE keeps in f32.
+  assert {d for p, d in dtypes.items() if "router_kernel" not in p} == {jnp.dtype(jnp.bfloat16)}
+  logits, aux = nnx.jit(lambda m, t: m(t))(model, _tokens(2, 10, seed=3))
+  chex.assert_shape(logits, (2, 10, 32))
+  assert logits.dtype == jnp.float32
+  assert np.all(np.isfinite(logits))
+  assert aux["gate/0/mean"].dtype == jnp.float32
+
+
+def test_whole_model_is_causal_with_a_causal_router(model, forward):
+  tokens = _tokens(2, 12, seed=4)
+  perturbed = tokens.copy()
+  cut = 7
+  perturbed[:, cut:] = (perturbed[:, cut:] + 1 + np.arange(12 - cut)) % 32
+  a, _ = forward(model, tokens)
+  b, _ = forward(model, perturbed)
+  np.testing.assert_allclose(a[:, :cut], b[:, :cut], rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(a[:, cut:] - b[:, cut:])).max() > 1e-3
+
+
+def test_parameters_carry_logical_axes(model):
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    axes = var.get_metadata().get("out_sharding")
+    assert axes is not None and len(axes) == var.get_value().ndim, path
+  assert model.embed.get_metadata()["out_sharding"] == ("vocab", "embed")
+
+
+# -- sizes -------------------------------------------------------------------
+
+
+def test_param_counts_match_the_instantiated_model(model):
+  cfg = model.config
+  actual = sum(int(v.get_value().size) for _, v in nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  assert lm.param_count(cfg) == actual
+  embed = cfg.vocab_size * cfg.d_model
+  assert lm.param_count(cfg, include_embeddings=False) == actual - embed
+  # Layer 1 is the only MoE layer: 3 matrices of [E, d, h] routed weights.
+  routed = 3 * cfg.num_experts * cfg.d_model * cfg.expert_hidden
+  inactive = routed * (cfg.num_experts - cfg.top_k) // cfg.num_experts
+  assert lm.active_param_count(cfg) == actual - inactive
+  assert lm.active_param_count(cfg, include_embeddings=False) == actual - inactive - embed
+  untied = _config(tie_embeddings=False)
+  assert lm.param_count(untied) == actual + embed
+
+
+def test_flops_per_token_hand_count():
+  cfg = _config(num_layers=1, layer_pattern="A", num_experts=0, residual="prenorm")
+  d, v, h, hd, kvh, f = 16, 32, 2, 8, 1, 32
+  nonembed = d * h * hd * 2 + 2 * d * kvh * hd + 3 * d * f + 3 * d  # attn, ffn, 3 norms
+  assert lm.param_count(cfg, include_embeddings=False) == nonembed
+  seq = 64
+  want = 3 * (2 * nonembed + 2 * d * v + 4 * h * hd * seq / 2)
+  assert lm.flops_per_token(cfg, seq) == pytest.approx(want)
+  kda = _config(num_layers=1, layer_pattern="K", num_experts=0, residual="prenorm")
+  # KDA work per token does not grow with the sequence; attention's does.
+  assert lm.flops_per_token(kda, 64) == lm.flops_per_token(kda, 128)
+  assert lm.flops_per_token(cfg, 128) > lm.flops_per_token(cfg, 64)
+
+
+# -- training ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("residual", ["prenorm", "block_attnres", "full_attnres"])
+def test_few_training_steps_reduce_loss(residual):
+  cfg = _config(residual=residual, router=RouterConfig())  # quantile router, capacity 1.25
+  model = lm.HybridLM(cfg, rngs=nnx.Rngs(2))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  tokens = _tokens(4, 17, seed=5)
+  inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+  def loss_fn(m):
+    logits, aux = m(inputs)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return nll + aux["aux_loss"], nll
+
+  @nnx.jit
+  def step(m, opt):
+    (_, nll), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m)
+    opt.update(m, grads)
+    return nll, grads
+
+  losses = []
+  for _ in range(6):
+    nll, grads = step(model, optimizer)
+    losses.append(float(nll))
+  assert np.all(np.isfinite(losses))
+  assert losses[-1] < losses[0] - 0.1, losses
+  if residual != "prenorm":  # every pseudo-query receives a gradient
+    q_grad = np.asarray(grads["residual"]["queries"][...])
+    assert np.all(np.linalg.norm(q_grad, axis=-1) > 0), q_grad
