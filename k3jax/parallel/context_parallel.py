@@ -1,0 +1,152 @@
+"""Context-parallel KDA: the time axis split over the mesh's context axis.
+
+The delta-rule state update is linear in the state, so over one device's
+block of tokens the state map is affine:
+
+    S_end = A S_start + B,      A = prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t))   [K, K]
+                                B = the state reached from S_start = 0            [K, V]
+
+and so are the outputs: with A_t the product up to token t,
+
+    o_t = o_t(zero start) + S_start^T (A_t^T scale q_t).
+
+Both pieces come out of one local `chunk_kda` call on augmented inputs: the
+value columns [v | 0_K] and the start state [0 | I_K]. Each value column of
+the state evolves independently, so the first V columns give the zero-start
+outputs and B, the last K give `A_t^T scale q_t` (per token) and A.
+
+Devices then all-gather the (A, B) summaries of the context axis, compose
+them in order from the true initial state (a scan of n affine maps of size
+[K, K] x [K, V], tiny next to the chunk work), and each device adds the
+correction for its own incoming state. Gradients come from autodiff through
+`shard_map` (the transpose of the all-gather is a reduce-scatter); the
+Pallas path keeps its custom VJP for the local call.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from k3jax.parallel import mesh as mesh_lib
+from pallas_kernels.kda import api as kda_api
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _batch_axes(mesh: Mesh, batch_axes: Sequence[str], context_axis: str) -> tuple[str, ...]:
+  axes = tuple(a for a in batch_axes if a in mesh.axis_names)
+  if context_axis in axes:
+    raise ValueError(f"context axis {context_axis!r} cannot also shard the batch: {batch_axes}")
+  return axes
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def _local_summary(q, k, v, g, beta, kernel_kwargs):
+  """Zero-start outputs and the affine state map of this device's tokens.
+
+  Returns:
+    o0 [B, T, H, V] (q.dtype), qa [B, T, H, K] = A_t^T scale q_t (q.dtype),
+    a [B, H, K, K] float32, b [B, H, K, V] float32.
+  """
+  bsz, _, h, dk = q.shape
+  dv = v.shape[-1]
+  eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (bsz, h, dk, dk))
+  zero_v = jnp.zeros(v.shape[:-1] + (dk,), v.dtype)
+  zero_s = jnp.zeros((bsz, h, dk, dv), jnp.float32)
+  impl = kernel_kwargs["implementation"]
+  if impl != "pallas" or _is_pow2(dk + dv):
+    o_aug, s_aug = kda_api.chunk_kda(
+        q, k, jnp.concatenate([v, zero_v], -1), g, beta,
+        initial_state=jnp.concatenate([zero_s, eye], -1), output_final_state=True,
+        **kernel_kwargs)
+    return o_aug[..., :dv], o_aug[..., dv:], s_aug[..., dv:], s_aug[..., :dv]
+  # Pallas tiles need power-of-two value widths: two calls instead of one.
+  o0, b = kda_api.chunk_kda(q, k, v, g, beta, output_final_state=True, **kernel_kwargs)
+  qa, a = kda_api.chunk_kda(q, k, zero_v, g, beta, initial_state=eye,
+                            output_final_state=True, **kernel_kwargs)
+  return o0, qa, a, b
+
+
+def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
+                               context_axis: str = mesh_lib.CONTEXT,
+                               batch_axes: Sequence[str] = (mesh_lib.DATA, mesh_lib.FSDP,
+                                                            mesh_lib.EXPERT),
+                               scale=None, initial_state=None, output_final_state=False,
+                               chunk_size=64, lower_bound=None, diagonal="dense",
+                               sub_chunk=16, implementation="xla", interpret=False):
+  """`chunk_kda` with the time axis sharded over `context_axis` of `mesh`.
+
+  Same arguments and results as `pallas_kernels.kda.chunk_kda` (fla layouts:
+  q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H]; beta
+  [B, T, H]; initial_state [B, H, K, V]), except packed sequences
+  (cu_seqlens), which are not supported here. The batch is sharded over
+  those of `batch_axes` present in the mesh.
+
+  Requirements: T divisible by the context size (each device's T / n need
+  not be a multiple of chunk_size: the local call pads), B divisible by the
+  product of the batch axes.
+
+  Returns:
+    (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
+  """
+  n_ctx = mesh_lib.axis_size(mesh, context_axis)
+  b_axes = _batch_axes(mesh, batch_axes, context_axis)
+  kernel_kwargs = dict(scale=scale, chunk_size=chunk_size, lower_bound=lower_bound,
+                       diagonal=diagonal, sub_chunk=sub_chunk,
+                       implementation=implementation, interpret=interpret)
+  if q.ndim != 4:
+    raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
+  bsz, t_len, h, dk = q.shape
+  dv = v.shape[-1]
+  if t_len % n_ctx:
+    raise ValueError(f"sequence length T={t_len} must be divisible by the context axis "
+                     f"size {n_ctx}")
+  n_batch = 1
+  for a in b_axes:
+    n_batch *= mesh_lib.axis_size(mesh, a)
+  if bsz % n_batch:
+    raise ValueError(f"batch B={bsz} must be divisible by the batch axes {b_axes} "
+                     f"(product {n_batch})")
+  if initial_state is not None and initial_state.shape != (bsz, h, dk, dv):
+    raise ValueError(f"initial_state must be [B, H, K, V] = {(bsz, h, dk, dv)}, got "
+                     f"{initial_state.shape}")
+  if n_ctx == 1:
+    return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
+                             output_final_state=output_final_state, **kernel_kwargs)
+  h0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  bspec = b_axes if b_axes else None
+  seq = P(bspec, context_axis)
+  # Per-device copies of the start state and of the final state, laid out
+  # over the context axis: every value and every cotangent then has exactly
+  # one owner, which keeps autodiff through shard_map exact without
+  # replication typing (the local chunk_kda scan is not typed for it).
+  per_device_state = P(context_axis, bspec)
+  h0_n = jnp.broadcast_to(h0[None], (n_ctx,) + h0.shape)
+
+  def local(q, k, v, g, beta, h0_1):
+    o0, qa, a, b = _local_summary(q, k, v, g, beta, kernel_kwargs)
+    a_all = jax.lax.all_gather(a, context_axis)  # [n, B, H, K, K]
+    b_all = jax.lax.all_gather(b, context_axis)  # [n, B, H, K, V]
+    s = h0_1[0]
+    incoming = []
+    for i in range(n_ctx):  # n is small and static: an unrolled composition.
+      incoming.append(s)
+      s = jnp.einsum("bhij,bhjv->bhiv", a_all[i], s, precision=_HIGHEST) + b_all[i]
+    me = jax.lax.axis_index(context_axis)
+    s_in = jnp.stack(incoming)[me]
+    o = o0.astype(jnp.float32) + jnp.einsum(
+        "bthk,bhkv->bthv", qa.astype(jnp.float32), s_in, precision=_HIGHEST)
+    return o.astype(q.dtype), s[None]
+
+  o, final_n = jax.shard_map(
+      local, mesh=mesh, in_specs=(seq, seq, seq, seq, seq, per_device_state),
+      out_specs=(seq, per_device_state), check_vma=False)(q, k, v, g, beta, h0_n)
+  # Every device composed the same final state; the last one's is used.
+  return o, (final_n[-1] if output_final_state else None)

@@ -1,0 +1,73 @@
+"""Mesh-aware variants of the KDA and MoE layers, and `parallelize(model)`.
+
+The variants change only where the work runs: under a mesh (`jax.set_mesh`)
+whose context axis is > 1, KDA's chunked scan runs context-parallel; whose
+expert axis is > 1, the MoE's routed experts run expert-parallel. Without
+such a mesh they are the plain layers. Parameters and their names are the
+same, so checkpoints and states are interchangeable with the plain model.
+"""
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from k3jax.layers.kda import KDA
+from k3jax.layers.moe import MoE
+from k3jax.parallel import context_parallel
+from k3jax.parallel import expert_parallel
+from k3jax.parallel import mesh as mesh_lib
+
+
+def _axis(name: str) -> int:
+  mesh = expert_parallel.current_mesh()
+  return 1 if mesh is None else mesh_lib.axis_size(mesh, name)
+
+
+class ContextParallelKDA(KDA):
+  """KDA whose kernel call is context-parallel under a mesh with context > 1."""
+
+  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
+    if _axis(mesh_lib.CONTEXT) == 1:
+      return super()._kernel(q, k, v, g, beta, initial_state, output_final_state)
+    lower = self.g_min if self.gate == "bounded" else None
+    return context_parallel.chunk_kda_context_parallel(
+        q, k, v, g, beta, mesh=expert_parallel.current_mesh(), initial_state=initial_state,
+        output_final_state=output_final_state, chunk_size=self.chunk_size,
+        lower_bound=lower, diagonal=self.diagonal, sub_chunk=self.sub_chunk,
+        implementation=self.implementation,
+        interpret=self.implementation == "pallas" and jax.default_backend() == "cpu")
+
+
+class ExpertParallelMoE(MoE):
+  """MoE whose routed experts are expert-parallel under a mesh with expert > 1.
+
+  `ep_capacity_factor` (instance attribute, default None = lossless) sets the
+  dispatch capacity; see `expert_parallel.routed_experts`.
+  """
+
+  ep_capacity_factor: float | None = None
+
+  def _routed_ragged(self, x_nd, idx_nk, w_nk):
+    if _axis(mesh_lib.EXPERT) == 1:
+      return super()._routed_ragged(x_nd, idx_nk, w_nk)
+    return expert_parallel.routed_experts(
+        x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
+        capacity_factor=self.ep_capacity_factor, dtype=self.config.dtype)
+
+
+_SWAPS = ((MoE, ExpertParallelMoE), (KDA, ContextParallelKDA))
+
+
+def parallelize(model: nnx.Module, *, capacity_factor: float | None = None) -> nnx.Module:
+  """Turns every KDA / MoE layer of `model` into its mesh-aware variant, in place.
+
+  The variants subclass the layers and hold the same variables, so the
+  model's state (and any checkpoint of it) is unchanged. Returns `model`.
+  """
+  for _, module in nnx.iter_modules(model):
+    for plain, variant in _SWAPS:
+      if type(module) is plain:  # pylint: disable=unidiomatic-typecheck
+        module.__class__ = variant
+        if variant is ExpertParallelMoE:
+          module.ep_capacity_factor = capacity_factor
+  return model
