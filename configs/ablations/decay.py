@@ -1,0 +1,40 @@
+"""Decay-gate ablation: the bounded gate at several (g_min, diagonal tile) pairs vs the softplus baseline.
+
+`arg` is `VARIANT[,SCALE]`; SCALE is `gpu_150m` (default) or `tiny` (CPU).
+Variants (safe pairs keep |g_min| * (tile - 1) < ~85):
+
+  softplus          -exp(A) * softplus(.) gate, pairwise diagonal tiles (the unbounded baseline)
+  bounded_pairwise  g_min=-5, tile 16, pairwise diagonal (separates the gate from the kernel path)
+  g5_t16            g_min=-5,   tile 16, dense diagonal (default model)
+  g10_t8            g_min=-10,  tile 8,  dense diagonal
+  g2.5_t32          g_min=-2.5, tile 32, dense diagonal
+
+GPU command (see configs/gpu_150m.py for the wheel install line), one run per variant:
+
+  PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/ablations/decay.py:g5_t16 \
+    --workdir=/tmp/runs/decay_g5_t16
+
+CPU check: `python experiments/train.py --config=configs/ablations/decay.py:softplus,tiny --workdir=runs/decay_softplus`.
+"""
+from k3jax.train.config_files import sibling_config
+
+VARIANTS = {
+    "softplus": dict(gate="softplus", kda_diagonal="pairwise", kda_sub_chunk=16),
+    "bounded_pairwise": dict(gate="bounded", g_min=-5.0, kda_sub_chunk=16, kda_diagonal="pairwise"),
+    "g5_t16": dict(gate="bounded", g_min=-5.0, kda_sub_chunk=16, kda_diagonal="dense"),
+    "g10_t8": dict(gate="bounded", g_min=-10.0, kda_sub_chunk=8, kda_diagonal="dense"),
+    "g2.5_t32": dict(gate="bounded", g_min=-2.5, kda_sub_chunk=32, kda_diagonal="dense"),
+}
+SCALES = ("gpu_150m", "tiny")
+
+
+def get_config(arg="g5_t16"):
+  """Returns the preset at SCALE with the decay variant's model fields."""
+  variant, _, scale = arg.partition(",")
+  scale = scale or SCALES[0]
+  if variant not in VARIANTS or scale not in SCALES:
+    raise ValueError(f"decay ablation arg {arg!r}: variant must be one of {sorted(VARIANTS)}, "
+                     f"scale one of {SCALES}")
+  c = sibling_config(__file__, f"../{scale}.py")
+  c.model.update(VARIANTS[variant])
+  return c

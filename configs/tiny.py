@@ -1,0 +1,46 @@
+"""Tiny byte-level hybrid model on the Python standard library's sources; CPU, a few minutes.
+
+The README's first command:
+
+  python experiments/train.py --config=configs/tiny.py --workdir=runs/tiny
+
+Any field can be overridden, e.g. `--config.num_steps=50 --config.model.residual=block_attnres`.
+"""
+from k3jax.train.defaults import base_config
+
+
+def get_config():
+  """A ~1M-parameter KDA/attention MoE model trained on stdlib bytes."""
+  c = base_config()
+  c.num_steps = 300
+  c.batch_size = 16
+  c.seq_len = 128
+  c.log_every = 10
+  c.eval_every = 100
+  c.eval_batches = 4
+  c.checkpoint_every = 100
+
+  c.model.vocab_size = 256
+  c.model.d_model = 128
+  c.model.num_layers = 4
+  c.model.layer_pattern = "KKKA"
+  c.model.num_heads = 4
+  c.model.head_dim = 32
+  c.model.num_kv_heads = 4
+  c.model.kda_chunk_size = 64
+  c.model.kda_sub_chunk = 16
+  c.model.num_experts = 4
+  c.model.top_k = 2
+  c.model.expert_hidden = 128
+  c.model.num_shared_experts = 1
+  c.model.dense_hidden = 256
+  c.model.kda_implementation = "xla"
+  c.model.dtype = "float32"  # CPUs gain nothing from bf16
+
+  c.data.kind = "bytes"
+  c.data.paths = ()  # the stdlib source tree of the running Python
+  c.data.max_bytes = 8_000_000  # reading all ~30 MB is not needed for a few hundred steps
+
+  c.optim.learning_rate = 3e-3
+  c.optim.warmup_steps = 20
+  return c

@@ -1,0 +1,62 @@
+"""Trains a k3jax model: `python experiments/train.py --config=configs/tiny.py --workdir=runs/tiny`.
+
+`--config=FILE.py[:ARG]` loads `get_config(ARG)`; `--config.a.b=value` overrides any
+field. The run resumes from the newest checkpoint in `--workdir`. Multi-host:
+`jax.distributed.initialize()` runs when `--coordinator_address` (with
+`--num_processes`, `--process_id`) is given, or when the environment names a
+coordinator (JAX_COORDINATOR_ADDRESS) or a multi-task SLURM / Open MPI job.
+"""
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+# Run from a checkout without installing: the repository root holds the k3jax package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from k3jax.train import trainer  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.json.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-host).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-host run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in a multi-host run.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _multi_task_env() -> bool:
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    return True
+  for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if int(os.environ.get(var, "1") or "1") > 1:
+      return True
+  return False
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _COORDINATOR.value:
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  elif _multi_task_env():
+    jax.distributed.initialize()  # JAX reads the coordinator from the environment / cluster
+  logging.info("JAX process %d of %d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
+  result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  first, last = result["first_eval"], result["eval"]
+  summary = f"step {result['step']}"
+  if first:
+    summary += " | step 0 eval: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(first.items()))
+  if last:
+    summary += " | final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(last.items()))
+  if result["interrupted"]:
+    summary += " | stopped by a signal after saving a checkpoint"
+  print(summary, flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

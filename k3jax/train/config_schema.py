@@ -1,0 +1,149 @@
+"""Typed validation of the whole training ConfigDict, run before any compute.
+
+`validate(config)` raises ValueError naming the key, the value and what is
+allowed for: unknown keys (with a did-you-mean), missing keys, wrong types,
+out-of-range values and unsafe combinations. It returns the `ModelConfig`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Mapping
+
+from k3jax.data.corpus import BYTE_VOCAB_SIZE
+from k3jax.data.mqar import check_mqar
+from k3jax.data.token_file import TOKEN_DTYPES
+
+_NUM = (int, float)
+_SEQ = (list, tuple)
+
+TOP_LEVEL: dict[str, Any] = {
+    "seed": int, "num_steps": int, "batch_size": int, "num_devices": int, "seq_len": int, "log_every": int,
+    "eval_every": int, "eval_batches": int, "checkpoint_every": int, "keep_checkpoints": int,
+    "async_checkpoints": bool, "progress_bar": bool, "peak_tflops_per_device": _NUM,
+    "model": dict, "data": dict, "optim": dict,
+}
+DATA: dict[str, Any] = {
+    "kind": str, "paths": _SEQ, "patterns": _SEQ, "heldout_fraction": _NUM, "max_bytes": int,
+    "token_file": str, "token_dtype": str, "heldout_token_file": str, "vocab_size": int,
+    "mqar_num_kv_pairs": int, "mqar_num_queries": int,
+}
+OPTIM: dict[str, Any] = {
+    "learning_rate": _NUM, "end_lr_fraction": _NUM, "warmup_steps": int, "b1": _NUM, "b2": _NUM,
+    "eps": _NUM, "weight_decay": _NUM, "grad_clip": _NUM,
+}
+DATA_KINDS = ("bytes", "token_file", "mqar")
+# Above this peak learning rate AdamW on these models diverges; a typo like 3e-1 for 3e-4 is caught here.
+MAX_LEARNING_RATE = 0.05
+
+
+def _plain(x: Any) -> Any:
+  """ConfigDict / FrozenConfigDict / mappings -> plain nested dicts."""
+  if hasattr(x, "to_dict"):
+    x = x.to_dict()
+  if isinstance(x, Mapping):
+    return {k: _plain(v) for k, v in x.items()}
+  return x
+
+
+def _check_keys(section: Mapping[str, Any], allowed, where: str) -> None:
+  allowed = list(allowed)
+  for key in section:
+    if key not in allowed:
+      close = difflib.get_close_matches(key, allowed, n=1)
+      hint = f"; did you mean {where + close[0]!r}?" if close else ""
+      raise ValueError(f"unknown config key {where + key!r}{hint} Allowed: {sorted(allowed)}")
+  missing = [k for k in allowed if k not in section]
+  if missing:
+    raise ValueError(f"config is missing keys {[where + m for m in missing]}")
+
+
+def _check_types(section: Mapping[str, Any], spec: Mapping[str, Any], where: str) -> None:
+  for key, want in spec.items():
+    value = section[key]
+    ok = isinstance(value, want) and not (isinstance(value, bool) and want in (int, _NUM))
+    if not ok:
+      names = "/".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+      raise ValueError(f"config {where}{key}={value!r} has type {type(value).__name__}; expected {names}")
+
+
+def _require(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ValueError(msg)
+
+
+def model_config_from(model_section: Mapping[str, Any]):
+  """Builds the `ModelConfig` from the `config.model` section (router sentinels mapped to None)."""
+  from k3jax.models.config import ModelConfig  # the model package is heavy; import on use
+  d = _plain(model_section)
+  router = dict(d.get("router", {}))
+  if router.get("capacity_factor", None) == 0:
+    router["capacity_factor"] = None  # 0 in the ConfigDict means dropless
+  if router.get("overflow_choices", None) == -1:
+    router["overflow_choices"] = None  # -1 means the router default (k)
+  d["router"] = router
+  return ModelConfig.from_dict(d)
+
+
+def _check_model_keys(model_section: Mapping[str, Any]) -> None:
+  from k3jax.models.config import ModelConfig
+  from k3jax.routing.config import RouterConfig
+  fields = [f.name for f in dataclasses.fields(ModelConfig)]
+  _check_keys(model_section, fields, "model.")
+  if isinstance(model_section.get("router"), Mapping):
+    _check_keys(model_section["router"], [f.name for f in dataclasses.fields(RouterConfig)], "model.router.")
+
+
+def validate(config: Any):
+  """Validates a full training config; returns the built `ModelConfig`. Raises ValueError."""
+  c = _plain(config)
+  _check_keys(c, TOP_LEVEL, "")
+  _check_types(c, TOP_LEVEL, "")
+  for name, spec in (("data", DATA), ("optim", OPTIM)):
+    _check_keys(c[name], spec, name + ".")
+    _check_types(c[name], spec, name + ".")
+  _check_model_keys(c["model"])
+
+  for key in ("num_steps", "batch_size", "seq_len", "log_every", "keep_checkpoints"):
+    _require(c[key] >= 1, f"config {key}={c[key]} must be >= 1")
+  for key in ("eval_every", "checkpoint_every", "seed", "num_devices"):
+    _require(c[key] >= 0, f"config {key}={c[key]} must be >= 0")
+  _require(c["eval_batches"] >= 1, f"config eval_batches={c['eval_batches']} must be >= 1")
+  _require(c["peak_tflops_per_device"] >= 0,
+           f"config peak_tflops_per_device={c['peak_tflops_per_device']} must be >= 0 (0 = look up)")
+
+  o = c["optim"]
+  _require(0 < o["learning_rate"] <= MAX_LEARNING_RATE,
+           f"config optim.learning_rate={o['learning_rate']} must be in (0, {MAX_LEARNING_RATE}]")
+  _require(0 <= o["end_lr_fraction"] <= 1, f"config optim.end_lr_fraction={o['end_lr_fraction']} must be in [0, 1]")
+  _require(0 <= o["warmup_steps"] <= c["num_steps"],
+           f"config optim.warmup_steps={o['warmup_steps']} must be in [0, num_steps={c['num_steps']}]")
+  for key in ("b1", "b2"):
+    _require(0 <= o[key] < 1, f"config optim.{key}={o[key]} must be in [0, 1)")
+  _require(o["eps"] > 0, f"config optim.eps={o['eps']} must be > 0")
+  _require(0 <= o["weight_decay"] < 1, f"config optim.weight_decay={o['weight_decay']} must be in [0, 1)")
+  _require(o["grad_clip"] > 0, f"config optim.grad_clip={o['grad_clip']} must be > 0")
+
+  d = c["data"]
+  _require(d["kind"] in DATA_KINDS, f"config data.kind={d['kind']!r}; allowed: {DATA_KINDS}")
+  model_cfg = model_config_from(c["model"])  # ModelConfig's own checks: tiles vs g_min, heads, ...
+  _require(model_cfg.param_dtype == "float32",
+           f"config model.param_dtype={model_cfg.param_dtype!r}: AdamW needs float32 master weights; "
+           "set model.dtype='bfloat16' for bf16 compute instead")
+  if d["kind"] == "bytes":
+    _require(0 < d["heldout_fraction"] < 1, f"config data.heldout_fraction={d['heldout_fraction']} must be in (0, 1)")
+    _require(d["max_bytes"] >= 0, f"config data.max_bytes={d['max_bytes']} must be >= 0")
+    data_vocab = BYTE_VOCAB_SIZE
+  else:
+    _require(d["vocab_size"] >= 2, f"config data.vocab_size={d['vocab_size']} must be >= 2 for kind={d['kind']!r}")
+    data_vocab = d["vocab_size"]
+  if d["kind"] == "token_file":
+    _require(bool(d["token_file"]), "config data.token_file is empty but data.kind='token_file'")
+    _require(d["token_dtype"] in TOKEN_DTYPES,
+             f"config data.token_dtype={d['token_dtype']!r}; allowed: {sorted(TOKEN_DTYPES)}")
+  if d["kind"] == "mqar":
+    check_mqar(c["seq_len"], d["vocab_size"], d["mqar_num_kv_pairs"])
+  _require(model_cfg.vocab_size >= data_vocab,
+           f"config model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
+           f"{data_vocab} (data.kind={d['kind']!r})")
+  return model_cfg

@@ -1,0 +1,92 @@
+"""The complete default config: every field the trainer reads, each with its meaning.
+
+Config files in `configs/` start from `base_config()` and override what they need;
+`config_schema.validate` rejects any key not listed here.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+
+def model_config(**overrides) -> ml_collections.ConfigDict:
+  """A `k3jax.models.config.ModelConfig` as a ConfigDict (same field names, router nested)."""
+  c = ml_collections.ConfigDict()
+  c.vocab_size = 256            # token ids and logits; >= the data's vocabulary (256 for bytes)
+  c.d_model = 256               # residual stream width
+  c.num_layers = 4              # decoder layers (each: token mixer + FFN)
+  c.layer_pattern = "KKKA"      # mixer kinds, K = KDA, A = softmax attention, repeated to num_layers
+  c.num_heads = 4               # mixer heads (query heads for attention)
+  c.head_dim = 64               # per-head width
+  c.num_kv_heads = 4            # attention key/value heads (GQA), divides num_heads
+  c.conv_size = 4               # KDA short causal depthwise conv width
+  c.gate = "bounded"            # KDA decay gate: "bounded" (g_min * sigmoid) or "softplus"
+  c.g_min = -5.0                # lower bound of the bounded gate; |g_min| * (kda_sub_chunk - 1) must stay < ~85
+  c.kda_chunk_size = 64         # chunk length of the chunked KDA scan
+  c.kda_sub_chunk = 16          # diagonal tile the bound protects; divides kda_chunk_size
+  c.kda_diagonal = "dense"      # "dense" (bounded gate only) or "pairwise" diagonal tiles
+  c.kda_implementation = "xla"  # chunk_kda path: "xla" (any backend), "pallas" (GPU kernel), "naive"
+  c.num_experts = 8             # routed experts per MoE FFN; 0 = dense FFNs
+  c.top_k = 2                   # experts per token
+  c.expert_hidden = 256         # hidden width of each routed / shared expert
+  c.num_shared_experts = 1      # always-on experts per MoE FFN
+  c.first_layer_dense = True    # layer 0 uses a dense FFN
+  c.dense_hidden = 1024         # hidden width of dense FFNs
+  c.residual = "prenorm"        # "prenorm", "block_attnres" or "full_attnres"
+  c.attnres_block_size = 4      # sublayers per block of block_attnres
+  c.tie_embeddings = True       # share embedding and output projection
+  c.dtype = "float32"           # compute dtype: "float32" or "bfloat16" (gates, states, logits stay f32)
+  c.param_dtype = "float32"     # parameter dtype; float32 master weights (the schema requires it)
+  c.router = ml_collections.ConfigDict()
+  c.router.name = "quantile"        # quantile | quantile_lagged | bias_sign | aux_loss | expert_choice | topk
+  c.router.capacity_factor = 1.25   # expert capacity = ceil(cf * tokens * k / E); 0 = dropless
+  c.router.quantile_impl = "exact"  # "exact" or "histogram" quantiles
+  c.router.num_bins = 1000          # histogram bins per expert
+  c.router.bias_update_rate = 1e-3  # bias_sign step u
+  c.router.aux_loss_coef = 1e-2     # aux_loss alpha
+  c.router.overflow_choices = -1    # fallback choices past the k-th when experts are full; -1 = k
+  c.update(overrides)
+  return c
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every trainer field with its default (a small byte-level CPU run)."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0                    # seeds the model init, the data order and the step RNG
+  c.num_steps = 200             # optimizer updates in the whole run (the schedule's length)
+  c.batch_size = 16             # global batch (sequences per step), split over processes and devices
+  c.num_devices = 0             # devices used for data parallelism (0 = all; one process only otherwise)
+  c.seq_len = 256               # tokens per sequence
+  c.log_every = 10              # steps between train-metric records
+  c.eval_every = 100            # steps between held-out evaluations (0: only at the start and end)
+  c.eval_batches = 4            # held-out batches per evaluation (a fixed set)
+  c.checkpoint_every = 100      # steps between checkpoints (0: only at the end and on SIGTERM/SIGINT)
+  c.keep_checkpoints = 2        # newest checkpoints kept on disk
+  c.async_checkpoints = True    # write checkpoints in the background
+  c.progress_bar = True         # tqdm bar on process 0
+  c.peak_tflops_per_device = 0.0  # for MFU; 0 = look up the device kind (no MFU on unknown devices/CPU)
+
+  c.model = model_config()
+
+  c.data = ml_collections.ConfigDict()
+  c.data.kind = "bytes"         # "bytes" (local text files), "token_file" (memory-mapped ids) or "mqar"
+  c.data.paths = ()             # bytes: files/directories to read; empty = this Python's stdlib sources
+  c.data.patterns = ("*.py",)   # bytes: file-name globs kept when walking directories
+  c.data.heldout_fraction = 0.05  # bytes: share of documents held out; token_file: tail share if no held-out file
+  c.data.max_bytes = 0          # bytes: stop reading after this many bytes (0 = all)
+  c.data.token_file = ""        # token_file: path of the training ids
+  c.data.token_dtype = "uint16"  # token_file: "uint16" or "uint32"
+  c.data.heldout_token_file = ""  # token_file: held-out ids (empty = tail of token_file)
+  c.data.vocab_size = 0         # token_file / mqar: vocabulary of the data (0 for bytes: 256)
+  c.data.mqar_num_kv_pairs = 8  # mqar: key-value pairs per sequence
+  c.data.mqar_num_queries = 0   # mqar: queries per sequence (0 = as many as fit, <= pairs)
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.learning_rate = 3e-3  # peak learning rate after warmup
+  c.optim.end_lr_fraction = 0.1  # final learning rate as a fraction of the peak (cosine decay)
+  c.optim.warmup_steps = 20     # linear warmup steps from 0
+  c.optim.b1 = 0.9              # AdamW first-moment decay
+  c.optim.b2 = 0.95             # AdamW second-moment decay
+  c.optim.eps = 1e-8            # AdamW epsilon
+  c.optim.weight_decay = 0.1    # decoupled weight decay on matrices only
+  c.optim.grad_clip = 1.0       # global gradient-norm clip
+  return c

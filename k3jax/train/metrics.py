@@ -1,0 +1,74 @@
+"""Metric writers: one JSONL line per record and TensorBoard scalars (tensorboardX)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+
+def _to_float(v: Any) -> float | None:
+  try:
+    f = float(np.asarray(v))
+  except (TypeError, ValueError):
+    return None
+  return f
+
+
+class MetricWriter:
+  """Writes `{"step", "split", ...}` records to `<workdir>/metrics.jsonl` and TensorBoard under `<workdir>/tb`.
+
+  A resumed run appends; if a run died after its last checkpoint, a step can
+  appear twice and readers keep the last record per (split, step).
+  Pass `enabled=False` on non-zero processes.
+  """
+
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+    self.enabled = enabled
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._jsonl = None
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    self._jsonl = open(self.path, "a", encoding="utf-8")
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # imported lazily: heavy, and optional for readers
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
+    """Writes one record; non-finite numbers are written as null in JSON and skipped in TensorBoard."""
+    if not self.enabled:
+      return
+    record: dict[str, Any] = {"step": int(step), "split": split}
+    for k, v in sorted(metrics.items()):
+      f = _to_float(v)
+      if f is None:
+        continue
+      record[k] = f if math.isfinite(f) else None
+      if self._tb is not None and math.isfinite(f):
+        self._tb.add_scalar(f"{split}/{k}", f, int(step))
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+
+  def close(self) -> None:
+    """Flushes and closes both writers."""
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._jsonl = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+
+def read_jsonl(path: str, split: str | None = None) -> list[dict[str, Any]]:
+  """Reads a metrics file, keeping the last record per (split, step), sorted by step."""
+  latest: dict[tuple[str, int], dict[str, Any]] = {}
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      rec = json.loads(line)
+      if split is None or rec["split"] == split:
+        latest[(rec["split"], rec["step"])] = rec
+  return sorted(latest.values(), key=lambda r: (r["step"], r["split"]))

@@ -1,0 +1,49 @@
+"""The train state: one pytree holding everything a checkpoint must restore."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from flax import struct
+
+
+@struct.dataclass
+class TrainState:
+  """Everything that changes during training.
+
+  Attributes:
+    step: int32 [] number of optimizer updates applied.
+    params: nnx.State of the model's `nnx.Param` variables (float32 master weights).
+    model_state: nnx.State of every other model variable (router biases/statistics, RNG counters).
+    opt_state: the optax state over `params`.
+    rng: uint32 [2] key for stochastic parts of the step; split once per step.
+  """
+  step: jax.Array
+  params: Any
+  model_state: Any
+  opt_state: Any
+  rng: jax.Array
+
+
+def create_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
+                       seed: int, *, sharding: jax.sharding.Sharding | None = None
+                       ) -> tuple[nnx.GraphDef, TrainState]:
+  """Builds the model with `model_fn(rngs)` and returns (graphdef, initial TrainState) on `sharding`.
+
+  Initialisation is eager: its many small per-shape programs are cached across
+  runs in one process, where one jitted init program would recompile each time.
+  """
+  graphdef, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                     opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
+  if sharding is not None:
+    state = jax.device_put(state, sharding)
+  return graphdef, state
+
+
+def param_count(params: Any) -> int:
+  """Total number of parameter elements."""
+  return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,236 @@
+"""`train_and_evaluate(config, workdir)`: the training loop behind `experiments/train.py`."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from k3jax.data import BatchIterator, make_dataset
+from k3jax.train.checkpoint import Checkpointer, SignalGuard
+from k3jax.train.config_schema import validate
+from k3jax.train.metrics import MetricWriter
+from k3jax.train.optimizer import make_optimizer
+from k3jax.train.state import TrainState, create_train_state, param_count
+from k3jax.train.step import make_eval_step, make_train_step
+
+# Dense bf16 peak per device (TFLOP/s), matched against `device.device_kind`, for MFU.
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("TPU v6", 918.0),
+                    ("TPU v5p", 459.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v4", 275.0))
+
+Hook = Callable[[int, dict[str, float]], None]
+
+
+def peak_flops_per_device(config: Any) -> float | None:
+  """Peak FLOP/s of one device: the config's value, else a lookup by device kind, else None."""
+  if config.peak_tflops_per_device > 0:
+    return config.peak_tflops_per_device * 1e12
+  kind = jax.devices()[0].device_kind
+  for name, tflops in PEAK_BF16_TFLOPS:
+    if name.lower() in kind.lower():
+      return tflops * 1e12
+  return None
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int):
+  """(tx, train_step, eval_step) for a model structure and optimizer, shared by runs in one process.
+
+  Runs with the same model structure and optimizer settings (a resumed run, a
+  sweep in a notebook) reuse the compiled steps instead of compiling again.
+  """
+  import ml_collections  # the optimizer reads attributes, so rebuild a ConfigDict
+  optim_cfg = ml_collections.ConfigDict(json.loads(optim_json))
+  tx, schedule = make_optimizer(optim_cfg, num_steps)
+  return tx, make_train_step(graphdef, tx, schedule), make_eval_step(graphdef)
+
+
+def _default_model(model_cfg, seq_len: int) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
+  from k3jax.models import lm  # the model package pulls in the kernels; import on use
+  fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
+  return (lambda rngs: lm.HybridLM(model_cfg, rngs=rngs)), fpt
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
+
+
+def train_and_evaluate(config: Any, workdir: str, *,
+                       model_fn: Callable[[nnx.Rngs], nnx.Module] | None = None,
+                       flops_per_token: float | None = None,
+                       hooks: Sequence[Hook] = ()) -> dict[str, Any]:
+  """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
+
+  Writes `config.json`, `metrics.jsonl`, TensorBoard events under `tb/` and orbax
+  checkpoints under `checkpoints/`. SIGTERM/SIGINT save a checkpoint and return
+  early. A non-finite loss raises `NonFiniteLossError` without saving.
+
+  Args:
+    config: the full ConfigDict (validated here before anything is computed).
+    workdir: run directory.
+    model_fn: optional `rngs -> nnx.Module` replacing `HybridLM(config.model)`; the
+      module maps tokens [B, T] to (float32 logits [B, T, V], aux dict).
+    flops_per_token: training FLOPs per token for MFU when `model_fn` is given.
+    hooks: callables `hook(step, host_metrics)` run after every step (forces a
+      host sync per step; meant for tests and notebooks).
+
+  Returns:
+    {"step", "interrupted", "train": last train record, "eval": last eval record,
+     "first_eval": eval record at step 0 of a fresh run (or None), "num_params"}.
+  """
+  model_cfg = validate(config)
+  nproc = jax.process_count()
+  devices = jax.devices()
+  if config.num_devices:
+    if config.num_devices > len(devices) or nproc > 1:
+      raise ValueError(f"config num_devices={config.num_devices}: {len(devices)} devices in "
+                       f"{nproc} process(es); use 0 (all) for multi-process runs")
+    devices = devices[:config.num_devices]
+  ndev = len(devices)
+  if config.batch_size % ndev:
+    raise ValueError(f"config batch_size={config.batch_size} must be divisible by the "
+                     f"{ndev} devices (data parallel)")
+  if model_fn is None:
+    model_fn, flops_per_token = _default_model(model_cfg, config.seq_len)
+  if model_cfg.kda_implementation == "pallas" and jax.default_backend() == "cpu":
+    logging.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
+                    "use --config.model.kda_implementation=xla for CPU runs")
+  is_main = jax.process_index() == 0
+  os.makedirs(workdir, exist_ok=True)
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+
+  dataset = make_dataset(config.data, seed=config.seed)
+  dataset.check_seq_len(config.seq_len)
+  data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
+                          seed=config.seed, process_index=jax.process_index(), process_count=nproc)
+  rows = data_it._rows  # this process's rows of every global batch
+  eval_set = [{k: v[rows] for k, v in b.items()}
+              for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
+
+  mesh = Mesh(np.array(devices), ("data",))
+  replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+  def put(batch):
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
+
+  graphdef = nnx.split(nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed))), nnx.Param, ...)[0]
+  tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
+                                        config.num_steps)
+  graphdef, state = create_train_state(model_fn, tx, config.seed, sharding=replicated)
+  num_params = param_count(state.params)
+  ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                      max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
+  restored = ckpt.restore(state)
+  if restored is not None:
+    state, data_state = restored
+    data_it.set_state(data_state["iterator"])
+    logging.info("resumed from step %d in %s", int(state.step), ckpt.directory)
+  start = int(state.step)
+  if int(data_it.position) != start:
+    raise ValueError(f"checkpoint mismatch: state step {start}, data position {data_it.position}")
+
+  writer = MetricWriter(workdir, enabled=is_main)
+  peak = peak_flops_per_device(config)
+  tokens_per_step = config.batch_size * config.seq_len
+  logging.info("model: %d parameters; %d devices, %d processes; start step %d of %d",
+               num_params, ndev, nproc, start, config.num_steps)
+
+  def evaluate(step: int) -> dict[str, float]:
+    sums = None
+    for b in eval_set:
+      out = eval_step(state, put(b))
+      sums = out if sums is None else jax.tree.map(lambda a, c: a + c, sums, out)
+    host = jax.device_get(sums)
+    count = max(float(host["count"]), 1.0)
+    nats = float(host["nll_sum"]) / count
+    record = {"loss": nats, "accuracy": float(host["correct_sum"]) / count, **dataset.metrics_from_loss(nats)}
+    writer.write(step, "eval", record)
+    return record
+
+  result: dict[str, Any] = {"first_eval": None, "eval": None, "train": None, "interrupted": False,
+                            "num_params": num_params}
+  if start == 0:
+    result["first_eval"] = result["eval"] = evaluate(0)
+  bar = tqdm(total=config.num_steps, initial=start, disable=not (is_main and config.progress_bar),
+             dynamic_ncols=True, desc="train")
+  timer = {"step": start, "time": time.perf_counter(), "warm": False}
+
+  def flush(step: int, metrics: dict, log: bool) -> dict[str, float]:
+    host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if host.pop("finite") < 1.0 or not math.isfinite(host["loss"]):
+      ckpt.wait()
+      last = ckpt.latest_step()
+      raise NonFiniteLossError(
+          f"non-finite training loss {host['loss']} / grad norm {host['grad_norm']} at step {step}; "
+          f"stopped without saving. Last good checkpoint: step {last} in {ckpt.directory}. "
+          "Lower optim.learning_rate or optim.grad_clip, or check the data.")
+    if log:
+      now = time.perf_counter()
+      if timer["warm"] and step > timer["step"]:
+        tps = (step - timer["step"]) * tokens_per_step / (now - timer["time"])
+        host["tokens_per_s"] = tps
+        if flops_per_token and peak:
+          host["mfu"] = flops_per_token * tps / (peak * ndev)
+      timer.update(step=step, time=now, warm=True)  # the first interval holds compilation
+      writer.write(step, "train", host)
+      bar.set_postfix(loss=f"{host['loss']:.3f}", refresh=False)
+    return host
+
+  def stop_requested() -> bool:
+    flag = guard.received is not None
+    if nproc > 1:
+      from jax.experimental import multihost_utils
+      flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+    return flag
+
+  step, pending = start, None
+  try:
+    with SignalGuard() as guard:
+      while step < config.num_steps:
+        batch = put(next(data_it))
+        state, metrics = train_step(state, batch)
+        step += 1
+        bar.update(1)
+        if pending is not None:  # check the previous step while this one runs
+          flush(*pending, log=pending[0] % config.log_every == 0)
+          pending = None
+        last = step == config.num_steps
+        do_eval = last or (config.eval_every and step % config.eval_every == 0)
+        do_ckpt = last or (config.checkpoint_every and step % config.checkpoint_every == 0)
+        do_log = last or step % config.log_every == 0
+        if do_eval or do_ckpt or do_log or hooks or guard.received is not None:
+          result["train"] = host = flush(step, metrics, log=do_log)
+          for hook in hooks:
+            hook(step, host)
+          stopping = stop_requested() if (nproc == 1 or do_log) else False
+          if do_eval:
+            result["eval"] = evaluate(step)
+            bar.set_postfix(loss=f"{host['loss']:.3f}",
+                            **{"eval_" + dataset.eval_metric: f"{result['eval'][dataset.eval_metric]:.3f}"})
+          if do_ckpt or stopping:
+            ckpt.save(step, state, {"iterator": data_it.get_state()})
+          if stopping:
+            result["interrupted"] = True
+            logging.warning("stopping at step %d after a signal; checkpoint saved", step)
+            break
+        else:
+          pending = (step, metrics)
+      if pending is not None:
+        result["train"] = flush(*pending, log=False)
+  finally:
+    bar.close()
+    writer.close()
+    ckpt.close()
+  result["step"] = step
+  return result

@@ -1,0 +1,156 @@
+"""Every config file builds and validates; typos and unsafe settings fail before any compute."""
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from k3jax.train.config_files import load_config_file
+from k3jax.train.config_schema import validate
+from k3jax.train.defaults import base_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"),
+                                                                    recursive=True))
+ABLATION_ARGS = {
+    "configs/ablations/decay.py": ["softplus", "bounded_pairwise", "g5_t16", "g10_t8", "g2.5_t32"],
+    "configs/ablations/router.py": ["quantile", "quantile_lagged", "bias_sign", "aux_loss",
+                                    "expert_choice", "topk"],
+    "configs/ablations/residual.py": ["prenorm", "block", "full"],
+}
+
+
+def test_config_files_are_all_listed():
+  assert {"configs/tiny.py", "configs/gpu_150m.py", "configs/gpu_1b.py"} <= set(CONFIG_FILES)
+  assert set(ABLATION_ARGS) <= set(CONFIG_FILES)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES)
+def test_config_file_builds_validates_and_documents_its_command(path):
+  c = load_config_file(os.path.join(ROOT, path))
+  model_cfg = validate(c)
+  assert model_cfg.vocab_size == c.model.vocab_size
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    head = f.read().split('"""')[1]
+  assert f"experiments/train.py --config={path}" in head.replace("\\\n", "").replace("\n", " ")
+
+
+@pytest.mark.parametrize("path,arg", [(p, a) for p, args in ABLATION_ARGS.items() for a in args]
+                         + [(p, a + ",tiny") for p, args in ABLATION_ARGS.items() for a in args[:2]])
+def test_every_ablation_variant_validates(path, arg):
+  c = load_config_file(os.path.join(ROOT, path), arg)
+  m = validate(c)
+  variant = arg.split(",")[0]
+  if path.endswith("router.py"):
+    assert m.router.name == variant
+  if path.endswith("decay.py"):
+    assert (m.gate == "softplus") == (variant == "softplus")
+  if arg.endswith(",tiny"):
+    assert c.model.d_model == load_config_file(os.path.join(ROOT, "configs", "tiny.py")).model.d_model
+
+
+def test_ablation_rejects_unknown_variant():
+  with pytest.raises(ValueError, match="variant must be one of"):
+    load_config_file(os.path.join(ROOT, "configs/ablations/router.py"), "quantil")
+
+
+def test_gpu_presets_have_their_advertised_sizes():
+  from k3jax.models import lm
+  sizes = {}
+  for name in ("gpu_150m", "gpu_1b"):
+    c = load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
+    m = validate(c)
+    assert m.dtype == "bfloat16" and m.kda_implementation == "pallas"
+    sizes[name] = lm.param_count(m)
+  assert 1.3e8 < sizes["gpu_150m"] < 1.8e8
+  assert 0.9e9 < sizes["gpu_1b"] < 1.3e9
+
+
+def _cfg(**changes):
+  c = base_config()
+  for key, value in changes.items():
+    target = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      target = target[p]
+    with c.unlocked() if hasattr(c, "unlocked") else _null():
+      target[leaf] = value
+  return c
+
+
+class _null:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+@pytest.mark.parametrize("key,suggestion", [
+    ("num_step", "num_steps"), ("optim.lerning_rate", "optim.learning_rate"),
+    ("data.heldout_fractoin", "data.heldout_fraction"), ("model.d_modle", "model.d_model"),
+    ("model.router.capacity_factr", "model.router.capacity_factor"),
+])
+def test_typo_keys_raise_with_a_suggestion(key, suggestion):
+  with pytest.raises(ValueError, match=rf"unknown config key '{key}'; did you mean '{suggestion}'"):
+    validate(_cfg(**{key: 1}))
+
+
+def test_wrong_types_raise_for_plain_dict_configs():
+  # ConfigDict already refuses most retyping; the schema also guards configs built as plain dicts.
+  c = base_config().to_dict()
+  c["num_steps"] = "100"
+  with pytest.raises(ValueError, match=r"num_steps='100' has type str; expected int"):
+    validate(c)
+  c = base_config().to_dict()
+  c["optim"]["learning_rate"] = [1e-3]
+  with pytest.raises(ValueError, match=r"optim.learning_rate=\[0.001\] has type list"):
+    validate(c)
+
+
+def test_missing_key_raises():
+  c = base_config()
+  del c.optim["grad_clip"]
+  with pytest.raises(ValueError, match="missing keys.*optim.grad_clip"):
+    validate(c)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"batch_size": True}, r"batch_size=True has type bool"),
+    ({"num_steps": 0}, r"num_steps=0 must be >= 1"),
+    ({"optim.learning_rate": 0.5}, r"optim.learning_rate=0.5 must be in \(0, 0.05\]"),
+    ({"optim.learning_rate": 0.0}, r"optim.learning_rate=0.0 must be in"),
+    ({"optim.warmup_steps": 500}, r"warmup_steps=500 must be in \[0, num_steps=200\]"),
+    ({"optim.b2": 1.0}, r"optim.b2=1.0 must be in \[0, 1\)"),
+    ({"optim.grad_clip": 0.0}, r"grad_clip=0.0 must be > 0"),
+    ({"model.g_min": -10.0}, r"g_min=-10.0 with kda_sub_chunk=16"),
+    ({"model.gate": "softplus"}, r"softplus.*needs kda_diagonal='pairwise'"),
+    ({"model.param_dtype": "bfloat16"}, r"float32 master weights"),
+    ({"model.vocab_size": 128}, r"model.vocab_size=128 is smaller than the data's vocabulary 256"),
+    ({"model.top_k": 9}, r"top_k"),
+    ({"model.router.name": "quantiles"}, r"RouterConfig.name='quantiles'"),
+    ({"data.kind": "text"}, r"data.kind='text'; allowed"),
+    ({"data.kind": "token_file", "data.vocab_size": 256}, r"data.token_file is empty"),
+    ({"data.kind": "mqar", "data.vocab_size": 256, "data.mqar_num_kv_pairs": 200}, r"fewer than num_kv_pairs=200"),
+    ({"data.kind": "mqar", "data.vocab_size": 256, "data.mqar_num_kv_pairs": 120, "seq_len": 200},
+     r"seq_len=200 cannot hold 120 pairs"),
+    ({"data.heldout_fraction": 0.0}, r"heldout_fraction=0.0 must be in \(0, 1\)"),
+])
+def test_unsafe_or_invalid_values_raise(changes, message):
+  with pytest.raises(ValueError, match=message):
+    validate(_cfg(**changes))
+
+
+def test_cli_rejects_bad_configs_before_training(tmp_path):
+  """The binary's flag parsing: override typos and unsafe values fail in seconds, with no run directory."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  base = [sys.executable, os.path.join(ROOT, "experiments", "train.py"), "--config=configs/tiny.py",
+          f"--workdir={tmp_path / 'run'}"]
+  typo = subprocess.run(base + ["--config.optim.lerning_rate=1e-3"], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert typo.returncode != 0 and "lerning_rate" in typo.stderr
+  unsafe = subprocess.run(base + ["--config.model.g_min=-20"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+  assert unsafe.returncode != 0 and "g_min=-20.0" in unsafe.stderr
+  assert not (tmp_path / "run").exists()

@@ -1,0 +1,201 @@
+"""Trainer: smoke run on a shrunk `tiny`, exact resume after a signal, non-finite stop, pieces."""
+import json
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from k3jax.train import checkpoint as ckpt_lib
+from k3jax.train.config_files import load_config_file
+from k3jax.train.metrics import MetricWriter, read_jsonl
+from k3jax.train.optimizer import make_optimizer
+from k3jax.train.step import flatten_scalars, masked_cross_entropy
+from k3jax.train.trainer import NonFiniteLossError, train_and_evaluate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _shrunk_tiny(**overrides):
+  """configs/tiny.py made small enough for a CI test: 2 layers (KDA + attention), short sequences."""
+  c = load_config_file(os.path.join(ROOT, "configs", "tiny.py"))
+  c.num_steps, c.batch_size, c.seq_len = 5, 8, 32
+  c.num_devices = 1  # the 8 fake CPU devices would multiply compile time; data parallelism is tested below
+  c.log_every = c.eval_every = c.checkpoint_every = 1
+  c.eval_batches = 1
+  c.progress_bar = False
+  c.optim.warmup_steps = 1
+  c.async_checkpoints = False
+  c.data.max_bytes = 200_000
+  c.model.update(num_layers=2, layer_pattern="KA", d_model=32, num_heads=2, head_dim=16,
+                 num_kv_heads=2, kda_chunk_size=16, kda_sub_chunk=16, num_experts=4,
+                 expert_hidden=32, dense_hidden=64, first_layer_dense=False)
+  for k, v in overrides.items():
+    target = c
+    *parents, leaf = k.split(".")
+    for p in parents:
+      target = target[p]
+    target[leaf] = v
+  return c
+
+
+class _Counter(nnx.Variable):
+  """Non-trainable state updated by the forward pass, as a stateful router's bias is."""
+
+
+class _StandIn(nnx.Module):
+  """Test-only byte LM: embedding, causal running mean, linear head; poisons logits after N calls."""
+
+  def __init__(self, vocab, d, *, rngs, nan_after=-1):
+    self.embed = nnx.Embed(vocab, d, rngs=rngs)
+    self.mix = nnx.Linear(d, d, rngs=rngs)
+    self.out = nnx.Linear(d, vocab, rngs=rngs)
+    self.calls = _Counter(jnp.zeros((), jnp.int32))
+    self.nan_after = nan_after
+
+  def __call__(self, tokens_bt, *, deterministic=False):
+    h = self.embed(tokens_bt)
+    h = h + jnp.cumsum(jax.nn.gelu(self.mix(h)), axis=1) / jnp.arange(1, h.shape[1] + 1)[None, :, None]
+    logits = self.out(h).astype(jnp.float32)
+    if not deterministic:
+      self.calls[...] = self.calls[...] + 1
+    if self.nan_after >= 0:
+      logits = jnp.where(self.calls[...] > self.nan_after, jnp.nan, logits)
+    return logits, {"aux_loss": jnp.float32(0.0), "router/0/max_vio": jnp.mean(h) ** 2}
+
+
+def _stop_at(stop_step):
+  """A hook that sends this process SIGTERM after `stop_step`, as a scheduler's preemption would."""
+  def hook(step, metrics):
+    del metrics
+    if step == stop_step:
+      os.kill(os.getpid(), signal.SIGTERM)
+  return hook
+
+
+# Both trainer tests share one config so that, in one process, the steps compile once.
+_RESUME_OVERRIDES = {"checkpoint_every": 0, "eval_every": 0, "model.router.name": "quantile_lagged"}
+
+
+def test_one_step_smoke_on_shrunk_tiny(tmp_path):
+  c = _shrunk_tiny(**_RESUME_OVERRIDES)
+  result = train_and_evaluate(c, str(tmp_path), hooks=[_stop_at(1)])
+  assert result["step"] == 1 and result["interrupted"]
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["model"]["layer_pattern"] == "KA" and saved["num_steps"] == 5
+  train = read_jsonl(str(tmp_path / "metrics.jsonl"), "train")
+  evals = read_jsonl(str(tmp_path / "metrics.jsonl"), "eval")
+  assert [r["step"] for r in train] == [1] and [r["step"] for r in evals] == [0]
+  rec = train[0]
+  assert np.isfinite(rec["loss"]) and rec["grad_norm"] > 0
+  assert any(k.startswith("router/") and k.endswith("max_vio") for k in rec)
+  assert any(k.startswith("router/") and k.endswith("drop_fraction") for k in rec)
+  assert any(k.startswith("gate/") for k in rec)
+  # A freshly initialised byte model sits near log(256) nats; bits/byte follows from the loss.
+  assert evals[0]["bpb"] == pytest.approx(evals[0]["loss"] / np.log(2.0))
+  assert 5.0 < evals[0]["loss"] < 7.0
+  assert (tmp_path / "checkpoints" / "1").is_dir()
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+
+
+def test_signal_then_resume_reproduces_uninterrupted_losses(tmp_path):
+  # A stateful router makes the resumed run depend on restored non-trainable state too.
+  c = _shrunk_tiny(**_RESUME_OVERRIDES)
+  full = train_and_evaluate(c, str(tmp_path / "full"))
+  assert full["step"] == 5
+  handler_before = signal.getsignal(signal.SIGTERM)
+  first = train_and_evaluate(c, str(tmp_path / "resumed"), hooks=[_stop_at(3)])
+  assert first["interrupted"] and first["step"] == 3
+  assert signal.getsignal(signal.SIGTERM) is handler_before
+  assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == ["3"]
+  second = train_and_evaluate(c, str(tmp_path / "resumed"))
+  assert second["step"] == 5 and second["first_eval"] is None
+
+  losses = lambda d: [(r["step"], r["loss"], r["grad_norm"])
+                      for r in read_jsonl(str(tmp_path / d / "metrics.jsonl"), "train")]
+  assert [s for s, *_ in losses("full")] == [1, 2, 3, 4, 5]
+  assert losses("resumed") == losses("full")  # exact, not approximate
+  assert second["eval"] == full["eval"]
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+  c = _shrunk_tiny(num_steps=6, checkpoint_every=2, num_devices=0)  # all 8 devices: data parallel
+  model_fn = lambda rngs: _StandIn(256, 16, rngs=rngs, nan_after=3)
+  with pytest.raises(NonFiniteLossError, match=r"at step 4.*Last good checkpoint: step 2"):
+    train_and_evaluate(c, str(tmp_path), model_fn=model_fn)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+  # The kept checkpoint holds finite parameters and the stand-in's non-trainable counter.
+  mgr = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"))
+  from k3jax.train.state import create_train_state
+  tx, _ = make_optimizer(c.optim, c.num_steps)
+  _, template = create_train_state(lambda rngs: _StandIn(256, 16, rngs=rngs), tx, 0)
+  assert int(template.model_state["calls"][...]) == 0
+  state, data_state = mgr.restore(template)
+  mgr.close()
+  assert int(state.step) == 2 and data_state["iterator"]["position"] == 2
+  assert int(state.model_state["calls"][...]) == 2
+  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state.params))
+
+
+def test_checkpoint_roundtrip_of_nested_pytrees(tmp_path):
+  tree = {"a": [jnp.arange(3.0), (jnp.ones((2, 2), jnp.bfloat16),)],
+          "opt": optax.adam(1e-3).init({"w": jnp.zeros(4)}), "key": jax.random.PRNGKey(7)}
+  nested = ckpt_lib.to_nested_dict(tree)
+  back = ckpt_lib.from_nested_dict(tree, nested)
+  chex_eq = jax.tree.map(lambda x, y: bool((x == y).all()) and x.dtype == y.dtype, tree, back)
+  assert all(jax.tree.leaves(chex_eq))
+  mgr = ckpt_lib.Checkpointer(str(tmp_path), async_save=False)
+  mgr.save(5, tree, {"seed": 1, "position": 5})
+  restored, data = mgr.restore(jax.tree.map(jnp.zeros_like, tree))
+  mgr.close()
+  assert data == {"seed": 1, "position": 5}
+  for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    assert x.dtype == y.dtype
+
+
+def test_optimizer_schedule_and_decay_mask():
+  c = _shrunk_tiny().optim
+  c.learning_rate, c.warmup_steps, c.end_lr_fraction = 1e-2, 10, 0.1
+  tx, schedule = make_optimizer(c, 100)
+  assert float(schedule(0)) == 0.0
+  assert float(schedule(10)) == pytest.approx(1e-2)
+  assert float(schedule(100)) == pytest.approx(1e-3)
+  assert float(schedule(55)) == pytest.approx(1e-3 + 0.5 * (1e-2 - 1e-3), rel=1e-5)
+  # Clipping: a huge gradient moves weights by at most lr-sized steps; vectors get no weight decay.
+  params = {"w": jnp.ones((3, 3)), "b": jnp.ones(3)}
+  state = tx.init(params)
+  for _ in range(11):
+    updates, state = tx.update({"w": jnp.zeros((3, 3)), "b": jnp.zeros(3)}, state, params)
+  np.testing.assert_allclose(updates["b"], 0.0)
+  assert float(jnp.abs(updates["w"]).max()) > 0  # decoupled weight decay on the matrix
+
+
+def test_masked_cross_entropy_matches_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+  targets = rng.integers(0, 7, size=(2, 5))
+  mask = (rng.random((2, 5)) > 0.4).astype(np.float32)
+  nll, correct, count = masked_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(mask))
+  logp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+  ref = -(np.take_along_axis(logp, targets[..., None], -1)[..., 0] * mask).sum()
+  np.testing.assert_allclose(float(nll), ref, rtol=1e-5)
+  assert float(correct) == ((logits.argmax(-1) == targets) * mask).sum()
+  assert float(count) == mask.sum()
+
+
+def test_flatten_scalars_and_metric_writer(tmp_path):
+  flat = flatten_scalars({"router": {"0": {"max_vio": jnp.float32(0.5), "load": jnp.ones(4)}}, "x": 1.0})
+  assert set(flat) == {"router/0/max_vio", "x"}
+  w = MetricWriter(str(tmp_path))
+  w.write(1, "train", {"loss": 2.0, "bad": float("nan")})
+  w.write(1, "train", {"loss": 1.5})
+  w.write(2, "eval", {"bpb": 3.0})
+  w.close()
+  assert read_jsonl(str(tmp_path / "metrics.jsonl"), "train") == [{"step": 1, "split": "train", "loss": 1.5}]
+  first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+  assert first["bad"] is None
