@@ -138,9 +138,13 @@ def shard_tree(tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
   return jax.device_put(tree, tree_shardings(tree, mesh, rules))
 
 
-def activation_spec(axes: Sequence[str | None], mesh: Mesh, rules: Rules = DEFAULT_RULES) -> P:
-  """PartitionSpec of an activation named e.g. ("batch", "length", "embed")."""
-  return logical_to_spec(axes, mesh, make_rules(rules))
+def activation_spec(axes: Sequence[str | None], mesh: Mesh, rules: Rules = DEFAULT_RULES,
+                    shape: Sequence[int] | None = None) -> P:
+  """PartitionSpec of an activation named e.g. ("batch", "length", "embed").
+
+  With `shape`, each dimension is checked for divisibility by its mesh axes.
+  """
+  return logical_to_spec(axes, mesh, make_rules(rules), shape)
 
 
 def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
