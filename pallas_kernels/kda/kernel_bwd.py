@@ -13,7 +13,7 @@ M = (I + A_kk)^-1 kept) and per-chunk entry states, then runs:
   gradient of the within-chunk cumsum G; `pallas_op` turns it into dg with a
   reverse cumsum). The anchored score gradients use the same row sub-tiles
   and anchors as the forward; `pairwise` handles diagonal tiles with the
-  explicit [L, L, K] decay.
+  explicit position-pair decay, one column at a time.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import dot, iota, onehot_rows, pair_decay, tile_factors
+from pallas_kernels.kda.kernel_fwd import dot, iota, onehot_rows, tile_factors
 
 _F32 = jnp.float32
 
@@ -118,9 +118,48 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
 # ---------------------------------------------------------------------------
 
 
+def _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
+  """Gradients through one diagonal tile's explicit pair decay (`pairwise`).
+
+  For rows/columns i, j of the tile (L of them, from `start`):
+    A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
+    A_kk[i, j] = beta_i sum_d k_id k_jd e^{G_id - G_jd} (j < i).
+  One column j per loop step, as [L, K] work: no [L, L, K] tensor is formed.
+
+  Returns [L, K] each: dq (from dA_qk), dk (column side of dA_qk),
+  R = sum_j dA_ij k_j e^{G_i - G_j}, and dk (column side of dA_kk).
+  """
+  ell = daq_l.shape[0]
+  rows = pl.ds(start, ell)
+  q_l = q_ref[rows, :].astype(_F32) * scale
+  g_l = g_ref[rows, :]
+  bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
+  row_l = iota((ell, 1), 0)
+  col_l = iota((1, ell), 1)
+
+  def body(j, carry):
+    dq_l, dk_l, r_l, dkc_l = carry
+    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
+    g_j = g_ref[pl.ds(start + j, 1), :]
+    aq_j = jnp.sum(jnp.where(col_l == j, daq_l, 0.0), axis=1, keepdims=True)
+    a_j = jnp.sum(jnp.where(col_l == j, da_l, 0.0), axis=1, keepdims=True)
+    seen = row_l >= j
+    dec = jnp.where(seen, jnp.exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0)
+    dq_l = dq_l + aq_j * k_j * dec
+    r_l = r_l + a_j * k_j * dec
+    at_j = row_l == j
+    dk_l = jnp.where(at_j, dk_l + jnp.sum(aq_j * q_l * dec, axis=0, keepdims=True), dk_l)
+    dkc_l = jnp.where(at_j, dkc_l + jnp.sum(a_j * bk_l * dec, axis=0, keepdims=True), dkc_l)
+    return dq_l, dk_l, r_l, dkc_l
+
+  zeros = jnp.zeros(q_l.shape, _F32)
+  return lax.fori_loop(0, ell, body, (zeros, zeros, zeros, zeros))
+
+
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref,
                       vn_ref, dvn_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
                       *, scale, ell, diagonal, cfg):
+  cfg = cfg.intra(backward=True)  # operand dtype of this kernel's matmuls
   c = q_ref.shape[0]
   q = q_ref[...].astype(_F32) * scale
   k = k_ref[...].astype(_F32)
@@ -183,24 +222,14 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
     r_acc += row_f * dot(da_r, yk, cfg)
     dk_col += col_f * dot(da_r, bk * row_f, cfg, ta=True)
     if diagonal == "pairwise":
-      rows = pl.ds(r * ell, ell)
-      q_l = q_ref[rows, :].astype(_F32) * scale
-      k_l = k_ref[rows, :].astype(_F32)
-      g_l = g_ref[rows, :]
-      b_l = beta_ref[rows, :]
       e_cl = onehot_rows(c, ell, r)
       daq_l = dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
       da_l = dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
-      pq = pair_decay(g_l, False)
-      pk = pair_decay(g_l, True)
-      dq_l = jnp.sum(daq_l[:, :, None] * k_l[None, :, :] * pq, axis=1)
-      dk_l = jnp.sum(daq_l[:, :, None] * q_l[:, None, :] * pq, axis=0)
-      r_l = jnp.sum(da_l[:, :, None] * k_l[None, :, :] * pk, axis=1)
-      dkc_l = jnp.sum(da_l[:, :, None] * (b_l * k_l)[:, None, :] * pk, axis=0)
-      dq_a += dot(e_cl, dq_l, cfg, dtype=_F32)
-      dk_a += dot(e_cl, dk_l, cfg, dtype=_F32)
-      r_acc += dot(e_cl, r_l, cfg, dtype=_F32)
-      dk_col += dot(e_cl, dkc_l, cfg, dtype=_F32)
+      parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
+      dq_a += dot(e_cl, parts[0], cfg, dtype=_F32)
+      dk_a += dot(e_cl, parts[1], cfg, dtype=_F32)
+      r_acc += dot(e_cl, parts[2], cfg, dtype=_F32)
+      dk_col += dot(e_cl, parts[3], cfg, dtype=_F32)
   dq = dq + dq_a
   dk = dk + dk_a + beta * r_acc + dk_col
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)

@@ -31,8 +31,17 @@ class KernelConfig:
     block_v: V-tile of the state kernels (their grid is B x H x V/block_v).
     num_warps: Triton warps per stage, as ((stage, warps), ...).
     num_stages: Triton software-pipelining stages of the state kernels' loop.
-    mm_dtype: operand dtype of the large matmuls (bf16 for bf16 inputs; f32
-      inputs keep f32 operands).
+    mm_dtype: operand dtype of the state kernels' matmuls and of stored
+      intermediates (bf16 for bf16 inputs; f32 inputs keep f32).
+    intra_mm_dtype: operand dtype of the intra-chunk kernels' matmuls. f32
+      (3xTF32 on the GPU): with bf16 operands the bf16 forward error at
+      B2 T77 rose from 3.1e-3 to 4.2e-3 and the dg error from 1.9e-3 to
+      1.9e-2 (relative L2, CPU interpret).
+    intra_bwd_mm_dtype: the same for the intra-chunk backward kernel. On the
+      H200 with K = V = 128 its f32 operands asked Triton for 288 KiB of
+      shared memory (227 KiB available), so the GPU default for K*V >= 128*128
+      is the input dtype (bf16): half the operand buffers, at the dg accuracy
+      cost above. Not yet verified on the GPU.
   """
   backend: str
   block_v: int
@@ -40,6 +49,13 @@ class KernelConfig:
       ("intra_fwd", 4), ("state_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8))
   num_stages: int = 2
   mm_dtype: jnp.dtype = jnp.float32
+  intra_mm_dtype: jnp.dtype = jnp.float32
+  intra_bwd_mm_dtype: jnp.dtype = jnp.float32
+
+  def intra(self, backward: bool = False) -> "KernelConfig":
+    """This config with an intra-chunk kernel's operand dtype as `mm_dtype`."""
+    dtype = self.intra_bwd_mm_dtype if backward else self.intra_mm_dtype
+    return dataclasses.replace(self, mm_dtype=dtype)
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -110,7 +126,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     dtype: dtype of q/k/v (bf16, f16 or f32).
     head_k, head_v: K and V head dims.
     chunk_size: C; sub_chunk: L (divides C).
-    block_v: V-tile of the state kernels; default min(V, 64).
+    block_v: V-tile of the state kernels; default min(V, 64) (V on TPU).
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -125,8 +141,13 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   if chunk_size < 16:
     raise ValueError(f"chunk_size must be >= 16 (tensor-core tile), got {chunk_size}")
   if block_v is None:
-    block_v = min(head_v, 64)
+    # Mosaic needs the lane dim to be a multiple of 128 or the whole array.
+    block_v = head_v if backend == "tpu" else min(head_v, 64)
   if not _is_pow2(block_v) or head_v % block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {block_v}")
   mm_dtype = jnp.float32 if dtype == jnp.float32 else dtype
-  return KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype)
+  intra_bwd = jnp.float32
+  if backend == "triton" and head_k * head_v >= 128 * 128:
+    intra_bwd = mm_dtype
+  return KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype,
+                      intra_bwd_mm_dtype=intra_bwd)

@@ -115,6 +115,7 @@ def unit_lower_inverse(a_cc):
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
                       *m_ref, scale, ell, diagonal, cfg):
+  cfg = cfg.intra()  # f32 operands: scores, inverse and their gradients
   c = q_ref.shape[0]
   q = q_ref[...].astype(_F32) * scale
   k = k_ref[...].astype(_F32)

@@ -1,0 +1,165 @@
+"""Benchmarks the KDA kernels against fla's `chunk_kda` and the roofline floor.
+
+Prints one table: forward and forward+backward times (ms, median) of our
+`pallas` (dense / pairwise) and `xla` paths, of fla `chunk_kda` with
+safe_gate True/False run in a separate process in the same command, the
+roofline floor from bandwidth and bf16 matmul rate measured in this run, and
+the ratios. Optionally per-stage times of the Pallas kernels.
+
+  python experiments/bench_kernels.py --shapes=16x2048x16x128,4x8192x16x128
+  python experiments/bench_kernels.py --mode=fla --shapes=...   # peer only (torch)
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import app
+from absl import flags
+
+_MODE = flags.DEFINE_enum("mode", "jax", ["jax", "fla"], "jax: our kernels (+ peer "
+                          "subprocess); fla: only the PyTorch peer, JSON lines out.")
+_SHAPES = flags.DEFINE_list("shapes", ["16x2048x16x128", "1x8192x16x128", "4x8192x16x128",
+                                       "1x32768x16x128"], "BxTxHxD shapes (K = V = D).")
+_IMPLS = flags.DEFINE_list("impls", ["pallas:dense", "pallas:pairwise", "xla:dense"],
+                           "implementation:diagonal pairs to time.")
+_PEER = flags.DEFINE_bool("peer", True, "Also time fla chunk_kda in a subprocess.")
+_STAGES = flags.DEFINE_list("stages", ["dense", "pairwise"], "Diagonal strategies whose "
+                            "per-kernel pallas times are printed (empty: none).")
+_PEER_MODES = flags.DEFINE_list("peer_modes", ["safe", "unsafe"], "fla safe_gate modes to time.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per measurement (median).")
+_LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
+_CHUNK = flags.DEFINE_integer("chunk_size", 64, "Chunk length C.")
+_SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
+_XLA_MAX_TOKENS = flags.DEFINE_integer("xla_max_tokens", 2 ** 16, "Skip the xla path above "
+                                       "B*T tokens (memory).")
+
+
+def _parse(shape):
+  b, t, h, d = (int(x) for x in shape.split("x"))
+  return b, t, h, d
+
+
+def _run_fla(shapes, iters, lower_bound):
+  """Times fla chunk_kda (bf16) and prints one JSON line per shape and mode."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
+  from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
+  from triton.testing import do_bench  # pylint: disable=g-import-not-at-top
+  for shape in shapes:
+    b, t, h, d = _parse(shape)
+    torch.manual_seed(0)
+    q = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
+    v = torch.randn(b, t, h, d, device="cuda").bfloat16()
+    g = (lower_bound * torch.sigmoid(torch.randn(b, t, h, d, device="cuda"))).float()
+    beta = torch.sigmoid(torch.randn(b, t, h, device="cuda")).bfloat16()
+    do = torch.randn_like(v)
+    for safe in [m == "safe" for m in _PEER_MODES.value]:
+      kw = dict(safe_gate=True, lower_bound=lower_bound) if safe else dict(safe_gate=False)
+      fwd = lambda: chunk_kda(q, k, v, g, beta, **kw)[0]
+      with torch.no_grad():
+        t_fwd = do_bench(fwd, return_mode="median", rep=max(iters * 5, 50))
+      print(f"fla {shape} safe={safe} fwd {t_fwd:.3f} ms", flush=True)
+      xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+      def fwd_bwd():
+        o = chunk_kda(*xs, **kw)[0]
+        o.backward(do)
+
+      t_fb = do_bench(fwd_bwd, return_mode="median", rep=max(iters * 5, 50),
+                      grad_to_none=xs)
+      print(json.dumps(dict(shape=shape, safe=safe, fwd=t_fwd, fwdbwd=t_fb)), flush=True)
+
+
+def _peer_times(shapes):
+  """Runs this script with --mode=fla in a subprocess; {(shape, safe): (fwd, fb)}."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--mode=fla",
+         "--shapes=" + ",".join(shapes), f"--iters={_ITERS.value}",
+         f"--lower_bound={_LOWER_BOUND.value}", "--peer_modes=" + ",".join(_PEER_MODES.value)]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  out = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith("{"):
+      r = json.loads(line)
+      out[(r["shape"], r["safe"])] = (r["fwd"], r["fwdbwd"])
+  if proc.returncode != 0:
+    print("fla peer failed:\n" + proc.stderr[-3000:], flush=True)
+  return out
+
+
+def _run_jax(shapes):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  ceil = bench.measure_ceilings()
+  print(f"measured: copy bandwidth {ceil.bandwidth / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil.matmul / 1e12:.0f} TFLOP/s", flush=True)
+  peer = _peer_times(shapes) if _PEER.value else {}
+  rows = []
+  for shape in shapes:
+    b, t, h, d = _parse(shape)
+    args = bench.make_inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16,
+                             _LOWER_BOUND.value)
+    do = jax.random.normal(jax.random.PRNGKey(1), args[2].shape, jnp.bfloat16)
+    floor_f, floor_fb = bench.roofline_ms(bench.kda_cost(b, t, h, d, chunk_size=_CHUNK.value),
+                                          ceil)
+    res = {}
+    for spec in _IMPLS.value:
+      impl, diag = spec.split(":")
+      if impl == "xla" and b * t > _XLA_MAX_TOKENS.value:
+        continue
+      kw = dict(chunk_size=_CHUNK.value, sub_chunk=_SUB.value, lower_bound=_LOWER_BOUND.value)
+      try:
+        f = bench.time_ms(bench.kda_fn(impl, diag, **kw), *args, iters=_ITERS.value)
+        fb = bench.time_ms(bench.kda_fn(impl, diag, backward=True, **kw), *args, do,
+                           iters=_ITERS.value)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"{shape} {spec} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
+        continue
+      res[spec] = (f, fb)
+      print(f"{shape} {spec}: fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms", flush=True)
+    rows.append((shape, res, floor_f, floor_fb))
+    if _STAGES.value:
+      for diag in _STAGES.value:
+        try:
+          st = bench.stage_times_ms(*args, diagonal=diag, chunk_size=_CHUNK.value,
+                                    sub_chunk=_SUB.value)
+          print(f"{shape} stages pallas:{diag}: " +
+                ", ".join(f"{k} {v:.3f}" for k, v in st.items()), flush=True)
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"{shape} stages {diag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+  print("\n| shape (B,T,H,D) | impl | fwd ms | fwd+bwd ms | fla safe fwd / fwd+bwd | "
+        "fla unsafe fwd / fwd+bwd | ratio vs fla safe (fwd, fwd+bwd; <1 = faster) | "
+        "roofline floor fwd / fwd+bwd | x floor (fwd, fwd+bwd) |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for shape, res, ff, ffb in rows:
+    ps = peer.get((shape, True))
+    pu = peer.get((shape, False))
+    for spec, (f, fb) in res.items():
+      ratio = f"{f / ps[0]:.2f}, {fb / ps[1]:.2f}" if ps else "n/a"
+      print(f"| {shape} | {spec} | {f:.3f} | {fb:.3f} | "
+            f"{f'{ps[0]:.3f} / {ps[1]:.3f}' if ps else 'n/a'} | "
+            f"{f'{pu[0]:.3f} / {pu[1]:.3f}' if pu else 'n/a'} | {ratio} | "
+            f"{ff:.3f} / {ffb:.3f} | {f / ff:.1f}, {fb / ffb:.1f} |")
+    if "pallas:dense" in res and "pallas:pairwise" in res:
+      (fd, fbd), (fp, fbp) = res["pallas:dense"], res["pallas:pairwise"]
+      print(f"| {shape} | pairwise/dense | {fp / fd:.2f}x | {fbp / fbd:.2f}x | | | | | |")
+  sys.stdout.flush()
+
+
+def main(argv):
+  del argv
+  if _MODE.value == "fla":
+    _run_fla(_SHAPES.value, _ITERS.value, _LOWER_BOUND.value)
+  else:
+    _run_jax(_SHAPES.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

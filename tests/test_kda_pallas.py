@@ -1,0 +1,259 @@
+"""Pallas KDA kernels vs the float32 references, forward and VJP.
+
+Every check lives in a mixin run twice: in interpret mode on the CPU (small
+shapes, CI) and compiled on the GPU (marker `gpu`, benchmark-sized shapes;
+the GPU Triton compiler is checked, not trusted, for the backward).
+Interpret mode fills every kernel output with NaN before the kernel runs, so
+an element a kernel fails to write shows up as a non-finite value.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import api
+from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import reference
+from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+
+LOWER_BOUND = -5.0
+# Relative errors: max|x - ref| / max|ref| for f32, ||x - ref|| / ||ref|| for bf16.
+# f32 on the GPU uses 3xTF32 matmuls (~1e-6 per product).
+TOL = {("interpret", "float32"): 2e-5, ("triton", "float32"): 1e-4,
+       ("interpret", "bfloat16"): 5e-3, ("triton", "bfloat16"): 5e-3}
+GRAD_TOL = {("interpret", "float32"): 2e-5, ("triton", "float32"): 2e-4,
+            ("interpret", "bfloat16"): 1e-2, ("triton", "bfloat16"): 1e-2}
+
+
+def _inputs(seed, b, t, h, dk, dv, dtype=jnp.float32, gdn=False, at_bound=False):
+  """Unit-norm q/k, gates in [g_min, 0) (optionally at the bound), beta in (0, 1)."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, dk))).astype(dtype)
+  k = unit(jax.random.normal(ks[1], (b, t, h, dk))).astype(dtype)
+  v = jax.random.normal(ks[2], (b, t, h, dv)).astype(dtype)
+  gshape = (b, t, h) if gdn else (b, t, h, dk)
+  if at_bound:
+    g = LOWER_BOUND * jax.nn.sigmoid(6.0 + jax.random.normal(ks[3], gshape))
+  else:
+    g = LOWER_BOUND * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], gshape))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))).astype(dtype)
+  return q, k, v, g, beta, ks[5]
+
+
+def _jit_vg(loss):
+  """Jitted value-and-grad of `loss(*xs) -> (scalar, aux)` w.r.t. all arguments.
+
+  Jitting matters in interpret mode: eager dispatch of the emulated kernels
+  is an order of magnitude slower than one compiled program.
+  """
+  return jax.jit(lambda *xs: jax.value_and_grad(loss, argnums=tuple(range(len(xs))),
+                                                has_aux=True)(*xs))
+
+
+def _o_and_vjp(fn, xs, do):
+  """Jitted (o, grads) of `fn(*xs)[0]` with cotangent `do`."""
+  def run(xs, do):
+    o, vjp = jax.vjp(lambda *a: fn(*a)[0], *xs)
+    return o, vjp(do)
+  return jax.jit(run)(xs, do)
+
+
+def _rel(x, ref, dtype):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  assert np.all(np.isfinite(x)), "non-finite values (unwritten output?)"
+  if jnp.dtype(dtype) == jnp.float32:
+    return np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30)
+  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+class KdaPallasChecks:
+  """Checks shared by the interpret and GPU twins. Subclasses set the fields."""
+  interpret: bool
+  backend: str
+  shape: tuple  # (B, T, H, K, V); T not a multiple of the chunk
+  chunk: int
+  sub_chunk: int = 16
+
+  def _pallas(self, diagonal, **kw):
+    return functools.partial(api.chunk_kda, implementation="pallas", interpret=self.interpret,
+                             chunk_size=self.chunk, sub_chunk=self.sub_chunk,
+                             lower_bound=LOWER_BOUND, diagonal=diagonal, **kw)
+
+  @pytest.mark.parametrize("diagonal,gdn", [("dense", False), ("pairwise", True)])
+  def test_forward_and_vjp_match_naive(self, diagonal, gdn):
+    """o, final state and all six gradients; KDA gates at the bound / GDN gates."""
+    b, t, h, dk, dv = self.shape
+    q, k, v, g, beta, key = _inputs(2, b, t, h, dk, dv, gdn=gdn, at_bound=diagonal == "dense")
+    k1, k2, k3 = jax.random.split(key, 3)
+    h0 = jax.random.normal(k1, (b, h, dk, dv))
+    do = jax.random.normal(k2, (b, t, h, dv))
+    dht = jax.random.normal(k3, (b, h, dk, dv))
+
+    def loss(fn, *xs):
+      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
+      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
+
+    xs = (q, k, v, g, beta, h0)
+    (_, (o, ht)), got = _jit_vg(functools.partial(loss, self._pallas(diagonal)))(*xs)
+    (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
+    tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
+    assert o.shape == o_r.shape and o.dtype == q.dtype
+    assert _rel(o, o_r, jnp.float32) < tol
+    assert _rel(ht, ht_r, jnp.float32) < tol
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+      assert a.shape == r.shape, name
+      err = _rel(a, r, jnp.float32)
+      assert err < gtol, f"{name}: {err:.2e}"
+
+  def test_varlen_matches_naive(self):
+    _, t, h, dk, dv = self.shape
+    # Lengths not multiples of the chunk, one sequence shorter than a chunk.
+    cuts = sorted({0, 5, t // 2 + 3, t})
+    cu = jnp.asarray(cuts, jnp.int32)
+    n = len(cuts) - 1
+    q, k, v, g, beta, key = _inputs(3, 1, t, h, dk, dv)
+    k1, k2, k3 = jax.random.split(key, 3)
+    h0 = jax.random.normal(k1, (n, h, dk, dv))
+    do = jax.random.normal(k2, (1, t, h, dv))
+    dht = jax.random.normal(k3, (n, h, dk, dv))
+
+    def loss(fn, *xs):
+      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
+
+    xs = (q, k, v, g, beta, h0)
+    (_, (o, ht)), got = _jit_vg(functools.partial(loss, self._pallas("dense")))(*xs)
+    (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
+    tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
+    assert _rel(o, o_r, jnp.float32) < tol
+    assert _rel(ht, ht_r, jnp.float32) < tol
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+      err = _rel(a, r, jnp.float32)
+      assert err < gtol, f"{name}: {err:.2e}"
+
+  def test_bf16_forward_and_vjp(self):
+    b, t, h, dk, dv = self.shape
+    q, k, v, g, beta, key = _inputs(4, b, t, h, dk, dv, dtype=jnp.bfloat16)
+    do = jax.random.normal(key, (b, t, h, dv), jnp.bfloat16)
+    o, grads = _o_and_vjp(self._pallas("dense"), (q, k, v, g, beta), do)
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    o_ref, grads_ref = _o_and_vjp(reference.naive_recurrent_kda, f32, do.astype(jnp.float32))
+    assert o.dtype == jnp.bfloat16
+    assert _rel(o, o_ref, jnp.bfloat16) < TOL[(self.backend, "bfloat16")]
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
+      err = _rel(a.astype(jnp.float32), r, jnp.bfloat16)
+      assert err < GRAD_TOL[(self.backend, "bfloat16")], f"{name}: {err:.2e}"
+
+  def test_causal_under_future_gates(self):
+    """Changing gates after position p leaves outputs before p bit-identical."""
+    b, t, h, dk, dv = self.shape
+    q, k, v, g, beta, _ = _inputs(5, b, t, h, dk, dv)
+    p = self.chunk + self.sub_chunk + 3  # inside a diagonal tile of chunk 1
+    g2 = g.at[:, p:].set(LOWER_BOUND * 0.999)
+    fn = jax.jit(lambda *xs: self._pallas("dense")(*xs)[0])
+    o1 = fn(q, k, v, g, beta)
+    o2 = fn(q, k, v, g2, beta)
+    np.testing.assert_array_equal(np.asarray(o1[:, :p]), np.asarray(o2[:, :p]))
+    assert not np.array_equal(np.asarray(o1[:, p:]), np.asarray(o2[:, p:]))
+
+
+class TestKdaPallasInterpret(KdaPallasChecks):
+  interpret = True
+  backend = "interpret"
+  shape = (2, 70, 1, 16, 16)
+  chunk = 32
+
+  def test_kernel_outputs_fully_written(self):
+    """Every element of the intra-chunk kernel's outputs is written (NaN-poisoned)."""
+    b, t, h, dk, dv = 1, 64, 2, 16, 16
+    q, k, v, g, beta, _ = _inputs(6, b, t, h, dk, dv)
+    cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=dk,
+                                    head_v=dv, chunk_size=32, sub_chunk=16)
+    g_cum = jnp.cumsum(g.reshape(b, 2, 32, h * dk), axis=2).reshape(b, t, h * dk)
+    beta_t = jnp.transpose(beta, (0, 2, 1))[..., None]
+    intra = jax.jit(functools.partial(kernel_fwd.intra_fwd, heads=h, chunk_size=32,
+                                      sub_chunk=16, diagonal="pairwise", scale=0.25, cfg=cfg,
+                                      save_m=True))
+    outs = intra(q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1), g_cum, beta_t)
+    for x in outs:
+      assert np.all(np.isfinite(np.asarray(x)))
+
+  def test_rejects_non_power_of_two_head_dim(self):
+    q, k, v, g, beta, _ = _inputs(7, 1, 16, 1, 24, 16)
+    with pytest.raises(ValueError, match="K must be a power of two"):
+      chunk_kda_pallas(q, k, v, g, beta, scale=0.2, chunk_size=16, interpret=True)
+
+  def test_dense_rejects_unsafe_lower_bound(self):
+    q, k, v, g, beta, _ = _inputs(8, 1, 16, 1, 16, 16)
+    with pytest.raises(ValueError, match="unsafe"):
+      api.chunk_kda(q, k, v, g, beta, implementation="pallas", interpret=True,
+                    chunk_size=32, sub_chunk=32, lower_bound=-5.0, diagonal="dense")
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpu(KdaPallasChecks):
+  interpret = False
+  backend = "triton"
+  shape = (2, 300, 2, 64, 128)
+  chunk = 64
+
+  @pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
+  def test_bf16_accuracy_issue_shape(self, diagonal):
+    """bf16 relative L2 error vs the f32 recurrence at B1 T1024 H4 D128 (<= 5e-3)."""
+    q, k, v, g, beta, key = _inputs(9, 1, 1024, 4, 128, 128, dtype=jnp.bfloat16)
+    do = jax.random.normal(key, q.shape, jnp.bfloat16)
+    o, grads = _o_and_vjp(self._pallas(diagonal), (q, k, v, g, beta), do)
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    o_ref, grads_ref = _o_and_vjp(reference.naive_recurrent_kda, f32, do.astype(jnp.float32))
+    err = _rel(o, o_ref, jnp.bfloat16)
+    print(f"bf16 fwd rel L2 ({diagonal}): {err:.2e}")
+    assert err < 5e-3
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
+      gerr = _rel(a.astype(jnp.float32), r, jnp.bfloat16)
+      print(f"bf16 {name} rel L2 ({diagonal}): {gerr:.2e}")
+      assert gerr < GRAD_TOL[("triton", "bfloat16")], f"{name}: {gerr:.2e}"
+
+  @pytest.mark.parametrize("shape", [(16, 2048, 16, 128), (1, 8192, 16, 128),
+                                     (4, 8192, 16, 128), (1, 32768, 16, 128)])
+  def test_benchmark_shapes_vs_xla_reference(self, shape):
+    """bf16 kernels vs the f32 chunked reference (fwd and VJP) at the benchmark shapes."""
+    b, t, h, d = shape
+    q, k, v, g, beta, key = _inputs(10, b, t, h, d, d, dtype=jnp.bfloat16)
+    do = jax.random.normal(key, q.shape, jnp.bfloat16)
+    o, grads = _o_and_vjp(self._pallas("dense"), (q, k, v, g, beta), do)
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    ref = functools.partial(reference.chunk_kda_xla, chunk_size=64, diagonal="dense",
+                            lower_bound=LOWER_BOUND)
+    o_ref, grads_ref = _o_and_vjp(ref, f32, do.astype(jnp.float32))
+    err = _rel(o, o_ref, jnp.bfloat16)
+    print(f"{shape} bf16 fwd rel L2: {err:.2e}")
+    assert err < 5e-3
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
+      gerr = _rel(a.astype(jnp.float32), r, jnp.bfloat16)
+      print(f"{shape} bf16 {name} rel L2: {gerr:.2e}")
+      assert gerr < GRAD_TOL[("triton", "bfloat16")], f"{name}: {gerr:.2e}"
+
+
+@pytest.mark.tpu_export
+@pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
+def test_lowers_for_tpu(diagonal):
+  """Forward and backward lower for TPU (Mosaic) via jax.export on the CPU."""
+  b, t, h, d = 1, 256, 1, 128
+  q, k, v, g, beta, _ = _inputs(11, b, t, h, d, d, dtype=jnp.bfloat16)
+  fn = functools.partial(chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16,
+                         diagonal=diagonal, backend="tpu", block_v=128,
+                         output_final_state=True)
+
+  def fwd_bwd(q, k, v, g, beta):
+    (o, ht), vjp = jax.vjp(lambda *xs: fn(*xs), q, k, v, g, beta)
+    return o, ht, vjp((o, ht))
+
+  exported = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, v, g, beta)
+  text = exported.mlir_module()
+  assert "tpu_custom_call" in text
