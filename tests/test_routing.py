@@ -289,3 +289,15 @@ def test_causality_probe_report(name, cf):
   result = _probe(name, cf)
   print(f"causality {name} cf={cf}: {result}")
   assert 0.0 <= result["changed_fraction"] <= 1.0
+
+
+def test_reassigned_fraction_counts_moves_off_the_preferred_top_k():
+  num_tokens, num_experts, k = 512, 16, 3
+  cfg = _cfg("topk", capacity_factor=0.9)
+  scores = synthetic.skewed_scores(jax.random.key(9), num_tokens, num_experts, num_hot=2)
+  idx, w, stats, _ = _jitted_route(cfg, k)(scores, None)
+  preferred = np.argsort(-np.asarray(scores), axis=1)[:, :k]
+  idx, kept = np.asarray(idx), np.asarray(w) > 0
+  moved = kept & ~(idx[:, :, None] == preferred[:, None, :]).any(-1)
+  assert moved.any()
+  np.testing.assert_allclose(float(stats["reassigned_fraction"]), moved.mean(), atol=1e-6)

@@ -3,6 +3,11 @@
 Routed experts run on tokens sorted by expert through a grouped matmul
 (`jax.lax.ragged_dot`); `impl="dense"` evaluates every expert on every token
 with einsums and is the reference the grouped path is tested against.
+`impl="buffered"` scatters the sorted tokens into per-expert buffers of the
+router's capacity and runs one batched matmul; it needs a capacity factor.
+XLA (jax 0.11) lowers `ragged_dot` on CPU and on NVIDIA GPUs by expanding it
+to every expert for every row (E times the work and memory), so at scale the
+buffered path is the practical one until a grouped-matmul kernel lands.
 """
 import dataclasses
 
@@ -12,8 +17,9 @@ from flax import nnx
 
 from k3jax import routing
 from k3jax.routing import RouterConfig
+from k3jax.routing import capacity as capacity_lib
 
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("ragged", "buffered", "dense")
 
 
 class RouterState(nnx.Variable):
@@ -33,7 +39,9 @@ class MoEConfig:
       num_shared_experts * shared_hidden).
     shared_hidden: width of one shared expert; None means expert_hidden.
     router: RouterConfig.
-    impl: "ragged" (grouped matmul on sorted tokens) or "dense" (reference).
+    impl: "ragged" (grouped matmul on sorted tokens), "buffered" (per-expert
+      capacity buffers, batched matmul; needs router.capacity_factor) or
+      "dense" (every expert on every token; the reference).
     dtype: compute dtype of the expert matmuls (accumulation is float32).
     param_dtype: parameter dtype.
   """
@@ -68,6 +76,10 @@ class MoEConfig:
       raise ValueError(f"MoEConfig.router must be a RouterConfig, got {self.router!r}")
     if self.impl not in MOE_IMPLS:
       raise ValueError(f"MoEConfig.impl={self.impl!r}; allowed: {MOE_IMPLS}")
+    if self.impl == "buffered" and self.router.capacity_factor is None:
+      raise ValueError(
+          "MoEConfig.impl='buffered' needs router.capacity_factor (buffer size); "
+          "got None (dropless): use impl='ragged' or set a capacity factor")
 
 
 def _param(rngs, init, shape, dtype, names):
@@ -120,7 +132,7 @@ class MoE(nnx.Module):
     Returns:
       y_btd: [B, T, d] in x's dtype.
       aux: dict of float32 scalars max_vio, max_vio_routed, drop_fraction,
-        load_cv, aux_loss (0 for routers without one), and load [E].
+        reassigned_fraction, load_cv, aux_loss (0 for routers without one), and load [E].
     """
     c = self.config
     if x_btd.ndim != 3 or x_btd.shape[-1] != c.d_model:
@@ -136,13 +148,16 @@ class MoE(nnx.Module):
       self.router_state.set_value(new_state)
     if c.impl == "ragged":
       y_nd = self._routed_ragged(x_nd, idx_nk, w_nk)
+    elif c.impl == "buffered":
+      y_nd = self._routed_buffered(x_nd, idx_nk, w_nk)
     else:
       y_nd = self._routed_dense(x_nd, idx_nk, w_nk)
     if self.shared_gate is not None:
       y_nd = y_nd + _swiglu(x_nd, self.shared_gate[...], self.shared_up[...],
                             self.shared_out[...], c.dtype)
     aux = {key: stats[key] for key in
-           ("max_vio", "max_vio_routed", "drop_fraction", "load_cv", "aux_loss", "load")}
+           ("max_vio", "max_vio_routed", "drop_fraction", "reassigned_fraction", "load_cv",
+            "aux_loss", "load")}
     return y_nd.reshape(b, t, d).astype(x_btd.dtype), aux
 
   def _routed_ragged(self, x_nd, idx_nk, w_nk):
@@ -167,6 +182,39 @@ class MoE(nnx.Module):
     w_sorted = w_nk.reshape(-1)[order]
     # Rows past the last group are unspecified by ragged_dot: mask, don't multiply.
     ys = jnp.where(kept_a[order][:, None], ys * w_sorted[:, None], 0.0)
+    inverse = jnp.argsort(order)
+    return jnp.sum(ys[inverse].reshape(n, k, -1), axis=1)
+
+  def _routed_buffered(self, x_nd, idx_nk, w_nk):
+    """Per-expert buffers of the router's capacity, one batched matmul. [N, d] f32."""
+    c = self.config
+    n, k = idx_nk.shape
+    cap = capacity_lib.expert_capacity(n, c.num_experts, k, c.router.capacity_factor)
+    kept_a = (w_nk > 0).reshape(-1)
+    key_a = jnp.where(kept_a, idx_nk.reshape(-1), c.num_experts)
+    order = jnp.argsort(key_a, stable=True)
+    key_sorted = key_a[order]
+    group_sizes = jnp.bincount(key_a, length=c.num_experts + 1)
+    group_start = jnp.cumsum(group_sizes) - group_sizes
+    pos = jnp.arange(n * k, dtype=jnp.int32) - group_start[key_sorted]
+    # The router keeps at most `cap` per expert, so kept rows always fit; the
+    # rest (and dropped pairs) point past the buffer and are not written.
+    slot = jnp.where((key_sorted < c.num_experts) & (pos < cap),
+                     key_sorted * cap + pos, c.num_experts * cap)
+    buf = jnp.zeros((c.num_experts * cap, x_nd.shape[1]), c.dtype).at[slot].set(
+        x_nd[order // k].astype(c.dtype), mode="drop")
+    buf = buf.reshape(c.num_experts, cap, -1)
+    gate = jnp.einsum("ecd,edh->ech", buf, self.wi_gate[...].astype(c.dtype),
+                      preferred_element_type=jnp.float32)
+    up = jnp.einsum("ecd,edh->ech", buf, self.wi_up[...].astype(c.dtype),
+                    preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(gate) * up).astype(c.dtype)
+    out = jnp.einsum("ech,ehd->ecd", h, self.wo[...].astype(c.dtype),
+                     preferred_element_type=jnp.float32).reshape(c.num_experts * cap, -1)
+    valid = slot < c.num_experts * cap
+    ys = jnp.where(valid[:, None],
+                   out[jnp.minimum(slot, c.num_experts * cap - 1)]
+                   * w_nk.reshape(-1)[order][:, None], 0.0)
     inverse = jnp.argsort(order)
     return jnp.sum(ys[inverse].reshape(n, k, -1), axis=1)
 

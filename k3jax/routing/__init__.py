@@ -36,7 +36,7 @@ def route(scores_te: jax.Array, *, k: int, config: RouterConfig, state=None):
     weights_tk: [T, k] float32 combine weights: the unbiased scores of the kept
       experts renormalised per token; 0 for dropped assignments.
     stats: dict of float32 arrays: load [E], max_vio, max_vio_routed, load_cv,
-      drop_fraction, aux_loss (0 unless aux_loss), plus router extras.
+      drop_fraction, reassigned_fraction, aux_loss (0 unless aux_loss), plus router extras.
     new_state: the state for the next batch (None for stateless routers).
   """
   if not isinstance(config, RouterConfig):

@@ -44,16 +44,19 @@ def routing_stats(indices_tk: jax.Array, kept_tk: jax.Array, routed_tk: jax.Arra
   Returns:
     dict of float32: load [E] (kept), max_vio, load_cv and drop_fraction of
     the kept loads, max_vio_routed of the preferred choice (what a dropless
-    layer would see), and aux_loss.
+    layer would see), reassigned_fraction (kept assignments outside the
+    token's preferred top-k, i.e. moved there by the capacity), and aux_loss.
   """
   load_e = expert_load(indices_tk, kept_tk, num_experts)
   routed_e = expert_load(routed_tk, jnp.ones_like(kept_tk), num_experts)
+  preferred_tk = jnp.any(indices_tk[:, :, None] == routed_tk[:, None, :], axis=-1)
   return {
       "load": load_e,
       "max_vio": max_violation(load_e),
       "max_vio_routed": max_violation(routed_e),
       "load_cv": coefficient_of_variation(load_e),
       "drop_fraction": 1.0 - jnp.mean(kept_tk.astype(jnp.float32)),
+      "reassigned_fraction": jnp.mean((kept_tk & ~preferred_tk).astype(jnp.float32)),
       "aux_loss": (jnp.zeros((), jnp.float32) if aux_loss is None
                    else aux_loss.astype(jnp.float32)),
   }
