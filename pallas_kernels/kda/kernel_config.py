@@ -33,14 +33,18 @@ class KernelConfig:
     num_stages: Triton software-pipelining stages of the state kernels' loop.
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
       intermediates (bf16 for bf16 inputs; f32 inputs keep f32).
-    intra_mm_dtype: operand dtype of the intra-chunk kernels' matmuls. f32
-      (3xTF32 on the GPU): with bf16 operands the bf16 forward error at
-      B2 T77 rose from 3.1e-3 to 4.2e-3 and the dg error from 1.9e-3 to
-      1.9e-2 (relative L2, CPU interpret).
+    intra_mm_dtype: operand dtype of the intra-chunk forward's other matmuls
+      (W = M (beta k e^G), U = M (beta v)): f32 (3xTF32 on the GPU).
+    score_mm_dtype: operand dtype of the anchored score matmuls (A_kk, A_qk
+      and their gradients), the largest intra-chunk matmuls; the input dtype.
+      Relative L2 errors vs the f32 recurrence, bf16 inputs, B1 T512 H2 D64,
+      CPU interpret (o / dq / dk / dv / dg / dbeta, x1e-3): all intra f32
+      2.9 / 2.4 / 2.4 / 2.4 / 1.8 / 2.2; bf16 scores 3.7 / 3.3 / 3.3 / 3.3 /
+      3.1 / 3.2; everything bf16 4.0 / 3.6 / 3.7 / 3.7 / 3.6 / 3.6.
     intra_bwd_mm_dtype: the same for the intra-chunk backward kernel. On the
       H200 with K = V = 128 its f32 operands asked Triton for 288 KiB of
       shared memory (227 KiB available), so the GPU default for K*V >= 128*128
-      is the input dtype (bf16): half the operand buffers, at the dg accuracy
+      is the input dtype (bf16): half the operand buffers, at the accuracy
       cost above. Not yet verified on the GPU.
   """
   backend: str
@@ -51,6 +55,7 @@ class KernelConfig:
   mm_dtype: jnp.dtype = jnp.float32
   intra_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_mm_dtype: jnp.dtype = jnp.float32
+  score_mm_dtype: jnp.dtype = jnp.float32
 
   def intra(self, backward: bool = False) -> "KernelConfig":
     """This config with an intra-chunk kernel's operand dtype as `mm_dtype`."""
@@ -118,7 +123,8 @@ def default_backend(interpret: bool) -> str:
 
 
 def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: int,
-                sub_chunk: int, block_v: int | None = None) -> KernelConfig:
+                sub_chunk: int, block_v: int | None = None,
+                overrides: dict | None = None) -> KernelConfig:
   """Checks the tile shapes for `backend` and returns its KernelConfig.
 
   Args:
@@ -127,6 +133,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     head_k, head_v: K and V head dims.
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V-tile of the state kernels; default min(V, 64) (V on TPU).
+    overrides: KernelConfig fields to set explicitly (benchmarks, ablations).
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -149,5 +156,11 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   intra_bwd = jnp.float32
   if backend == "triton" and head_k * head_v >= 128 * 128:
     intra_bwd = mm_dtype
-  return KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype,
-                      intra_bwd_mm_dtype=intra_bwd)
+  cfg = KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype,
+                     intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
+  if overrides:
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
+    if unknown:
+      raise ValueError(f"unknown KernelConfig fields in overrides: {sorted(unknown)}")
+    cfg = dataclasses.replace(cfg, **overrides)
+  return cfg

@@ -129,8 +129,8 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
     anchor = g_ref[pl.ds(r * ell, 1), :]
     row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
     yk = k * col_f
-    akk += dot(bk * row_f, yk, cfg, tb=True)
-    aqk += dot(q * row_f, yk, cfg, tb=True)
+    akk += dot(bk * row_f, yk, cfg, tb=True, dtype=cfg.score_mm_dtype)
+    aqk += dot(q * row_f, yk, cfg, tb=True, dtype=cfg.score_mm_dtype)
     if diagonal == "pairwise":
       rows = pl.ds(r * ell, ell)
       k_l = k_ref[rows, :].astype(_F32)

@@ -125,7 +125,8 @@ def _next_pow2(n: int) -> int:
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
                      cu_seqlens=None, chunk_size=64, lower_bound=None, diagonal="dense",
-                     sub_chunk=16, interpret=False, backend=None, block_v=None):
+                     sub_chunk=16, interpret=False, backend=None, block_v=None,
+                     config_overrides=None):
   """Chunked KDA with Pallas kernels; differentiable (custom VJP).
 
   Arguments are validated by `api.chunk_kda` (this entry re-checks only what
@@ -145,6 +146,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_fina
     backend: override of the lowering ("triton", "tpu", "interpret"); None
       picks from `interpret` and the default JAX platform.
     block_v: V-tile of the state kernels (default min(V, 64)).
+    config_overrides: dict of `kernel_config.KernelConfig` fields to force
+      (e.g. {"score_mm_dtype": jnp.bfloat16}) for benchmarks and ablations.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
@@ -158,7 +161,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_fina
     backend = kernel_config.default_backend(interpret)
   cfg = kernel_config.make_config(backend=backend, dtype=q.dtype, head_k=dk, head_v=dv,
                                   chunk_size=chunk_size, sub_chunk=sub_chunk,
-                                  block_v=block_v)
+                                  block_v=block_v, overrides=config_overrides)
   c = chunk_size
   g = g.astype(_F32)
   varlen = cu_seqlens is not None
