@@ -183,7 +183,7 @@ class HybridLM(nnx.Module):
 
 def _abstract_params(config: ModelConfig):
   model = nnx.eval_shape(lambda: HybridLM(config, rngs=nnx.Rngs(0)))
-  return list(nnx.state(model, nnx.Param).flat_state())
+  return list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
 
 def _axes(var) -> tuple:
