@@ -1,11 +1,12 @@
 """Causal GQA softmax attention layer (k3jax.layers.attention)."""
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.layers.attention import CausalSelfAttention
+from k3jax.layers.attention import CausalSelfAttention, resolve_implementation
 
 D, H, KVH, HD = 16, 4, 2, 8
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2}
@@ -85,6 +86,15 @@ def test_bad_config_and_inputs():
     layer(np.zeros((2, 3, D + 1), np.float32))
   with pytest.raises(ValueError, match="exceeds cache length"):
     layer.prefill(np.zeros((1, 5, D), np.float32), 4)
+
+
+def test_implementation_choice():
+  assert resolve_implementation("cudnn", jnp.bfloat16, H, KVH, HD) == "cudnn"
+  with pytest.raises(ValueError, match="allowed"):
+    resolve_implementation("flash", jnp.bfloat16, H, KVH, HD)
+  assert resolve_implementation(None, jnp.float32, H, KVH, HD) == "xla"  # f32: never cuDNN
+  if jax.default_backend() == "cpu":
+    assert resolve_implementation(None, jnp.bfloat16, H, KVH, HD) == "xla"
 
 
 def test_parameters_carry_logical_axes():

@@ -202,3 +202,34 @@ def test_few_training_steps_reduce_loss(residual):
   if residual != "prenorm":  # every pseudo-query receives a gradient
     q_grad = np.asarray(grads["residual"]["queries"][...])
     assert np.all(np.linalg.norm(q_grad, axis=-1) > 0), q_grad
+
+
+# -- GPU -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_and_xla_kda_models_agree():
+  """Same weights, KDA through the Pallas kernel vs the XLA chunked form, bf16 compute."""
+  base = dict(vocab_size=256, d_model=256, num_layers=4, num_heads=2, head_dim=128,
+              num_kv_heads=2, num_experts=4, expert_hidden=256, dense_hidden=512,
+              router=CAUSAL_ROUTER, residual="block_attnres", dtype="bfloat16",
+              kda_chunk_size=64, kda_sub_chunk=16, conv_size=4, layer_pattern="KKKA")
+  xla_model = lm.HybridLM(ModelConfig(**base, kda_implementation="xla"), rngs=nnx.Rngs(0))
+  pallas_model = lm.HybridLM(ModelConfig(**base, kda_implementation="pallas"), rngs=nnx.Rngs(0))
+  tokens = _tokens(2, 1000, vocab=256, seed=9)
+  fwd = nnx.jit(lambda m, t: m(t, deterministic=True)[0])
+  a, b = np.asarray(fwd(xla_model, tokens)), np.asarray(fwd(pallas_model, tokens))
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  np.testing.assert_allclose(b, a, rtol=0, atol=5e-2 * np.abs(a).max())
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_attention_matches_xla():
+  from k3jax.layers.attention import CausalSelfAttention  # pylint: disable=g-import-not-at-top
+  layers = [CausalSelfAttention(256, 8, 2, 128, dtype=jnp.bfloat16, implementation=impl,
+                                rngs=nnx.Rngs(0)) for impl in ("xla", None)]
+  x = np.random.default_rng(0).standard_normal((2, 777, 256)).astype(np.float32)
+  fwd = nnx.jit(lambda m, x: m(x)[0])
+  a, b = (np.asarray(fwd(m, x), np.float32) for m in layers)
+  np.testing.assert_allclose(b, a, rtol=0, atol=3e-2 * np.abs(a).max())
+  print("auto-selected attention implementation:", layers[1].implementation)

@@ -1,15 +1,49 @@
 """Causal softmax attention with grouped KV heads and no positional encoding.
 
-Full-sequence calls use `jax.nn.dot_product_attention` (cuDNN on GPU when the
-dtype allows, XLA otherwise). Decoding keeps a preallocated KV cache.
+Full-sequence calls use `jax.nn.dot_product_attention`: cuDNN's fused kernel
+on GPU for 16-bit compute when it compiles for the layer's head shape, XLA
+otherwise (CPU, float32). Decoding keeps a preallocated KV cache.
 """
 from __future__ import annotations
+
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.params import fan_in_init, logical_param
+
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+@functools.cache
+def _cudnn_compiles(dtype_name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+  """Whether cuDNN's causal attention compiles here for this head shape."""
+  shape_q = jax.ShapeDtypeStruct((1, 128, num_heads, head_dim), jnp.dtype(dtype_name))
+  shape_kv = jax.ShapeDtypeStruct((1, 128, num_kv_heads, head_dim), jnp.dtype(dtype_name))
+  fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+  try:
+    jax.jit(fn).lower(shape_q, shape_kv, shape_kv).compile()
+    return True
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("cuDNN attention unavailable for %s heads=%d/%d dim=%d (%s); using XLA",
+                    dtype_name, num_heads, num_kv_heads, head_dim, str(e).splitlines()[0][:200])
+    return False
+
+
+def resolve_implementation(requested: str | None, dtype, num_heads: int, num_kv_heads: int,
+                           head_dim: int) -> str:
+  """Returns `requested`, or for None: "cudnn" where it compiles, else "xla"."""
+  if requested not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {requested!r}; allowed: {IMPLEMENTATIONS}")
+  if requested is not None:
+    return requested
+  if jax.default_backend() != "gpu" or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return "xla"
+  ok = _cudnn_compiles(jnp.dtype(dtype).name, num_heads, num_kv_heads, head_dim)
+  return "cudnn" if ok else "xla"
 
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
@@ -30,7 +64,8 @@ class CausalSelfAttention(nnx.Module):
     head_dim: per-head width hd.
     dtype: compute dtype; softmax runs in float32 inside the attention op.
     param_dtype: parameter dtype.
-    implementation: passed to `jax.nn.dot_product_attention` (None = auto).
+    implementation: "xla", "cudnn", or None to pick cuDNN on GPU for 16-bit
+      compute when it compiles for this head shape, else XLA.
   """
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -41,7 +76,8 @@ class CausalSelfAttention(nnx.Module):
     self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
         d_model, num_heads, num_kv_heads, head_dim)
     self.dtype = dtype
-    self.implementation = implementation
+    self.implementation = resolve_implementation(implementation, dtype, num_heads, num_kv_heads,
+                                                 head_dim)
     init = fan_in_init(d_model)
     self.wq = logical_param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "kv"), param_dtype)
     self.wk = logical_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "heads", "kv"), param_dtype)
