@@ -196,6 +196,25 @@ class TestKdaPallasInterpret(KdaPallasChecks):
                     chunk_size=32, sub_chunk=32, lower_bound=-5.0, diagonal="dense")
 
 
+class TestKdaPallasTpuInterpret(KdaPallasChecks):
+  """TPU semantics on the CPU (SMEM metadata, whole-V state tiles, Mosaic params)."""
+  interpret = True
+  backend = "interpret"
+  shape = (2, 70, 1, 16, 16)
+  chunk = 32
+  test_bf16_forward_and_vjp = None  # dtype handling is backend-independent; CI time
+
+  def _pallas(self, diagonal, **kw):
+    def fn(q, k, v, g, beta, **kw2):
+      if g.ndim == 3:
+        g = jnp.broadcast_to(g[..., None], q.shape)
+      return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+                              chunk_size=self.chunk, sub_chunk=self.sub_chunk,
+                              lower_bound=LOWER_BOUND, diagonal=diagonal,
+                              backend="tpu_interpret", **kw, **kw2)
+    return fn
+
+
 @pytest.mark.gpu
 class TestKdaPallasGpu(KdaPallasChecks):
   interpret = False

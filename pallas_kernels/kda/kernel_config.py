@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-BACKENDS = ("triton", "tpu", "interpret")
+BACKENDS = ("triton", "tpu", "interpret", "tpu_interpret")
 
 # Kernel stages, each a separate pallas_call.
 STAGES = ("intra_fwd", "state_fwd", "state_bwd", "intra_bwd")
@@ -27,7 +27,9 @@ class KernelConfig:
   """Static tiling and lowering choices for one call of the KDA kernels.
 
   Attributes:
-    backend: "triton" (GPU), "tpu" (Mosaic) or "interpret" (CPU emulation).
+    backend: "triton" (GPU), "tpu" (Mosaic), "interpret" (generic CPU
+      emulation) or "tpu_interpret" (CPU emulation with TPU semantics:
+      SMEM metadata, TPU compiler parameters, `pltpu.InterpretParams`).
     block_v: V-tile of the state kernels (their grid is B x H x V/block_v).
     num_warps: Triton warps per stage, as ((stage, warps), ...).
     num_stages: Triton software-pipelining stages of the state kernels' loop.
@@ -67,8 +69,16 @@ class KernelConfig:
       raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
   @property
-  def interpret(self) -> bool:
+  def interpret(self):
+    """The `interpret=` argument of pallas_call."""
+    if self.backend == "tpu_interpret":
+      from jax.experimental.pallas import tpu as pltpu
+      return pltpu.InterpretParams()
     return self.backend == "interpret"
+
+  @property
+  def is_tpu(self) -> bool:
+    return self.backend in ("tpu", "tpu_interpret")
 
   def compiler_params(self, stage: str, grid_rank: int = 3):
     """`pallas_call` compiler parameters of `stage` for this backend."""
@@ -78,7 +88,7 @@ class KernelConfig:
       from jax.experimental.pallas import triton as pltriton
       return pltriton.CompilerParams(num_warps=dict(self.num_warps)[stage],
                                      num_stages=self.num_stages)
-    if self.backend == "tpu":
+    if self.is_tpu:
       from jax.experimental.pallas import tpu as pltpu
       return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
     return None
@@ -98,7 +108,7 @@ class KernelConfig:
 
   def meta_block_spec(self, n: int) -> pl.BlockSpec:
     """BlockSpec of an int32 [n] per-chunk metadata vector read by scalar index."""
-    if self.backend == "tpu":
+    if self.is_tpu:
       from jax.experimental.pallas import tpu as pltpu
       return pl.BlockSpec(memory_space=pltpu.SMEM)
     return pl.BlockSpec((n,), lambda *_: (0,))
@@ -149,7 +159,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     raise ValueError(f"chunk_size must be >= 16 (tensor-core tile), got {chunk_size}")
   if block_v is None:
     # Mosaic needs the lane dim to be a multiple of 128 or the whole array.
-    block_v = head_v if backend == "tpu" else min(head_v, 64)
+    block_v = head_v if backend in ("tpu", "tpu_interpret") else min(head_v, 64)
   if not _is_pow2(block_v) or head_v % block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {block_v}")
   mm_dtype = jnp.float32 if dtype == jnp.float32 else dtype
