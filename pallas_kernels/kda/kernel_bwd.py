@@ -68,6 +68,70 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
   lax.fori_loop(0, nc, body, jnp.zeros((dk, bv), _F32))
 
 
+def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
+                          do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, ds_ref, *, scale, cfg):
+  """One chunk per grid step, last chunk first; dS in VMEM scratch."""
+  nc = pl.num_programs(3)
+  i = nc - 1 - pl.program_id(3)
+  c = q_ref.shape[0]
+  seq = seq_ref[i]
+
+  @pl.when(last_ref[i] != 0)
+  def _():
+    ds_ref[...] = dht_ref[seq].astype(_F32)
+
+  ds = ds_ref[...]
+  dhs_ref[...] = ds
+  g = g_ref[...]
+  g_last = g_ref[pl.ds(c - 1, 1), :]
+  q = q_ref[...].astype(_F32) * scale
+  k = k_ref[...].astype(_F32)
+  do = do_ref[...]
+  dvn = dot(aqk_ref[...], do, cfg, ta=True) + dot(k * jnp.exp(g_last - g), ds, cfg)
+  dvn_ref[...] = dvn
+  ds = (jnp.transpose(jnp.exp(g_last)) * ds + dot(q * jnp.exp(g), do, cfg, ta=True)
+        - dot(w_ref[...], dvn, cfg, ta=True))
+  ds_ref[...] = ds
+
+  @pl.when(first_ref[i] != 0)
+  def _():
+    dh0_ref[seq] = ds
+
+
+def _state_bwd_tpu(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale, cfg,
+                   varlen):
+  """TPU layout of `state_bwd`: grid (B, H, V/BV, NC), chunks visited in reverse."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk = hk // h
+  dv = do.shape[-1] // h
+  nc = tp // c
+  bv = cfg.block_v
+  nv = dv // bv
+  n_blk = dht.shape[0] if varlen else 1
+  meta_spec = cfg.meta_block_spec(nc)
+  rev = lambda ic: nc - 1 - ic
+  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, iv, ic: (ib, rev(ic), ih))
+  vspec = pl.BlockSpec((None, c, bv), lambda ib, ih, iv, ic: (ib, rev(ic), ih * nv + iv))
+  aspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, iv, ic: (ib, ih, rev(ic), 0))
+  hspec = pl.BlockSpec((n_blk, None, dk, bv),
+                       lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv))
+  sspec = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv, ic: (ib, ih, rev(ic), iv))
+  kernel = functools.partial(_state_bwd_kernel_tpu, scale=scale, cfg=cfg)
+  return pl.pallas_call(
+      kernel, grid=(b, h, nv, nc),
+      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, aspec, vspec, hspec],
+      out_specs=[vspec, sspec, hspec],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv), _F32),
+                 jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
+                 jax.ShapeDtypeStruct(dht.shape, _F32)],
+      scratch_shapes=[pltpu.VMEM((dk, bv), _F32)],
+      compiler_params=cfg.compiler_params("state_bwd", grid_rank=4, sequential_last=True),
+      interpret=cfg.interpret, name="kda_state_bwd",
+  )(*meta, q, k, g_cum, w, a_qk, do, dht)
+
+
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool):
   """Runs the reverse state kernel.
@@ -82,6 +146,9 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
     the state leaving each chunk), dh0 [Nh, H, K, V] f32 (rows of sequences
     that start; others untouched).
   """
+  if cfg.is_tpu:
+    return _state_bwd_tpu(meta, q, k, g_cum, w, a_qk, do, dht, heads=heads,
+                          chunk_size=chunk_size, scale=scale, cfg=cfg, varlen=varlen)
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk = hk // h

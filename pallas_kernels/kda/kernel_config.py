@@ -7,6 +7,11 @@ Everything that differs between the Triton (GPU), Mosaic (TPU) and interpret
 * `compiler_params(stage)`: the `pallas_call` compiler parameters,
 * `dot_precision(dtype)`: the precision of matmuls whose operands are `dtype`,
 * `meta_block_spec(n)`: where per-chunk integer metadata lives (SMEM on TPU).
+
+Structural difference: on TPU the state kernels walk the chunks as the last,
+sequential ("arbitrary") grid axis with the state in VMEM scratch, so only
+one chunk of each input is resident; on the GPU (Triton has no sequential
+grid axis) each program loops over the chunks of a whole-sequence block.
 """
 from __future__ import annotations
 
@@ -80,8 +85,11 @@ class KernelConfig:
   def is_tpu(self) -> bool:
     return self.backend in ("tpu", "tpu_interpret")
 
-  def compiler_params(self, stage: str, grid_rank: int = 3):
-    """`pallas_call` compiler parameters of `stage` for this backend."""
+  def compiler_params(self, stage: str, grid_rank: int = 3, sequential_last: bool = False):
+    """`pallas_call` compiler parameters of `stage` for this backend.
+
+    sequential_last: the last grid axis carries state (TPU "arbitrary").
+    """
     if stage not in STAGES:
       raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     if self.backend == "triton":
@@ -90,7 +98,8 @@ class KernelConfig:
                                      num_stages=self.num_stages)
     if self.is_tpu:
       from jax.experimental.pallas import tpu as pltpu
-      return pltpu.CompilerParams(dimension_semantics=("parallel",) * grid_rank)
+      sem = ("parallel",) * (grid_rank - 1) + ("arbitrary" if sequential_last else "parallel",)
+      return pltpu.CompilerParams(dimension_semantics=sem)
     return None
 
   def dot_precision(self, dtype):

@@ -6,7 +6,8 @@ Two kernels, chunk length C, sub-tile (diagonal tile) length L:
   anchored scores A_kk (strictly lower) and A_qk (lower), inverts the unit
   lower-triangular I + A_kk by forward substitution in f32, and writes
   W = M (beta k e^G), U = M (beta v), A_qk (and M when the backward asks).
-* `state_fwd`: grid (B, H, V/BV). Carries the f32 state S [K, BV] through the
+* `state_fwd`: grid (B, H, V/BV) (GPU; on TPU (B, H, V/BV, chunks) with a
+  sequential chunk axis). Carries the f32 state S [K, BV] through the
   chunks: V' = U - W S; O = (q e^G) S + A_qk V';
   S <- e^{G_last} S + (k e^{G_last - G})^T V'.
 
@@ -234,6 +235,77 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
   lax.fori_loop(0, nc, body, jnp.zeros((dk, bv), _F32))
 
 
+def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
+                          aqk_ref, h0_ref, o_ref, ht_ref, *rest, scale, cfg, save):
+  """One chunk per grid step (last grid axis, sequential); state in VMEM scratch."""
+  save_refs, s_ref = rest[:-1], rest[-1]
+  i = pl.program_id(3)
+  c = q_ref.shape[0]
+  mm = cfg.mm_dtype
+  seq = seq_ref[i]
+
+  @pl.when(first_ref[i] != 0)
+  def _():
+    s_ref[...] = h0_ref[seq].astype(_F32)
+
+  s = s_ref[...]
+  g = g_ref[...]
+  g_last = g_ref[pl.ds(c - 1, 1), :]
+  q = q_ref[...].astype(_F32) * scale
+  k = k_ref[...].astype(_F32)
+  s_mm = s.astype(mm)
+  v_new = u_ref[...].astype(_F32) - dot(w_ref[...], s_mm, cfg)
+  if save:
+    hs_ref, vn_ref = save_refs
+    hs_ref[...] = s.astype(hs_ref.dtype)
+    vn_ref[...] = v_new.astype(vn_ref.dtype)
+  o = dot(q * jnp.exp(g), s_mm, cfg) + dot(aqk_ref[...], v_new, cfg)
+  o_ref[...] = o.astype(o_ref.dtype)
+  s = jnp.transpose(jnp.exp(g_last)) * s + dot(k * jnp.exp(g_last - g), v_new, cfg, ta=True)
+  s_ref[...] = s
+
+  @pl.when(last_ref[i] != 0)
+  def _():
+    ht_ref[seq] = s
+
+
+def _state_fwd_tpu(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale, cfg,
+                   varlen, save, out_dtype):
+  """TPU layout of `state_fwd`: grid (B, H, V/BV, NC), chunk axis sequential."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk = hk // h
+  dv = u.shape[-1] // h
+  nc = tp // c
+  bv = cfg.block_v
+  nv = dv // bv
+  n_blk = h0.shape[0] if varlen else 1
+  meta_spec = cfg.meta_block_spec(nc)
+  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, iv, ic: (ib, ic, ih))
+  vspec = pl.BlockSpec((None, c, bv), lambda ib, ih, iv, ic: (ib, ic, ih * nv + iv))
+  aspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, iv, ic: (ib, ih, ic, 0))
+  hspec = pl.BlockSpec((n_blk, None, dk, bv),
+                       lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv))
+  out_shape = [jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype),
+               jax.ShapeDtypeStruct(h0.shape, _F32)]
+  out_specs = [vspec, hspec]
+  if save:
+    out_shape += [jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
+                  jax.ShapeDtypeStruct((b, tp, h * dv), _F32)]
+    out_specs += [pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv, ic: (ib, ih, ic, iv)),
+                  vspec]
+  kernel = functools.partial(_state_fwd_kernel_tpu, scale=scale, cfg=cfg, save=save)
+  return pl.pallas_call(
+      kernel, grid=(b, h, nv, nc),
+      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, vspec, aspec, hspec],
+      out_specs=out_specs, out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((dk, bv), _F32)],
+      compiler_params=cfg.compiler_params("state_fwd", grid_rank=4, sequential_last=True),
+      interpret=cfg.interpret, name="kda_state_fwd",
+  )(*meta, q, k, g_cum, w, u, a_qk, h0)
+
+
 def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool, save: bool = False, out_dtype=None):
   """Runs the state kernel over all chunks.
@@ -251,6 +323,10 @@ def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
     o [B, Tp, H*V] (out_dtype), ht [Nh, H, K, V] f32 (rows of sequences that
     end; others untouched), and (hs, v_new) if save.
   """
+  if cfg.is_tpu:
+    return _state_fwd_tpu(meta, q, k, g_cum, w, u, a_qk, h0, heads=heads,
+                          chunk_size=chunk_size, scale=scale, cfg=cfg, varlen=varlen,
+                          save=save, out_dtype=out_dtype or q.dtype)
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk = hk // h
