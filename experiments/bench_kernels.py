@@ -33,6 +33,11 @@ _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per measurement (median)
 _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Chunk length C.")
 _SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
+_OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields of the pallas path, "
+                               "e.g. score_mm_dtype=float32,intra_bwd_mm_dtype=bfloat16.")
+_CEIL_BYTES = flags.DEFINE_integer("ceiling_bytes", 2 ** 32, "Array size of the bandwidth "
+                                   "measurement.")
+_CEIL_MM = flags.DEFINE_integer("ceiling_matmul", 8192, "Size of the square bf16 matmul.")
 _XLA_MAX_TOKENS = flags.DEFINE_integer("xla_max_tokens", 2 ** 16, "Skip the xla path above "
                                        "B*T tokens (memory).")
 
@@ -96,7 +101,13 @@ def _run_jax(shapes):
   from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
 
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-  ceil = bench.measure_ceilings()
+  overrides = {}
+  for item in _OVERRIDES.value:
+    name, _, value = item.partition("=")
+    overrides[name] = jnp.dtype(value) if name.endswith("dtype") else int(value)
+  if overrides:
+    print(f"pallas KernelConfig overrides: {overrides}", flush=True)
+  ceil = bench.measure_ceilings(_CEIL_BYTES.value, _CEIL_MM.value)
   print(f"measured: copy bandwidth {ceil.bandwidth / 1e12:.2f} TB/s, bf16 matmul "
         f"{ceil.matmul / 1e12:.0f} TFLOP/s", flush=True)
   peer = _peer_times(shapes) if _PEER.value else {}
@@ -113,7 +124,8 @@ def _run_jax(shapes):
       impl, diag = spec.split(":")
       if impl == "xla" and b * t > _XLA_MAX_TOKENS.value:
         continue
-      kw = dict(chunk_size=_CHUNK.value, sub_chunk=_SUB.value, lower_bound=_LOWER_BOUND.value)
+      kw = dict(chunk_size=_CHUNK.value, sub_chunk=_SUB.value, lower_bound=_LOWER_BOUND.value,
+                config_overrides=overrides or None)
       try:
         f = bench.time_ms(bench.kda_fn(impl, diag, **kw), *args, iters=_ITERS.value)
         fb = bench.time_ms(bench.kda_fn(impl, diag, backward=True, **kw), *args, do,
@@ -128,7 +140,7 @@ def _run_jax(shapes):
       for diag in _STAGES.value:
         try:
           st = bench.stage_times_ms(*args, diagonal=diag, chunk_size=_CHUNK.value,
-                                    sub_chunk=_SUB.value)
+                                    sub_chunk=_SUB.value, config_overrides=overrides or None)
           print(f"{shape} stages pallas:{diag}: " +
                 ", ".join(f"{k} {v:.3f}" for k, v in st.items()), flush=True)
         except Exception as e:  # pylint: disable=broad-except

@@ -47,9 +47,18 @@ def time_ms(fn, *args, iters=20, warmup=3):
 
 
 def kda_fn(implementation, diagonal, *, chunk_size=64, sub_chunk=16, lower_bound=-5.0,
-           backward=False):
-  """Jitted forward (or forward+backward) of `api.chunk_kda`."""
+           backward=False, config_overrides=None):
+  """Jitted forward (or forward+backward) of `api.chunk_kda`.
+
+  config_overrides: KernelConfig fields for the pallas path (then called
+  directly, g must be [B, T, H, K]).
+  """
   def fwd(q, k, v, g, beta):
+    if implementation == "pallas" and config_overrides:
+      o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
+                                        chunk_size=chunk_size, sub_chunk=sub_chunk,
+                                        diagonal=diagonal, config_overrides=config_overrides)
+      return o
     o, _ = api.chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, sub_chunk=sub_chunk,
                          lower_bound=lower_bound, diagonal=diagonal,
                          implementation=implementation)
@@ -111,7 +120,8 @@ def roofline_ms(cost, ceil: Ceilings):
   return f * 1e3, fb * 1e3
 
 
-def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, iters=10):
+def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, iters=10,
+                   config_overrides=None):
   """Per-kernel times (ms) of the Pallas path on the current backend.
 
   Stages: the g cumsum (XLA), intra_fwd, state_fwd, the backward's
@@ -121,7 +131,8 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   dv = v.shape[-1]
   c = chunk_size
   cfg = kernel_config.make_config(backend=kernel_config.default_backend(False), dtype=q.dtype,
-                                  head_k=dk, head_v=dv, chunk_size=c, sub_chunk=sub_chunk)
+                                  head_k=dk, head_v=dv, chunk_size=c, sub_chunk=sub_chunk,
+                                  overrides=config_overrides)
   t_pad = -(-t // c) * c
   nc = t_pad // c
   pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))

@@ -78,12 +78,39 @@ def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
   return row_ck, col_ck
 
 
-def pair_decay(g_lk, strict: bool):
-  """[L, L, K] explicit decay e^{G_i - G_j} for j < i (strict) or j <= i, else 0."""
-  ell = g_lk.shape[0]
-  ok = iota((ell, ell, 1), 1) < iota((ell, ell, 1), 0) + (0 if strict else 1)
-  diff = g_lk[:, None, :] - g_lk[None, :, :]
-  return jnp.where(ok, jnp.exp(jnp.where(ok, diff, 0.0)), 0.0)
+def pair_tile_scores(q_l, bk_l, k_ref, g_ref, start: int):
+  """Diagonal-tile scores with the explicit position-pair decay (`pairwise`).
+
+  For the L rows/columns from `start`:
+    D_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
+    D_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
+  One column j per loop step, as [L, K] work (no [L, L, K] tensor).
+
+  Args:
+    q_l, bk_l: [L, K] scaled q and beta * k of the tile.
+    k_ref, g_ref: chunk refs of k and the cumulative gates.
+
+  Returns:
+    (D_qk, D_kk), [L, L] each.
+  """
+  ell = q_l.shape[0]
+  g_l = g_ref[pl.ds(start, ell), :]
+  row_l = iota((ell, 1), 0)
+  col_l = iota((1, ell), 1)
+
+  def body(j, carry):
+    d_qk, d_kk = carry
+    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
+    g_j = g_ref[pl.ds(start + j, 1), :]
+    seen = row_l >= j
+    dec = jnp.where(seen, jnp.exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0) * k_j
+    d_qk = jnp.where(col_l == j, jnp.sum(q_l * dec, axis=1, keepdims=True), d_qk)
+    d_kk = jnp.where((col_l == j) & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True),
+                     d_kk)
+    return d_qk, d_kk
+
+  zeros = jnp.zeros((ell, ell), _F32)
+  return lax.fori_loop(0, ell, body, (zeros, zeros))
 
 
 def onehot_rows(c: int, ell: int, r: int):
@@ -136,11 +163,9 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
       rows = pl.ds(r * ell, ell)
       k_l = k_ref[rows, :].astype(_F32)
       q_l = q_ref[rows, :].astype(_F32) * scale
-      g_l = g_ref[rows, :]
       b_l = beta_ref[rows, :]
       e_cl = onehot_rows(c, ell, r)
-      d_kk = jnp.sum((b_l * k_l)[:, None, :] * k_l[None, :, :] * pair_decay(g_l, True), axis=2)
-      d_qk = jnp.sum(q_l[:, None, :] * k_l[None, :, :] * pair_decay(g_l, False), axis=2)
+      d_qk, d_kk = pair_tile_scores(q_l, b_l * k_l, k_ref, g_ref, r * ell)
       akk += dot(dot(e_cl, d_kk, cfg, dtype=_F32), e_cl, cfg, tb=True, dtype=_F32)
       aqk += dot(dot(e_cl, d_qk, cfg, dtype=_F32), e_cl, cfg, tb=True, dtype=_F32)
   row, col = iota((c, c), 0), iota((c, c), 1)
