@@ -26,6 +26,8 @@ _SHAPES = flags.DEFINE_list("shapes", ["16x2048x16x128", "1x8192x16x128", "4x819
 _IMPLS = flags.DEFINE_list("impls", ["pallas:dense", "pallas:pairwise", "xla:dense"],
                            "implementation:diagonal pairs to time.")
 _PEER = flags.DEFINE_bool("peer", True, "Also time fla chunk_kda in a subprocess.")
+_PEER_TIMEOUT = flags.DEFINE_integer("peer_timeout", 900, "Seconds allowed to the fla "
+                                     "subprocess (its first calls autotune).")
 _STAGES = flags.DEFINE_list("stages", ["dense", "pairwise"], "Diagonal strategies whose "
                             "per-kernel pallas times are printed (empty: none).")
 _PEER_MODES = flags.DEFINE_list("peer_modes", ["safe", "unsafe"], "fla safe_gate modes to time.")
@@ -84,14 +86,20 @@ def _peer_times(shapes):
   cmd = [sys.executable, os.path.abspath(__file__), "--mode=fla",
          "--shapes=" + ",".join(shapes), f"--iters={_ITERS.value}",
          f"--lower_bound={_LOWER_BOUND.value}", "--peer_modes=" + ",".join(_PEER_MODES.value)]
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                          timeout=_PEER_TIMEOUT.value)
+    stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+  except subprocess.TimeoutExpired as e:
+    stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    stderr, rc = f"timed out after {_PEER_TIMEOUT.value} s", 1
   out = {}
-  for line in proc.stdout.splitlines():
+  for line in stdout.splitlines():
     if line.startswith("{"):
       r = json.loads(line)
       out[(r["shape"], r["safe"])] = (r["fwd"], r["fwdbwd"])
-  if proc.returncode != 0:
-    print("fla peer failed:\n" + proc.stderr[-3000:], flush=True)
+  if rc != 0:
+    print("fla peer failed:\n" + stderr[-3000:], flush=True)
   return out
 
 
@@ -110,7 +118,6 @@ def _run_jax(shapes):
   ceil = bench.measure_ceilings(_CEIL_BYTES.value, _CEIL_MM.value)
   print(f"measured: copy bandwidth {ceil.bandwidth / 1e12:.2f} TB/s, bf16 matmul "
         f"{ceil.matmul / 1e12:.0f} TFLOP/s", flush=True)
-  peer = _peer_times(shapes) if _PEER.value else {}
   rows = []
   for shape in shapes:
     b, t, h, d = _parse(shape)
@@ -146,6 +153,8 @@ def _run_jax(shapes):
         except Exception as e:  # pylint: disable=broad-except
           print(f"{shape} stages {diag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
+  # The peer runs after our timings so that its autotuning cannot eat them.
+  peer = _peer_times(shapes) if _PEER.value else {}
   print("\n| shape (B,T,H,D) | impl | fwd ms | fwd+bwd ms | fla safe fwd / fwd+bwd | "
         "fla unsafe fwd / fwd+bwd | ratio vs fla safe (fwd, fwd+bwd; <1 = faster) | "
         "roofline floor fwd / fwd+bwd | x floor (fwd, fwd+bwd) |")
