@@ -34,7 +34,9 @@ def get_config():
   c.model.expert_hidden = 128
   c.model.num_shared_experts = 1
   c.model.dense_hidden = 256
-  c.model.kda_implementation = "xla"
+  # On a CPU at this size the recurrent form is the fastest chunk_kda path (same math as the chunked
+  # one): 1.3 s against 3.4 s of CPU time per step for "xla" (B16 T128). GPU presets use "pallas".
+  c.model.kda_implementation = "naive"
   c.model.dtype = "float32"  # CPUs gain nothing from bf16
 
   c.data.kind = "bytes"

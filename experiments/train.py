@@ -6,6 +6,7 @@ field. The run resumes from the newest checkpoint in `--workdir`. Multi-host:
 `--num_processes`, `--process_id`) is given, or when the environment names a
 coordinator (JAX_COORDINATOR_ADDRESS) or a multi-task SLURM / Open MPI job.
 """
+import logging as pylogging
 import os
 import sys
 
@@ -41,11 +42,16 @@ def _multi_task_env() -> bool:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    # Library INFO (orbax's per-save lines) drowns the progress bar; keep k3jax's own INFO lines.
+    logging.set_verbosity(logging.WARNING)
+    pylogging.getLogger("k3jax").setLevel(pylogging.INFO)
   if _COORDINATOR.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   elif _multi_task_env():
     jax.distributed.initialize()  # JAX reads the coordinator from the environment / cluster
-  logging.info("JAX process %d of %d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
+  pylogging.getLogger("k3jax").info("JAX process %d of %d, devices: %s", jax.process_index(),
+                                    jax.process_count(), jax.devices())
   result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   first, last = result["first_eval"], result["eval"]
   summary = f"step {result['step']}"

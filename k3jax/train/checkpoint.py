@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+log = logging.getLogger(__name__)
 _STATE, _DATA = "state", "data"
 
 
@@ -113,8 +115,11 @@ class SignalGuard:
       previous = self._previous.get(signum)
       if callable(previous):
         previous(signum, None)
+      else:  # SIG_DFL: let the second signal act as if the guard were absent
+        signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        os.kill(os.getpid(), signum)
       return
-    logging.warning("received signal %d: saving a checkpoint before exit", signum)
+    log.warning("received signal %d: saving a checkpoint before exit", signum)
     self.received = signum
 
   def __enter__(self) -> "SignalGuard":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from typing import Any
@@ -35,8 +36,12 @@ class MetricWriter:
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(self.path, "a", encoding="utf-8")
     if tensorboard:
-      from tensorboardX import SummaryWriter  # imported lazily: heavy, and optional for readers
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+      try:
+        from tensorboardX import SummaryWriter  # imported lazily: heavy, and optional for readers
+      except ImportError:
+        logging.warning("tensorboardX is not installed: metrics go to %s only", self.path)
+      else:
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
     """Writes one record; non-finite numbers are written as null in JSON and skipped in TensorBoard."""

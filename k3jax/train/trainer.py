@@ -13,7 +13,10 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tqdm.auto import tqdm
+try:
+  from tqdm.auto import tqdm
+except ImportError:  # a bare accelerator image may lack tqdm; metrics still reach the log files
+  tqdm = None
 
 from k3jax.data import BatchIterator, make_dataset
 from k3jax.train.checkpoint import Checkpointer, SignalGuard
@@ -23,6 +26,7 @@ from k3jax.train.optimizer import make_optimizer
 from k3jax.train.state import TrainState, create_train_state, param_count
 from k3jax.train.step import make_eval_step, make_train_step
 
+log = logging.getLogger(__name__)
 # Dense bf16 peak per device (TFLOP/s), matched against `device.device_kind`, for MFU.
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("A100", 312.0), ("TPU v6", 918.0),
                     ("TPU v5p", 459.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v4", 275.0))
@@ -58,6 +62,19 @@ def _default_model(model_cfg, seq_len: int) -> tuple[Callable[[nnx.Rngs], nnx.Mo
   from k3jax.models import lm  # the model package pulls in the kernels; import on use
   fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
   return (lambda rngs: lm.HybridLM(model_cfg, rngs=rngs)), fpt
+
+
+class _NoBar:
+  """Stands in for a tqdm bar when tqdm is missing."""
+
+  def update(self, n):
+    del n
+
+  def set_postfix(self, **kwargs):
+    del kwargs
+
+  def close(self):
+    pass
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -102,7 +119,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
   if model_fn is None:
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len)
   if model_cfg.kda_implementation == "pallas" and jax.default_backend() == "cpu":
-    logging.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
+    log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                     "use --config.model.kda_implementation=xla for CPU runs")
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
@@ -135,7 +152,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
   if restored is not None:
     state, data_state = restored
     data_it.set_state(data_state["iterator"])
-    logging.info("resumed from step %d in %s", int(state.step), ckpt.directory)
+    log.info("resumed from step %d in %s", int(state.step), ckpt.directory)
   start = int(state.step)
   if int(data_it.position) != start:
     raise ValueError(f"checkpoint mismatch: state step {start}, data position {data_it.position}")
@@ -143,7 +160,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
   writer = MetricWriter(workdir, enabled=is_main)
   peak = peak_flops_per_device(config)
   tokens_per_step = config.batch_size * config.seq_len
-  logging.info("model: %d parameters; %d devices, %d processes; start step %d of %d",
+  log.info("model: %d parameters; %d devices, %d processes; start step %d of %d",
                num_params, ndev, nproc, start, config.num_steps)
 
   def evaluate(step: int) -> dict[str, float]:
@@ -162,8 +179,12 @@ def train_and_evaluate(config: Any, workdir: str, *,
                             "num_params": num_params}
   if start == 0:
     result["first_eval"] = result["eval"] = evaluate(0)
-  bar = tqdm(total=config.num_steps, initial=start, disable=not (is_main and config.progress_bar),
-             dynamic_ncols=True, desc="train")
+  if tqdm is None:
+    log.warning("tqdm is not installed: no progress bar")
+    bar = _NoBar()
+  else:
+    bar = tqdm(total=config.num_steps, initial=start, disable=not (is_main and config.progress_bar),
+               dynamic_ncols=True, desc="train")
   timer = {"step": start, "time": time.perf_counter(), "warm": False}
 
   def flush(step: int, metrics: dict, log: bool) -> dict[str, float]:
@@ -222,7 +243,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
             ckpt.save(step, state, {"iterator": data_it.get_state()})
           if stopping:
             result["interrupted"] = True
-            logging.warning("stopping at step %d after a signal; checkpoint saved", step)
+            log.warning("stopping at step %d after a signal; checkpoint saved", step)
             break
         else:
           pending = (step, metrics)
