@@ -185,3 +185,18 @@ def test_call_rejects_bad_shape():
   layer = moe.MoE(_config(), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="shape"):
     layer(jnp.zeros((2, 4, 31)))
+
+
+@pytest.mark.gpu
+def test_buffered_matches_dense_at_scale_on_gpu():
+  config = _config("quantile", cf=1.0, d_model=256, num_experts=64, top_k=8,
+                   expert_hidden=128, dtype=jnp.bfloat16)
+  buffered = moe.MoE(dataclasses.replace(config, impl="buffered"), rngs=nnx.Rngs(0))
+  dense = moe.MoE(dataclasses.replace(config, impl="dense"), rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(11), (4, 1024, 256))
+  y_b, aux = _apply(buffered, x)
+  y_d, _ = _apply(dense, x)
+  scale = float(jnp.abs(y_d).max())
+  np.testing.assert_allclose(np.asarray(y_b) / scale, np.asarray(y_d) / scale,
+                             atol=ATOL[jnp.bfloat16])
+  assert float(aux["max_vio"]) <= 0.05
