@@ -2,9 +2,10 @@
 
 Two kernels, chunk length C, sub-tile (diagonal tile) length L:
 
-* `intra_fwd`: grid (B, H, chunks), all parallel. Per chunk it builds the
-  anchored scores A_kk (strictly lower) and A_qk (lower), inverts the unit
-  lower-triangular I + A_kk by forward substitution in f32, and writes
+* `intra_fwd`: grid (B, H, chunks), all parallel. Per chunk and row sub-tile
+  it builds the anchored score rows of A_kk (strictly lower) and A_qk
+  (lower), inverts the unit lower-triangular I + A_kk by forward substitution
+  in f32, and writes
   W = M (beta k e^G), U = M (beta v), A_qk (and M when the backward asks).
 * `state_fwd`: grid (B, H, V/BV) (GPU; on TPU (B, H, V/BV, chunks) with a
   sequential chunk axis). Carries the f32 state S [K, BV] through the
@@ -78,39 +79,40 @@ def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
   return row_ck, col_ck
 
 
-def pair_tile_scores(q_l, bk_l, k_ref, g_ref, start: int):
-  """Diagonal-tile scores with the explicit position-pair decay (`pairwise`).
+def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
+  """Adds a diagonal tile's explicit position-pair scores (`pairwise`).
 
   For the L rows/columns from `start`:
-    D_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
-    D_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
-  One column j per loop step, as [L, K] work (no [L, L, K] tensor).
+    A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
+    A_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
+  One column j per loop step, as [L, K] work (no [L, L, K] tensor), written
+  into column start + j of the row blocks.
 
   Args:
+    p_qk, p_kk: [L, C] score row blocks of the tile's rows (zero on the tile).
     q_l, bk_l: [L, K] scaled q and beta * k of the tile.
     k_ref, g_ref: chunk refs of k and the cumulative gates.
 
   Returns:
-    (D_qk, D_kk), [L, L] each.
+    (p_qk, p_kk) with the diagonal tile filled in.
   """
-  ell = q_l.shape[0]
+  ell, c = p_qk.shape
   g_l = g_ref[pl.ds(start, ell), :]
   row_l = iota((ell, 1), 0)
-  col_l = iota((1, ell), 1)
+  col = iota((1, c), 1)
 
   def body(j, carry):
-    d_qk, d_kk = carry
+    p_qk, p_kk = carry
     k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
     g_j = g_ref[pl.ds(start + j, 1), :]
     seen = row_l >= j
     dec = jnp.where(seen, jnp.exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0) * k_j
-    d_qk = jnp.where(col_l == j, jnp.sum(q_l * dec, axis=1, keepdims=True), d_qk)
-    d_kk = jnp.where((col_l == j) & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True),
-                     d_kk)
-    return d_qk, d_kk
+    at_j = col == start + j
+    p_qk = jnp.where(at_j, jnp.sum(q_l * dec, axis=1, keepdims=True), p_qk)
+    p_kk = jnp.where(at_j & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True), p_kk)
+    return p_qk, p_kk
 
-  zeros = jnp.zeros((ell, ell), _F32)
-  return lax.fori_loop(0, ell, body, (zeros, zeros))
+  return lax.fori_loop(0, ell, body, (p_qk, p_kk))
 
 
 def onehot_rows(c: int, ell: int, r: int):
@@ -118,22 +120,26 @@ def onehot_rows(c: int, ell: int, r: int):
   return (iota((c, ell), 0) == iota((c, ell), 1) + r * ell).astype(_F32)
 
 
-def unit_lower_inverse(a_cc):
+def unit_lower_inverse(blocks_lc):
   """(I + A)^-1 for strictly lower-triangular A [C, C], by forward substitution.
+
+  Args:
+    blocks_lc: A as its row blocks, a list of [L, C] arrays (rows r*L...).
 
   Row i of M is e_i - sum_{j<i} A_ij M_j. Pure f32 elementwise work: no
   powers of A are formed, so nothing cancels catastrophically.
   """
-  c = a_cc.shape[0]
+  ell, c = blocks_lc[0].shape
   row = iota((c, 1), 0)
-
-  def body(i, m):
-    a_i = jnp.sum(jnp.where(row == i, a_cc, 0.0), axis=0)
-    upd = jnp.sum(a_i[:, None] * m, axis=0)
-    return jnp.where(row == i, m - upd[None, :], m)
-
-  eye = (iota((c, c), 0) == iota((c, c), 1)).astype(_F32)
-  return lax.fori_loop(1, c, body, eye)
+  row_l = iota((ell, 1), 0)
+  m = (iota((c, c), 0) == iota((c, c), 1)).astype(_F32)
+  for r, blk in enumerate(blocks_lc):
+    def body(l, m, blk=blk, r=r):
+      a_i = jnp.sum(jnp.where(row_l == l, blk, 0.0), axis=0)
+      upd = jnp.sum(a_i[:, None] * m, axis=0)
+      return jnp.where(row == r * ell + l, m - upd[None, :], m)
+    m = lax.fori_loop(1 if r == 0 else 0, ell, body, m)
+  return m
 
 
 # ---------------------------------------------------------------------------
@@ -143,38 +149,35 @@ def unit_lower_inverse(a_cc):
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
                       *m_ref, scale, ell, diagonal, cfg):
-  cfg = cfg.intra()  # f32 operands: scores, inverse and their gradients
+  cfg = cfg.intra()
   c = q_ref.shape[0]
-  q = q_ref[...].astype(_F32) * scale
   k = k_ref[...].astype(_F32)
   v = v_ref[...].astype(_F32)
   g = g_ref[...]
   beta = beta_ref[...]
-  bk = beta * k
-  akk = jnp.zeros((c, c), _F32)
-  aqk = jnp.zeros((c, c), _F32)
+  sdt = cfg.score_mm_dtype
+  col = iota((1, c), 1)
+  row_l = iota((ell, 1), 0)
+  akk_blocks = []
+  # Row sub-tile r: its L rows against all columns, anchored at its first row.
   for r in range(c // ell):
+    rows = pl.ds(r * ell, ell)
     anchor = g_ref[pl.ds(r * ell, 1), :]
-    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    q_l = q_ref[rows, :].astype(_F32) * scale
+    bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
+    row_f = jnp.exp(g_ref[rows, :] - anchor)             # <= 1
+    _, col_f = tile_factors(g, anchor, r, ell, diagonal)
     yk = k * col_f
-    akk += dot(bk * row_f, yk, cfg, tb=True, dtype=cfg.score_mm_dtype)
-    aqk += dot(q * row_f, yk, cfg, tb=True, dtype=cfg.score_mm_dtype)
+    p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
+    p_kk = dot(bk_l * row_f, yk, cfg, tb=True, dtype=sdt)
     if diagonal == "pairwise":
-      rows = pl.ds(r * ell, ell)
-      k_l = k_ref[rows, :].astype(_F32)
-      q_l = q_ref[rows, :].astype(_F32) * scale
-      b_l = beta_ref[rows, :]
-      e_cl = onehot_rows(c, ell, r)
-      d_qk, d_kk = pair_tile_scores(q_l, b_l * k_l, k_ref, g_ref, r * ell)
-      akk += dot(dot(e_cl, d_kk, cfg, dtype=_F32), e_cl, cfg, tb=True, dtype=_F32)
-      aqk += dot(dot(e_cl, d_qk, cfg, dtype=_F32), e_cl, cfg, tb=True, dtype=_F32)
-  row, col = iota((c, c), 0), iota((c, c), 1)
-  akk = jnp.where(row > col, akk, 0.0)
-  aqk = jnp.where(row >= col, aqk, 0.0)
-  m = unit_lower_inverse(akk)
-  w_ref[...] = dot(m, bk * jnp.exp(g), cfg).astype(w_ref.dtype)
+      p_qk, p_kk = pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, r * ell)
+    row_g = row_l + r * ell
+    aqk_ref[rows, :] = jnp.where(col <= row_g, p_qk, 0.0).astype(aqk_ref.dtype)
+    akk_blocks.append(jnp.where(col < row_g, p_kk, 0.0))
+  m = unit_lower_inverse(akk_blocks)
+  w_ref[...] = dot(m, beta * k * jnp.exp(g), cfg).astype(w_ref.dtype)
   u_ref[...] = dot(m, beta * v, cfg).astype(u_ref.dtype)
-  aqk_ref[...] = aqk.astype(aqk_ref.dtype)
   if m_ref:
     m_ref[0][...] = m
 
