@@ -10,6 +10,7 @@ routing of any token at position <= 2047 changed.
 Timing table: median wall time of the jitted router (exact vs histogram
 quantiles) and of the jitted MoE layer forward (--impl, quantile router cf=1.0).
 Overhead table: each router's time against the layer without its router.
+Thresholds table: the per-expert quantile step alone, exact vs histogram.
 """
 import statistics
 import time
@@ -24,10 +25,13 @@ from k3jax import routing
 from k3jax.layers import moe
 from k3jax.routing import evaluate
 from k3jax.routing import probe
+from k3jax.routing import quantile as quantile_lib
+from k3jax.routing import quantiles
 from k3jax.routing import synthetic
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("tables", ["balance", "timing", "overhead"], "balance, timing, overhead")
+flags.DEFINE_list("tables", ["balance", "overhead", "thresholds", "timing"],
+                  "balance, overhead, thresholds, timing")
 flags.DEFINE_list("experts", ["64", "256", "896"], "E values for the timing table")
 flags.DEFINE_list("topk", ["8", "16"], "k values for the timing table")
 flags.DEFINE_list("tokens", ["16384", "65536"], "T values for the timing table")
@@ -160,6 +164,24 @@ def timing_table():
               flush=True)
 
 
+def thresholds_table():
+  print(f"\n## Per-expert thresholds alone (the quantile step of the router), exact top_k vs "
+        f"histogram (1000 bins), {jax.devices()[0].device_kind}\n")
+  print("| E | k | T | exact ms | histogram ms | exact/hist |")
+  print("|---|---|---|---|---|---|")
+  for e in map(int, FLAGS.experts):
+    for k in map(int, FLAGS.topk):
+      for t in map(int, FLAGS.tokens):
+        scores = _scores(t, e)
+        count = quantile_lib.balanced_count(t, e, k)
+        ex = _median_seconds(jax.jit(lambda s, c=count: quantiles.column_threshold_exact(s, c)),
+                             scores)
+        hi = _median_seconds(jax.jit(
+            lambda s, c=count: quantiles.column_threshold_histogram(s, c, 1000)), scores)
+        print(f"| {e} | {k} | {t} | {ex * 1e3:.2f} | {hi * 1e3:.2f} | {ex / hi:.2f} |",
+              flush=True)
+
+
 def overhead_table():
   e, k, t = FLAGS.overhead_experts, FLAGS.overhead_topk, FLAGS.overhead_tokens
   print(f"\n## Router overhead at E={e} k={k} T={t}: {FLAGS.impl} MoE d_model={FLAGS.d_model} "
@@ -186,6 +208,8 @@ def main(argv):
     balance_table()
   if "overhead" in FLAGS.tables:
     overhead_table()
+  if "thresholds" in FLAGS.tables:
+    thresholds_table()
   if "timing" in FLAGS.tables:
     timing_table()
 
