@@ -80,14 +80,17 @@ def test_pallas_local_kernel_composes():
   _check(mesh, x, impl="pallas")
 
 
+def _zeros(b, t, h=1, dk=16, dv=8):
+  return (jnp.zeros((b, t, h, dk)), jnp.zeros((b, t, h, dk)), jnp.zeros((b, t, h, dv)),
+          jnp.full((b, t, h, dk), -1.0), jnp.zeros((b, t, h)))
+
+
 def test_rejects_indivisible_shapes():
   mesh = make_mesh(MeshConfig(data=-1, context=4))
-  x = make_inputs(0, batch=2, seq_len=30, heads=1, dk=16, dv=8)
   with pytest.raises(ValueError, match="T=30 must be divisible by the context axis size 4"):
-    chunk_kda_context_parallel(*x.args(), mesh=mesh, **KW)
-  x = make_inputs(0, batch=3, seq_len=32, heads=1, dk=16, dv=8)
+    chunk_kda_context_parallel(*_zeros(2, 30), mesh=mesh, **KW)
   with pytest.raises(ValueError, match="batch B=3"):
-    chunk_kda_context_parallel(*x.args(), mesh=mesh, **KW)
-  x = make_inputs(0, batch=2, seq_len=32, heads=1, dk=16, dv=8)
+    chunk_kda_context_parallel(*_zeros(3, 32), mesh=mesh, **KW)
   with pytest.raises(ValueError, match="initial_state must be"):
-    chunk_kda_context_parallel(*x.args(), mesh=mesh, initial_state=jnp.zeros((2, 1, 8, 8)), **KW)
+    chunk_kda_context_parallel(*_zeros(2, 32), mesh=mesh, initial_state=jnp.zeros((2, 1, 8, 8)),
+                               **KW)
