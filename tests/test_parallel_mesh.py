@@ -104,3 +104,16 @@ def test_constrain_is_a_noop_without_a_mesh_and_shards_with_one():
   assert y.sharding.spec == P("data", "context")
   with pytest.raises(ValueError, match="one logical name per dim"):
     rules.constrain(x, ("batch",), mesh=mesh)
+
+
+def test_parallel_config_from_dict():
+  from k3jax.parallel.config import ParallelConfig  # pylint: disable=g-import-not-at-top
+  pconf = ParallelConfig.from_dict({"mesh": {"data": -1, "expert": 2}, "capacity_factor": 2.0,
+                                    "rules": {"batch": ["data", "expert"], "expert": "expert"}})
+  assert dict(pconf.make_mesh().shape) == {"data": 4, "fsdp": 1, "expert": 2, "context": 1}
+  assert pconf.rules == (("batch", ("data", "expert")), ("expert", "expert"))
+  assert ParallelConfig.from_dict(None).rules == rules.DEFAULT_RULES
+  with pytest.raises(ValueError, match=r"unknown parallel config keys \['tensor'\]"):
+    ParallelConfig.from_dict({"tensor": 2})
+  with pytest.raises(ValueError, match="capacity_factor=-1"):
+    ParallelConfig.from_dict({"capacity_factor": -1})
