@@ -5,7 +5,7 @@ tqdm==4.70.1 tensorboardX==2.6.5` on a machine with package access; run from the
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/gpu_1b.py \
-         --workdir=/tmp/runs/gpu_1b --config.num_steps=300
+         --workdir=/tmp/runs/gpu_1b --config.num_steps=300 --config.optim.warmup_steps=100
 
 Until the Pallas KDA kernel is available in the build, add
 `--config.model.kda_implementation=xla`. Memory: float32 weights, AdamW moments

@@ -1,6 +1,7 @@
 """Every config file builds and validates; typos and unsafe settings fail before any compute."""
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,28 @@ def test_config_file_builds_validates_and_documents_its_command(path):
   with open(os.path.join(ROOT, path), encoding="utf-8") as f:
     head = f.read().split('"""')[1]
   assert f"experiments/train.py --config={path}" in head.replace("\\\n", "").replace("\n", " ")
+
+
+def _docstring_commands(path):
+  """The `experiments/train.py` command lines of a config file's docstring, continuations joined."""
+  with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+    doc = f.read().split('"""')[1].replace("\\\n", " ")
+  return [line for line in doc.splitlines() if "experiments/train.py" in line]
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES)
+def test_docstring_commands_validate_with_their_overrides(path):
+  """The documented commands (config arg and --config.* overrides) give valid configs."""
+  for line in _docstring_commands(path):
+    config_arg = re.search(r"--config=(\S+)", line).group(1).strip("`")
+    c = load_config_file(os.path.join(ROOT, config_arg))
+    for key, value in re.findall(r"--config\.([\w.]+)=(\S+)", line):
+      *parents, leaf = key.split(".")
+      target = c
+      for p in parents:
+        target = target[p]
+      target[leaf] = type(target[leaf])(value.strip("`"))
+    validate(c)
 
 
 @pytest.mark.parametrize("path,arg", [(p, a) for p, args in ABLATION_ARGS.items() for a in args]

@@ -5,6 +5,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from flax import struct
@@ -40,8 +41,24 @@ def create_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.Gra
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
                      opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
   if sharding is not None:
-    state = jax.device_put(state, sharding)
+    state = place(state, sharding)
   return graphdef, state
+
+
+def place(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+  """Puts every leaf of `tree` on `sharding`.
+
+  With several processes each one holds the same host values (same seed) and
+  contributes its addressable shards, which `jax.device_put` alone cannot do.
+  """
+  if jax.process_count() == 1:
+    return jax.device_put(tree, sharding)
+
+  def one(x):
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(one, tree)
 
 
 def param_count(params: Any) -> int:

@@ -120,7 +120,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len)
   if model_cfg.kda_implementation == "pallas" and jax.default_backend() == "cpu":
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
-                    "use --config.model.kda_implementation=xla for CPU runs")
+                "use --config.model.kda_implementation=xla for CPU runs")
   is_main = jax.process_index() == 0
   os.makedirs(workdir, exist_ok=True)
   if is_main:
@@ -161,7 +161,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
   peak = peak_flops_per_device(config)
   tokens_per_step = config.batch_size * config.seq_len
   log.info("model: %d parameters; %d devices, %d processes; start step %d of %d",
-               num_params, ndev, nproc, start, config.num_steps)
+           num_params, ndev, nproc, start, config.num_steps)
 
   def evaluate(step: int) -> dict[str, float]:
     sums = None
@@ -187,7 +187,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
                dynamic_ncols=True, desc="train")
   timer = {"step": start, "time": time.perf_counter(), "warm": False}
 
-  def flush(step: int, metrics: dict, log: bool) -> dict[str, float]:
+  def flush(step: int, metrics: dict, write: bool) -> dict[str, float]:
+    """Fetches one step's metrics, stops on a non-finite loss, writes a record if asked."""
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if host.pop("finite") < 1.0 or not math.isfinite(host["loss"]):
       ckpt.wait()
@@ -196,7 +197,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
           f"non-finite training loss {host['loss']} / grad norm {host['grad_norm']} at step {step}; "
           f"stopped without saving. Last good checkpoint: step {last} in {ckpt.directory}. "
           "Lower optim.learning_rate or optim.grad_clip, or check the data.")
-    if log:
+    if write:
       now = time.perf_counter()
       if timer["warm"] and step > timer["step"]:
         tps = (step - timer["step"]) * tokens_per_step / (now - timer["time"])
@@ -224,23 +225,25 @@ def train_and_evaluate(config: Any, workdir: str, *,
         step += 1
         bar.update(1)
         if pending is not None:  # check the previous step while this one runs
-          flush(*pending, log=pending[0] % config.log_every == 0)
+          flush(*pending, write=False)
           pending = None
         last = step == config.num_steps
         do_eval = last or (config.eval_every and step % config.eval_every == 0)
         do_ckpt = last or (config.checkpoint_every and step % config.checkpoint_every == 0)
         do_log = last or step % config.log_every == 0
         if do_eval or do_ckpt or do_log or hooks or guard.received is not None:
-          result["train"] = host = flush(step, metrics, log=do_log)
+          result["train"] = host = flush(step, metrics, write=do_log)
           for hook in hooks:
             hook(step, host)
           stopping = stop_requested() if (nproc == 1 or do_log) else False
+          paused = time.perf_counter()
           if do_eval:
             result["eval"] = evaluate(step)
             bar.set_postfix(loss=f"{host['loss']:.3f}",
                             **{"eval_" + dataset.eval_metric: f"{result['eval'][dataset.eval_metric]:.3f}"})
           if do_ckpt or stopping:
             ckpt.save(step, state, {"iterator": data_it.get_state()})
+          timer["time"] += time.perf_counter() - paused  # tokens/s counts training time only
           if stopping:
             result["interrupted"] = True
             log.warning("stopping at step %d after a signal; checkpoint saved", step)
@@ -248,7 +251,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
         else:
           pending = (step, metrics)
       if pending is not None:
-        result["train"] = flush(*pending, log=False)
+        result["train"] = flush(*pending, write=False)
   finally:
     bar.close()
     writer.close()
