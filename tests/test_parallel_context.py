@@ -94,3 +94,14 @@ def test_rejects_indivisible_shapes():
   with pytest.raises(ValueError, match="initial_state must be"):
     chunk_kda_context_parallel(*_zeros(2, 32), mesh=mesh, initial_state=jnp.zeros((2, 1, 8, 8)),
                                **KW)
+
+
+def test_naive_local_recurrence_composes():
+  mesh = make_mesh(MeshConfig(data=-1, context=2))
+  x = make_inputs(8, batch=4, seq_len=16, heads=1, dk=8, dv=8)
+  o, s = jax.jit(lambda *a: chunk_kda_context_parallel(
+      *a, mesh=mesh, initial_state=x.h0, output_final_state=True, implementation="naive",
+      **KW))(*x.args())
+  o_ref, s_ref = chunk_kda(*x.args(), initial_state=x.h0, output_final_state=True, **KW)
+  assert_close(o, o_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "output")
+  assert_close(s, s_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "final state")
