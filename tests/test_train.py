@@ -199,3 +199,13 @@ def test_flatten_scalars_and_metric_writer(tmp_path):
   assert read_jsonl(str(tmp_path / "metrics.jsonl"), "train") == [{"step": 1, "split": "train", "loss": 1.5}]
   first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
   assert first["bad"] is None
+
+
+def test_mqar_run_reports_heldout_accuracy(tmp_path):
+  c = _shrunk_tiny(num_steps=2, checkpoint_every=0, eval_every=0, **{
+      "data.kind": "mqar", "data.vocab_size": 64, "data.mqar_num_kv_pairs": 4, "model.vocab_size": 64})
+  result = train_and_evaluate(c, str(tmp_path), model_fn=lambda rngs: _StandIn(64, 16, rngs=rngs))
+  evals = read_jsonl(str(tmp_path / "metrics.jsonl"), "eval")
+  assert [r["step"] for r in evals] == [0, 2]
+  assert "bpb" not in evals[0] and 0.0 <= evals[0]["accuracy"] <= 1.0
+  assert result["eval"]["accuracy"] == evals[-1]["accuracy"]
