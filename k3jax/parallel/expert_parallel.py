@@ -85,7 +85,7 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
                    expert_axis: str = mesh_lib.EXPERT,
                    token_axes: Sequence[str] = TOKEN_AXES,
                    capacity_factor: float | None = None,
-                   dtype=jnp.float32) -> jax.Array:
+                   dtype=jnp.float32, return_dropped: bool = False):
   """Routed SwiGLU experts with experts sharded over `expert_axis`.
 
   Args:
@@ -99,9 +99,12 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
     capacity_factor: None for lossless dispatch, else slots per destination
       relative to an even split (see module docstring).
     dtype: compute dtype of the expert matmuls (accumulation is float32).
+    return_dropped: also return the fraction of router-kept assignments that
+      the dispatch capacity dropped (float32 scalar, over all devices).
 
   Returns:
-    y_nd [N, d] float32: sum_k w[n, k] * expert_{idx[n, k]}(x[n]).
+    y_nd [N, d] float32: sum_k w[n, k] * expert_{idx[n, k]}(x[n]);
+    with return_dropped, (y_nd, dropped_fraction).
   """
   mesh = current_mesh() if mesh is None else mesh
   if mesh is None:
@@ -151,9 +154,17 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
     y_s = back[jnp.minimum(row_s, n_shards - 1), jnp.minimum(pos_s, cap - 1)]
     y_s = jnp.where(ok_s[:, None], y_s * w_nk.reshape(-1)[order][:, None], 0.0)
     y_a = jnp.zeros_like(y_s).at[order].set(y_s)
-    return jnp.sum(y_a.reshape(nl, k, d), axis=1)
+    kept = (dest_s < n_shards).astype(jnp.float32)
+    counts = jnp.stack([jnp.sum(kept * (1.0 - ok_s)), jnp.sum(kept)])
+    if t_axes:
+      counts = jax.lax.psum(counts, t_axes)
+    return jnp.sum(y_a.reshape(nl, k, d), axis=1), counts
 
   tok = P(t_axes if t_axes else None)
   wspec = P(expert_axis)
-  return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
-                       out_specs=tok)(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd)
+  y, counts = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
+                            out_specs=(tok, P()))(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh,
+                                                  wo_ehd)
+  if return_dropped:
+    return y, counts[0] / jnp.maximum(counts[1], 1.0)
+  return y
