@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.data import (BatchIterator, ByteCorpus, MQARDataset, TokenFileDataset, mqar_examples,
-                        open_token_file, stdlib_source_dir, windows)
+                        open_token_file, stdlib_source_dir, windows, write_token_file)
 from k3jax.data.corpus import DOC_SEPARATOR, is_heldout
 
 
@@ -118,7 +118,7 @@ def test_eval_set_is_fixed_and_from_heldout(tmp_path):
 def test_token_file_reader(tmp_path, dtype):
   tokens = np.random.default_rng(0).integers(0, 1000, size=5000).astype(dtype)
   path = tmp_path / f"tok.{dtype}"
-  tokens.astype(np.dtype(dtype).newbyteorder("<")).tofile(path)
+  write_token_file(str(path), tokens, dtype)
   mm = open_token_file(str(path), dtype)
   assert isinstance(mm, np.memmap)
   np.testing.assert_array_equal(np.asarray(mm), tokens)
@@ -147,6 +147,8 @@ def test_token_file_errors(tmp_path):
     open_token_file(str(tmp_path / "odd.bin"), "uint16")
   with pytest.raises(ValueError, match="dtype"):
     open_token_file(str(tmp_path / "odd.bin"), "int8")
+  with pytest.raises(ValueError, match="outside uint16"):
+    write_token_file(str(tmp_path / "big.bin"), np.array([1, 70000]), "uint16")
 
 
 def test_mqar_examples_answer_every_query():

@@ -7,7 +7,7 @@ from k3jax.data.batch import make_batch, windows
 from k3jax.data.corpus import BYTE_VOCAB_SIZE, ByteCorpus, stdlib_source_dir
 from k3jax.data.iterator import BatchIterator, Dataset
 from k3jax.data.mqar import MQARDataset, mqar_examples
-from k3jax.data.token_file import TokenFileDataset, open_token_file
+from k3jax.data.token_file import TokenFileDataset, open_token_file, write_token_file
 
 DATA_KINDS = ("bytes", "token_file", "mqar")
 
@@ -31,5 +31,5 @@ def make_dataset(data_cfg: Any, *, seed: int) -> Dataset:
 __all__ = [
     "BYTE_VOCAB_SIZE", "BatchIterator", "ByteCorpus", "DATA_KINDS", "Dataset", "MQARDataset",
     "TokenFileDataset", "make_batch", "make_dataset", "mqar_examples", "open_token_file",
-    "stdlib_source_dir", "windows",
+    "stdlib_source_dir", "windows", "write_token_file",
 ]

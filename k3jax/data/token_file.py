@@ -26,6 +26,19 @@ def open_token_file(path: str, dtype: str) -> np.ndarray:
   return np.memmap(path, dtype=np.dtype(TOKEN_DTYPES[dtype]).newbyteorder("<"), mode="r")
 
 
+def write_token_file(path: str, tokens, dtype: str) -> None:
+  """Writes a 1-D array of token ids [N] as a raw little-endian `dtype` file, checking the range."""
+  if dtype not in TOKEN_DTYPES:
+    raise ValueError(f"token file dtype must be one of {sorted(TOKEN_DTYPES)}, got {dtype!r}")
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be a 1-D integer array, got {tokens.dtype}{tokens.shape}")
+  info = np.iinfo(TOKEN_DTYPES[dtype])
+  if tokens.size and (tokens.min() < 0 or tokens.max() > info.max):
+    raise ValueError(f"token ids span [{tokens.min()}, {tokens.max()}], outside {dtype} [0, {info.max}]")
+  tokens.astype(np.dtype(TOKEN_DTYPES[dtype]).newbyteorder("<")).tofile(path)
+
+
 class TokenFileDataset:
   """Random windows from a training token file; a fixed held-out set from a second file or the tail.
 
