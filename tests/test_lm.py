@@ -184,7 +184,7 @@ def test_flops_per_token_hand_count():
 
 @pytest.mark.parametrize("residual", ["prenorm", "block_attnres", "full_attnres"])
 def test_few_training_steps_reduce_loss(residual):
-  cfg = _config(residual=residual, router=RouterConfig())  # quantile router, capacity 1.25
+  cfg = _config(residual=residual, router=RouterConfig())  # the default (quantile) router
   model = lm.HybridLM(cfg, rngs=nnx.Rngs(2))
   optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
   tokens = _tokens(4, 17, seed=5)
