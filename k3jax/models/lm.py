@@ -41,14 +41,15 @@ class DenseFFN(nnx.Module):
     return self.mlp(x_btd), {}
 
 
-def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs):
+def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | None):
   dtype, pdt = config.compute_dtype, config.params_dtype
   if not config.is_moe_layer(layer):
     return DenseFFN(config.d_model, config.dense_hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
+  extra = {} if moe_impl is None else {"impl": moe_impl}
   moe_config = MoEConfig(
       d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
       expert_hidden=config.expert_hidden, num_shared_experts=config.num_shared_experts,
-      router=config.router, dtype=dtype, param_dtype=pdt)
+      router=config.router, dtype=dtype, param_dtype=pdt, **extra)
   return MoE(moe_config, rngs=rngs)
 
 
@@ -67,13 +68,14 @@ def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
 class DecoderLayer(nnx.Module):
   """One layer: a token mixer and an FFN, each with its own pre-norm."""
 
-  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
+               moe_impl: str | None = None):
     pdt = config.params_dtype
     self.kind = config.layer_types[layer]
     self.mixer_norm = RMSNorm(config.d_model, param_dtype=pdt)
     self.mixer = _make_mixer(config, self.kind, rngs)
     self.ffn_norm = RMSNorm(config.d_model, param_dtype=pdt)
-    self.ffn = _make_ffn(config, layer, rngs)
+    self.ffn = _make_ffn(config, layer, rngs, moe_impl)
 
 
 class HybridLM(nnx.Module):
@@ -82,16 +84,20 @@ class HybridLM(nnx.Module):
   aux keys: `aux_loss` (sum over MoE layers, 0 without experts),
   `router/<layer>/<stat>` for every router statistic of every MoE layer, and
   `gate/<layer>/mean`, `gate/<layer>/min` of the KDA log-decay g.
+
+  `moe_impl` overrides the MoE layers' expert path ("ragged", "buffered",
+  "dense"; None keeps the MoE default). It changes no parameter.
   """
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe_impl: str | None = None):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"HybridLM needs a ModelConfig, got {type(config)}")
     self.config = config
     d, v, pdt = config.d_model, config.vocab_size, config.params_dtype
     self.embed = logical_param(rngs, jax.nn.initializers.normal(d ** -0.5), (v, d),
                                ("vocab", "embed"), pdt)
-    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
+    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, moe_impl=moe_impl)
+                            for i in range(config.num_layers)])
     self.residual = make_residual(config.residual, config.num_sublayers, d,
                                   block_size=config.attnres_block_size, param_dtype=pdt)
     self.final_norm = RMSNorm(d, param_dtype=pdt)
