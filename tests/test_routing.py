@@ -301,3 +301,13 @@ def test_reassigned_fraction_counts_moves_off_the_preferred_top_k():
   moved = kept & ~(idx[:, :, None] == preferred[:, None, :]).any(-1)
   assert moved.any()
   np.testing.assert_allclose(float(stats["reassigned_fraction"]), moved.mean(), atol=1e-6)
+
+
+def test_quantile_with_one_token_falls_back_to_top_k():
+  # T k <= E: every shifted score is 0; ties must go to the higher raw score.
+  cfg = _cfg("quantile", capacity_factor=1.0)
+  scores = synthetic.skewed_scores(jax.random.key(12), 1, 16)
+  idx, w, _, _ = _jitted_route(cfg, 2)(scores, None)
+  expect = np.argsort(-np.asarray(scores[0]))[:2]
+  assert set(np.asarray(idx[0])) == set(expect)
+  assert (np.asarray(w) > 0).all()

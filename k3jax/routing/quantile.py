@@ -10,6 +10,11 @@ from k3jax.routing import state as state_lib
 from k3jax.routing.config import RouterConfig
 
 
+# Small enough not to reorder distinct shifted scores of sigmoid outputs in
+# practice (float32 spacing near 1 is 6e-8), large enough to split exact ties.
+_TIE_BREAK = 1e-6
+
+
 def balanced_count(num_tokens: int, num_experts: int, k: int) -> int:
   """Assignments per expert under perfect balance, ceil(T * k / E), in [1, T]."""
   return max(1, min(num_tokens, math.ceil(num_tokens * k / num_experts)))
@@ -20,8 +25,8 @@ def route_quantile(scores_te: jax.Array, *, k: int, config: RouterConfig, state=
 
   Expert e's threshold q_e is the score of its ceil(T k / E)-th highest token in
   this batch, i.e. the 1 - k/E quantile of scores[:, e]. Tokens rank experts
-  by scores - q, then the capacity keeps each expert at most its share.
-  No gradient flows through q.
+  by scores - q (ties to the higher score), then the capacity keeps each
+  expert at most its share. No gradient flows through q.
 
   Args:
     scores_te: [T, E] sigmoid scores.
@@ -38,7 +43,11 @@ def route_quantile(scores_te: jax.Array, *, k: int, config: RouterConfig, state=
   q_e = quantiles.column_threshold(
       jax.lax.stop_gradient(scores_te), count, impl=config.quantile_impl,
       num_bins=config.num_bins)
-  select_te = jax.lax.stop_gradient(scores_te) - q_e[None, :]
+  s_te = jax.lax.stop_gradient(scores_te).astype(jnp.float32)
+  # Ties in s - q go to the higher raw score. They are common when the batch
+  # is small: with T k <= E (one-token decoding) q_e is the token's own score
+  # and every shifted score is exactly 0, so routing falls back to top-k of s.
+  select_te = (s_te - q_e[None, :]) + _TIE_BREAK * s_te
   indices_tk, weights_tk, stats, _ = selection.select_rank_assign(
       scores_te, select_te, k=k, config=config)
   stats["threshold"] = q_e
