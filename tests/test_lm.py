@@ -241,3 +241,13 @@ def test_gpu_cudnn_attention_matches_xla():
   a, b = (np.asarray(fwd(m, x), np.float32) for m in layers)
   np.testing.assert_allclose(b, a, rtol=0, atol=3e-2 * np.abs(a).max())
   print("auto-selected attention implementation:", layers[1].implementation)
+
+
+def test_moe_impl_override_changes_only_the_expert_path():
+  cfg = _config(router=RouterConfig())
+  default = nnx.eval_shape(lambda: lm.HybridLM(cfg, rngs=nnx.Rngs(0)))
+  buffered = nnx.eval_shape(lambda: lm.HybridLM(cfg, rngs=nnx.Rngs(0), moe_impl="buffered"))
+  assert buffered.layers[1].ffn.config.impl == "buffered"
+  assert default.layers[1].ffn.config.impl == "ragged"
+  shapes = lambda m: jax.tree.map(lambda v: v.shape, nnx.state(m, nnx.Param))
+  assert shapes(default) == shapes(buffered)
