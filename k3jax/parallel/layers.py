@@ -41,6 +41,9 @@ class ContextParallelKDA(KDA):
 class ExpertParallelMoE(MoE):
   """MoE whose routed experts are expert-parallel under a mesh with expert > 1.
 
+  Both grouped paths ("ragged", "buffered") dispatch through
+  `expert_parallel.routed_experts` then; "dense" stays the reference.
+
   `ep_capacity_factor` (instance attribute, default None = lossless) sets the
   dispatch capacity; see `expert_parallel.routed_experts`.
   """
@@ -53,6 +56,11 @@ class ExpertParallelMoE(MoE):
     return expert_parallel.routed_experts(
         x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
         capacity_factor=self.ep_capacity_factor, dtype=self.config.dtype)
+
+  def _routed_buffered(self, x_nd, idx_nk, w_nk):
+    if _axis(mesh_lib.EXPERT) == 1:
+      return super()._routed_buffered(x_nd, idx_nk, w_nk)
+    return self._routed_ragged(x_nd, idx_nk, w_nk)
 
 
 _SWAPS = ((MoE, ExpertParallelMoE), (KDA, ContextParallelKDA))
