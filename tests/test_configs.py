@@ -137,6 +137,10 @@ def test_missing_key_raises():
   del c.optim["grad_clip"]
   with pytest.raises(ValueError, match="missing keys.*optim.grad_clip"):
     validate(c)
+  # Model fields may be left to ModelConfig's defaults.
+  c = base_config()
+  del c.model["conv_size"]
+  assert validate(c).conv_size == 4
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -46,7 +46,7 @@ def _plain(x: Any) -> Any:
   return x
 
 
-def _check_keys(section: Mapping[str, Any], allowed, where: str) -> None:
+def _check_keys(section: Mapping[str, Any], allowed, where: str, *, require_all: bool = True) -> None:
   allowed = list(allowed)
   for key in section:
     if key not in allowed:
@@ -54,7 +54,7 @@ def _check_keys(section: Mapping[str, Any], allowed, where: str) -> None:
       hint = f"; did you mean {where + close[0]!r}?" if close else ""
       raise ValueError(f"unknown config key {where + key!r}{hint} Allowed: {sorted(allowed)}")
   missing = [k for k in allowed if k not in section]
-  if missing:
+  if missing and require_all:
     raise ValueError(f"config is missing keys {[where + m for m in missing]}")
 
 
@@ -88,10 +88,12 @@ def model_config_from(model_section: Mapping[str, Any]):
 def _check_model_keys(model_section: Mapping[str, Any]) -> None:
   from k3jax.models.config import ModelConfig
   from k3jax.routing.config import RouterConfig
+  # Model fields left out take ModelConfig's defaults; unknown ones are errors.
   fields = [f.name for f in dataclasses.fields(ModelConfig)]
-  _check_keys(model_section, fields, "model.")
+  _check_keys(model_section, fields, "model.", require_all=False)
   if isinstance(model_section.get("router"), Mapping):
-    _check_keys(model_section["router"], [f.name for f in dataclasses.fields(RouterConfig)], "model.router.")
+    _check_keys(model_section["router"], [f.name for f in dataclasses.fields(RouterConfig)],
+                "model.router.", require_all=False)
 
 
 def validate(config: Any):
