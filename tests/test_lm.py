@@ -61,10 +61,17 @@ def test_config_rejects_unsafe_g_min_for_sub_chunk():
     ("dtype", "float16", "dtype='float16'"),
     ("d_model", 0, "d_model=0"),
     ("g_min", 1.0, "g_min"),
+    ("moe_impl", "sparse", "moe_impl='sparse'"),
 ])
 def test_config_errors_name_the_field(field, value, match):
   with pytest.raises(ValueError, match=match):
     ModelConfig(**{field: value})
+
+
+def test_config_buffered_moe_needs_a_capacity():
+  with pytest.raises(ValueError, match="capacity_factor"):
+    ModelConfig(moe_impl="buffered", router=RouterConfig(capacity_factor=None))
+  ModelConfig(moe_impl="buffered", router=RouterConfig(capacity_factor=1.25))
 
 
 def test_config_softplus_needs_pairwise():
@@ -247,7 +254,10 @@ def test_moe_impl_override_changes_only_the_expert_path():
   cfg = _config(router=RouterConfig())
   default = nnx.eval_shape(lambda: lm.HybridLM(cfg, rngs=nnx.Rngs(0)))
   buffered = nnx.eval_shape(lambda: lm.HybridLM(cfg, rngs=nnx.Rngs(0), moe_impl="buffered"))
+  from_config = nnx.eval_shape(
+      lambda: lm.HybridLM(dataclasses.replace(cfg, moe_impl="buffered"), rngs=nnx.Rngs(0)))
   assert buffered.layers[1].ffn.config.impl == "buffered"
+  assert from_config.layers[1].ffn.config.impl == "buffered"
   assert default.layers[1].ffn.config.impl == "ragged"
   shapes = lambda m: jax.tree.map(lambda v: v.shape, nnx.state(m, nnx.Param))
   assert shapes(default) == shapes(buffered)

@@ -14,6 +14,7 @@ GATES = ("bounded", "softplus")
 DIAGONALS = ("dense", "pairwise")
 KDA_IMPLEMENTATIONS = ("xla", "pallas", "naive")
 RESIDUALS = ("prenorm", "block_attnres", "full_attnres")
+MOE_IMPLS = ("ragged", "buffered", "dense")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -63,6 +64,10 @@ class ModelConfig:
   dense_hidden: int = 1024
   # Router of every MoE layer.
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+  # MoE expert path: "ragged" (grouped matmul on sorted tokens; XLA expands it
+  # to every expert on GPU), "buffered" (per-expert capacity buffers and one
+  # batched matmul; needs router.capacity_factor), "dense" (reference).
+  moe_impl: str = "ragged"
   # Residual strategy: "prenorm", "block_attnres" or "full_attnres".
   residual: str = "prenorm"
   # Sublayers per block of block_attnres (each layer has two sublayers).
@@ -123,6 +128,11 @@ class ModelConfig:
                        "must be an int >= 0")
     if not isinstance(self.router, RouterConfig):
       raise ValueError(f"ModelConfig.router must be a RouterConfig, got {type(self.router)}")
+    if self.moe_impl not in MOE_IMPLS:
+      raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; allowed: {MOE_IMPLS}")
+    if self.moe_impl == "buffered" and self.router.capacity_factor is None:
+      raise ValueError("ModelConfig.moe_impl='buffered' sizes its buffers by the router's "
+                       "capacity_factor, which is None (dropless); set one or use 'ragged'")
     if self.residual not in RESIDUALS:
       raise ValueError(f"ModelConfig.residual={self.residual!r}; allowed: {RESIDUALS}")
     for name in ("dtype", "param_dtype"):

@@ -45,11 +45,10 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | N
   dtype, pdt = config.compute_dtype, config.params_dtype
   if not config.is_moe_layer(layer):
     return DenseFFN(config.d_model, config.dense_hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
-  extra = {} if moe_impl is None else {"impl": moe_impl}
   moe_config = MoEConfig(
       d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
       expert_hidden=config.expert_hidden, num_shared_experts=config.num_shared_experts,
-      router=config.router, dtype=dtype, param_dtype=pdt, **extra)
+      router=config.router, impl=moe_impl or config.moe_impl, dtype=dtype, param_dtype=pdt)
   return MoE(moe_config, rngs=rngs)
 
 
@@ -85,8 +84,9 @@ class HybridLM(nnx.Module):
   `router/<layer>/<stat>` for every router statistic of every MoE layer, and
   `gate/<layer>/mean`, `gate/<layer>/min` of the KDA log-decay g.
 
-  `moe_impl` overrides the MoE layers' expert path ("ragged", "buffered",
-  "dense"; None keeps the MoE default). It changes no parameter.
+  `moe_impl` overrides `config.moe_impl` (the MoE layers' expert path:
+  "ragged", "buffered" or "dense"); None keeps the config's. It changes no
+  parameter.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe_impl: str | None = None):
