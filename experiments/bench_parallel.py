@@ -49,6 +49,9 @@ flags.DEFINE_integer("expert_hidden", 1024, "expert SwiGLU width")
 flags.DEFINE_integer("vocab_size", 32768, "vocabulary")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_enum("kda_implementation", "xla", ["xla", "pallas"], "chunk_kda implementation")
+flags.DEFINE_enum("moe_impl", "ragged", ["ragged", "buffered"],
+                  "one-device MoE expert path (expert-parallel meshes dispatch with all_to_all "
+                  "and run grouped matmuls locally either way)")
 flags.DEFINE_float("capacity_factor", 2.0,
                    "expert-parallel dispatch capacity (<= 0: lossless worst-case buffers)")
 flags.DEFINE_integer("warmup", 2, "untimed steps after compilation")
@@ -90,7 +93,8 @@ def _run(mesh_shape, config):
   tx = optax.adamw(1e-4)
   cf = FLAGS.capacity_factor if FLAGS.capacity_factor > 0 else None
   graphdef, state = training.create_sharded_train_state(
-      lambda rngs: HybridLM(config, rngs=rngs), tx, 0, mesh, capacity_factor=cf)
+      lambda rngs: HybridLM(config, rngs=rngs, moe_impl=FLAGS.moe_impl), tx, 0, mesh,
+      capacity_factor=cf)
   step = make_train_step(graphdef, tx, optax.constant_schedule(1e-4))
 
   @jax.jit
@@ -136,7 +140,7 @@ def main(argv):
   print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; model d={config.d_model} "
         f"L={config.num_layers} {config.layer_pattern} H={config.num_heads} hd={config.head_dim} "
         f"E={config.num_experts} k={config.top_k} eh={config.expert_hidden} {config.dtype}; "
-        f"kda={config.kda_implementation}; per device {FLAGS.batch_per_device} x "
+        f"kda={config.kda_implementation}; moe={FLAGS.moe_impl}; per device {FLAGS.batch_per_device} x "
         f"{FLAGS.seq_per_device} tokens; capacity_factor={FLAGS.capacity_factor}")
   header = ("mesh d,e,c", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
             "eff vs base", "loss", "compile s")
