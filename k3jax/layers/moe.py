@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import routing
+from k3jax.layers.params import logical_param
 from k3jax.routing import RouterConfig
 from k3jax.routing import capacity as capacity_lib
 
@@ -82,13 +83,6 @@ class MoEConfig:
           "got None (dropless): use impl='ragged' or set a capacity factor")
 
 
-def _param(rngs, init, shape, dtype, names):
-  # Logical axis names as metadata; shard eagerly only inside an active mesh.
-  eager = nnx.using_eager_sharding() and not jax.sharding.get_abstract_mesh().empty
-  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names,
-                   eager_sharding=eager)
-
-
 class MoE(nnx.Module):
   """Routed SwiGLU experts + optional shared experts.
 
@@ -104,19 +98,17 @@ class MoE(nnx.Module):
     c = config
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
                                              in_axis=-2, out_axis=-1)
-    self.router_kernel = _param(rngs, init, (c.d_model, c.num_experts), jnp.float32,
-                                ("embed", None))
-    self.wi_gate = _param(rngs, init, (c.num_experts, c.d_model, c.expert_hidden),
-                          c.param_dtype, ("expert", "embed", "mlp"))
-    self.wi_up = _param(rngs, init, (c.num_experts, c.d_model, c.expert_hidden),
-                        c.param_dtype, ("expert", "embed", "mlp"))
-    self.wo = _param(rngs, init, (c.num_experts, c.expert_hidden, c.d_model),
-                     c.param_dtype, ("expert", "mlp", "embed"))
+    e, d, h = c.num_experts, c.d_model, c.expert_hidden
+    param = lambda shape, axes, dtype=c.param_dtype: logical_param(rngs, init, shape, axes, dtype)
+    self.router_kernel = param((d, e), ("embed", None), jnp.float32)
+    self.wi_gate = param((e, d, h), ("expert", "embed", "mlp"))
+    self.wi_up = param((e, d, h), ("expert", "embed", "mlp"))
+    self.wo = param((e, h, d), ("expert", "mlp", "embed"))
     if c.num_shared_experts:
       hs = c.num_shared_experts * (c.shared_hidden or c.expert_hidden)
-      self.shared_gate = _param(rngs, init, (c.d_model, hs), c.param_dtype, ("embed", "mlp"))
-      self.shared_up = _param(rngs, init, (c.d_model, hs), c.param_dtype, ("embed", "mlp"))
-      self.shared_out = _param(rngs, init, (hs, c.d_model), c.param_dtype, ("mlp", "embed"))
+      self.shared_gate = param((d, hs), ("embed", "mlp"))
+      self.shared_up = param((d, hs), ("embed", "mlp"))
+      self.shared_out = param((hs, d), ("mlp", "embed"))
     else:
       self.shared_gate = self.shared_up = self.shared_out = None
     state = routing.init_router_state(c.num_experts, c.router)
