@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import dot, iota, onehot_rows, tile_factors
+from pallas_kernels.kda.kernel_fwd import (dot, iota, onehot_rows, state_grid,
+                                           state_launch_options, tile_factors)
 
 _F32 = jnp.float32
 
@@ -98,40 +99,6 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
     dh0_ref[seq] = ds
 
 
-def _state_bwd_tpu(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale, cfg,
-                   varlen):
-  """TPU layout of `state_bwd`: grid (B, H, V/BV, NC), chunks visited in reverse."""
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  b, tp, hk = q.shape
-  h, c = heads, chunk_size
-  dk = hk // h
-  dv = do.shape[-1] // h
-  nc = tp // c
-  bv = cfg.block_v
-  nv = dv // bv
-  n_blk = dht.shape[0] if varlen else 1
-  meta_spec = cfg.meta_block_spec(nc)
-  rev = lambda ic: nc - 1 - ic
-  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, iv, ic: (ib, rev(ic), ih))
-  vspec = pl.BlockSpec((None, c, bv), lambda ib, ih, iv, ic: (ib, rev(ic), ih * nv + iv))
-  aspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, iv, ic: (ib, ih, rev(ic), 0))
-  hspec = pl.BlockSpec((n_blk, None, dk, bv),
-                       lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv))
-  sspec = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv, ic: (ib, ih, rev(ic), iv))
-  kernel = functools.partial(_state_bwd_kernel_tpu, scale=scale, cfg=cfg)
-  return pl.pallas_call(
-      kernel, grid=(b, h, nv, nc),
-      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, aspec, vspec, hspec],
-      out_specs=[vspec, sspec, hspec],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv), _F32),
-                 jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
-                 jax.ShapeDtypeStruct(dht.shape, _F32)],
-      scratch_shapes=[pltpu.VMEM((dk, bv), _F32)],
-      compiler_params=cfg.compiler_params("state_bwd", grid_rank=4, sequential_last=True),
-      interpret=cfg.interpret, name="kda_state_bwd",
-  )(*meta, q, k, g_cum, w, a_qk, do, dht)
-
-
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool):
   """Runs the reverse state kernel.
@@ -146,37 +113,23 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
     the state leaving each chunk), dh0 [Nh, H, K, V] f32 (rows of sequences
     that start; others untouched).
   """
+  b, tp, _ = q.shape
+  dv = do.shape[-1] // heads
+  grid = state_grid(q.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
+                    num_state_rows=dht.shape[0], reverse=True)
   if cfg.is_tpu:
-    return _state_bwd_tpu(meta, q, k, g_cum, w, a_qk, do, dht, heads=heads,
-                          chunk_size=chunk_size, scale=scale, cfg=cfg, varlen=varlen)
-  b, tp, hk = q.shape
-  h, c = heads, chunk_size
-  dk = hk // h
-  dv = do.shape[-1] // h
-  nc = tp // c
-  bv = cfg.block_v
-  nv = dv // bv
-  nh = dht.shape[0]
-  n_blk = nh if varlen else 1
-  meta_spec = cfg.meta_block_spec(nc)
-  kspec = pl.BlockSpec((None, tp, dk), lambda ib, ih, iv: (ib, 0, ih))
-  vspec = pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv))
-  aspec = pl.BlockSpec((None, None, tp, c), lambda ib, ih, iv: (ib, ih, 0, 0))
-  if varlen:
-    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (0, ih, 0, iv))
+    kernel = functools.partial(_state_bwd_kernel_tpu, scale=scale, cfg=cfg)
   else:
-    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
-  sspec = pl.BlockSpec((None, None, nc * dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
-  kernel = functools.partial(_state_bwd_kernel, scale=scale, chunk_size=c, cfg=cfg)
+    kernel = functools.partial(_state_bwd_kernel, scale=scale, chunk_size=chunk_size, cfg=cfg)
   return pl.pallas_call(
-      kernel, grid=(b, h, nv),
-      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, aspec, vspec, hspec],
-      out_specs=[vspec, sspec, hspec],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv), _F32),
-                 jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
+      kernel, grid=grid.grid,
+      in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.a, grid.v, grid.state],
+      out_specs=[grid.v, grid.chunk_states, grid.state],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, heads * dv), _F32),
+                 jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv), _F32),
                  jax.ShapeDtypeStruct(dht.shape, _F32)],
-      compiler_params=cfg.compiler_params("state_bwd"),
       interpret=cfg.interpret, name="kda_state_bwd",
+      **state_launch_options(cfg, "state_bwd", grid),
   )(*meta, q, k, g_cum, w, a_qk, do, dht)
 
 

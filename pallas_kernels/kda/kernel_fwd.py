@@ -18,6 +18,7 @@ Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u, o as
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -140,6 +141,73 @@ def unit_lower_inverse(blocks_lc):
       return jnp.where(row == r * ell + l, m - upd[None, :], m)
     m = lax.fori_loop(1 if r == 0 else 0, ell, body, m)
   return m
+
+
+@dataclasses.dataclass(frozen=True)
+class StateGrid:
+  """Grid and BlockSpecs shared by the forward and reverse state kernels.
+
+  GPU: grid (B, H, V/BV); each program sees the whole padded sequence and
+  loops over the chunks itself. TPU: grid (B, H, V/BV, NC) with the chunk axis
+  sequential, so one chunk is resident in VMEM; `reverse` visits it backwards.
+  """
+  grid: tuple[int, ...]
+  meta: pl.BlockSpec    # int32 [NC] per-chunk metadata
+  k: pl.BlockSpec       # [B, Tp, H*K] tensors
+  v: pl.BlockSpec       # [B, Tp, H*V] tensors
+  a: pl.BlockSpec       # [B, H, Tp, C] chunk matrices
+  state: pl.BlockSpec   # [Nh, H, K, V] initial / final states
+  chunk_states: pl.BlockSpec  # [B, H, NC*K, V] per-chunk states
+  dk: int
+  block_v: int
+
+
+def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: KernelConfig,
+               varlen: bool, num_state_rows: int, reverse: bool = False) -> StateGrid:
+  """Lays the state kernels out for `cfg`'s backend.
+
+  Args:
+    q_shape: (B, Tp, H*K); head_v: V; num_state_rows: Nh of the state arrays.
+    varlen: one state block holds every sequence row (B == 1).
+  """
+  b, tp, hk = q_shape
+  h, c = heads, chunk_size
+  dk = hk // h
+  bv = cfg.block_v
+  nv = head_v // bv
+  nc = tp // c
+  n_blk = num_state_rows if varlen else 1
+  meta = cfg.meta_block_spec(nc)
+  if cfg.is_tpu:
+    at = (lambda ic: nc - 1 - ic) if reverse else (lambda ic: ic)
+    return StateGrid(
+        grid=(b, h, nv, nc), meta=meta,
+        k=pl.BlockSpec((None, c, dk), lambda ib, ih, iv, ic: (ib, at(ic), ih)),
+        v=pl.BlockSpec((None, c, bv), lambda ib, ih, iv, ic: (ib, at(ic), ih * nv + iv)),
+        a=pl.BlockSpec((None, None, c, c), lambda ib, ih, iv, ic: (ib, ih, at(ic), 0)),
+        state=pl.BlockSpec((n_blk, None, dk, bv),
+                           lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv)),
+        chunk_states=pl.BlockSpec((None, None, dk, bv),
+                                  lambda ib, ih, iv, ic: (ib, ih, at(ic), iv)),
+        dk=dk, block_v=bv)
+  return StateGrid(
+      grid=(b, h, nv), meta=meta,
+      k=pl.BlockSpec((None, tp, dk), lambda ib, ih, iv: (ib, 0, ih)),
+      v=pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv)),
+      a=pl.BlockSpec((None, None, tp, c), lambda ib, ih, iv: (ib, ih, 0, 0)),
+      state=pl.BlockSpec((n_blk, None, dk, bv),
+                         lambda ib, ih, iv: (0 if varlen else ib, ih, 0, iv)),
+      chunk_states=pl.BlockSpec((None, None, nc * dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv)),
+      dk=dk, block_v=bv)
+
+
+def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict:
+  """`pallas_call` options of a state kernel: compiler params, TPU VMEM state."""
+  if not cfg.is_tpu:
+    return dict(compiler_params=cfg.compiler_params(stage))
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  return dict(compiler_params=cfg.compiler_params(stage, grid_rank=4, sequential_last=True),
+              scratch_shapes=[pltpu.VMEM((grid.dk, grid.block_v), _F32)])
 
 
 # ---------------------------------------------------------------------------
@@ -297,43 +365,6 @@ def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
     ht_ref[seq] = s
 
 
-def _state_fwd_tpu(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale, cfg,
-                   varlen, save, out_dtype):
-  """TPU layout of `state_fwd`: grid (B, H, V/BV, NC), chunk axis sequential."""
-  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
-  b, tp, hk = q.shape
-  h, c = heads, chunk_size
-  dk = hk // h
-  dv = u.shape[-1] // h
-  nc = tp // c
-  bv = cfg.block_v
-  nv = dv // bv
-  n_blk = h0.shape[0] if varlen else 1
-  meta_spec = cfg.meta_block_spec(nc)
-  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, iv, ic: (ib, ic, ih))
-  vspec = pl.BlockSpec((None, c, bv), lambda ib, ih, iv, ic: (ib, ic, ih * nv + iv))
-  aspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, iv, ic: (ib, ih, ic, 0))
-  hspec = pl.BlockSpec((n_blk, None, dk, bv),
-                       lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv))
-  out_shape = [jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype),
-               jax.ShapeDtypeStruct(h0.shape, _F32)]
-  out_specs = [vspec, hspec]
-  if save:
-    out_shape += [jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
-                  jax.ShapeDtypeStruct((b, tp, h * dv), _F32)]
-    out_specs += [pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv, ic: (ib, ih, ic, iv)),
-                  vspec]
-  kernel = functools.partial(_state_fwd_kernel_tpu, scale=scale, cfg=cfg, save=save)
-  return pl.pallas_call(
-      kernel, grid=(b, h, nv, nc),
-      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, vspec, aspec, hspec],
-      out_specs=out_specs, out_shape=out_shape,
-      scratch_shapes=[pltpu.VMEM((dk, bv), _F32)],
-      compiler_params=cfg.compiler_params("state_fwd", grid_rank=4, sequential_last=True),
-      interpret=cfg.interpret, name="kda_state_fwd",
-  )(*meta, q, k, g_cum, w, u, a_qk, h0)
-
-
 def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool, save: bool = False, out_dtype=None):
   """Runs the state kernel over all chunks.
@@ -351,40 +382,24 @@ def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
     o [B, Tp, H*V] (out_dtype), ht [Nh, H, K, V] f32 (rows of sequences that
     end; others untouched), and (hs, v_new) if save.
   """
-  if cfg.is_tpu:
-    return _state_fwd_tpu(meta, q, k, g_cum, w, u, a_qk, h0, heads=heads,
-                          chunk_size=chunk_size, scale=scale, cfg=cfg, varlen=varlen,
-                          save=save, out_dtype=out_dtype or q.dtype)
-  b, tp, hk = q.shape
-  h, c = heads, chunk_size
-  dk = hk // h
-  dv = u.shape[-1] // h
-  nc = tp // c
-  bv = cfg.block_v
-  nv = dv // bv
-  nh = h0.shape[0]
-  n_blk = nh if varlen else 1
-  meta_spec = cfg.meta_block_spec(nc)
-  kspec = pl.BlockSpec((None, tp, dk), lambda ib, ih, iv: (ib, 0, ih))
-  vspec = pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv))
-  aspec = pl.BlockSpec((None, None, tp, c), lambda ib, ih, iv: (ib, ih, 0, 0))
-  if varlen:
-    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (0, ih, 0, iv))
-  else:
-    hspec = pl.BlockSpec((n_blk, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
-  out_shape = [jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype or q.dtype),
+  b, tp, _ = q.shape
+  dv = u.shape[-1] // heads
+  grid = state_grid(q.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
+                    num_state_rows=h0.shape[0])
+  out_shape = [jax.ShapeDtypeStruct((b, tp, heads * dv), out_dtype or q.dtype),
                jax.ShapeDtypeStruct(h0.shape, _F32)]
-  out_specs = [vspec, hspec]
+  out_specs = [grid.v, grid.state]
   if save:
-    out_shape += [jax.ShapeDtypeStruct((b, h, nc * dk, dv), _F32),
-                  jax.ShapeDtypeStruct((b, tp, h * dv), _F32)]
-    out_specs += [pl.BlockSpec((None, None, nc * dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv)),
-                  vspec]
-  kernel = functools.partial(_state_fwd_kernel, scale=scale, chunk_size=c, cfg=cfg)
+    out_shape += [jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv), _F32),
+                  jax.ShapeDtypeStruct((b, tp, heads * dv), _F32)]
+    out_specs += [grid.chunk_states, grid.v]
+  if cfg.is_tpu:
+    kernel = functools.partial(_state_fwd_kernel_tpu, scale=scale, cfg=cfg, save=save)
+  else:
+    kernel = functools.partial(_state_fwd_kernel, scale=scale, chunk_size=chunk_size, cfg=cfg)
   return pl.pallas_call(
-      kernel, grid=(b, h, nv),
-      in_specs=[meta_spec] * 3 + [kspec, kspec, kspec, kspec, vspec, aspec, hspec],
-      out_specs=out_specs, out_shape=out_shape,
-      compiler_params=cfg.compiler_params("state_fwd"),
-      interpret=cfg.interpret, name="kda_state_fwd",
+      kernel, grid=grid.grid,
+      in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.v, grid.a, grid.state],
+      out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
+      name="kda_state_fwd", **state_launch_options(cfg, "state_fwd", grid),
   )(*meta, q, k, g_cum, w, u, a_qk, h0)
