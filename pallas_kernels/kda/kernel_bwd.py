@@ -36,6 +36,29 @@ _F32 = jnp.float32
 # ---------------------------------------------------------------------------
 
 
+def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_ref, dvn_ref,
+                    *, scale, cfg: KernelConfig):
+  """One chunk of the reverse state recurrence (shared by the GPU and TPU kernels).
+
+  Writes dV' = A_qk^T dO + (k e^{G_last - G}) dS into dvn_ref's `rows`.
+
+  Args:
+    ds: [K, BV] f32 gradient of the state leaving the chunk.
+
+  Returns:
+    dS entering the chunk: e^{G_last} dS + (q e^G)^T dO - W^T dV'.
+  """
+  g = g_ref[rows, :]
+  g_last = g_ref[last_row, :]
+  q = q_ref[rows, :].astype(_F32) * scale
+  k = k_ref[rows, :].astype(_F32)
+  do = do_ref[rows, :]
+  dvn = dot(aqk_ref[rows, :], do, cfg, ta=True) + dot(k * jnp.exp(g_last - g), ds, cfg)
+  dvn_ref[rows, :] = dvn
+  return (jnp.transpose(jnp.exp(g_last)) * ds + dot(q * jnp.exp(g), do, cfg, ta=True)
+          - dot(w_ref[rows, :], dvn, cfg, ta=True))
+
+
 def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
                       do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, scale, chunk_size, cfg):
   c = chunk_size
@@ -49,16 +72,8 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
     ds = jnp.where(last_ref[i] != 0, dht_ref[seq].astype(_F32), ds)
     dhs_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :] = ds
     start = pl.multiple_of(i * c, c)
-    rows = pl.ds(start, c)
-    g = g_ref[rows, :]
-    g_last = g_ref[pl.ds(start + c - 1, 1), :]
-    q = q_ref[rows, :].astype(_F32) * scale
-    k = k_ref[rows, :].astype(_F32)
-    do = do_ref[rows, :]
-    dvn = dot(aqk_ref[rows, :], do, cfg, ta=True) + dot(k * jnp.exp(g_last - g), ds, cfg)
-    dvn_ref[rows, :] = dvn
-    ds = (jnp.transpose(jnp.exp(g_last)) * ds + dot(q * jnp.exp(g), do, cfg, ta=True)
-          - dot(w_ref[rows, :], dvn, cfg, ta=True))
+    ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
+                         w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, cfg=cfg)
 
     @pl.when(first_ref[i] != 0)
     def _():
@@ -83,15 +98,8 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
 
   ds = ds_ref[...]
   dhs_ref[...] = ds
-  g = g_ref[...]
-  g_last = g_ref[pl.ds(c - 1, 1), :]
-  q = q_ref[...].astype(_F32) * scale
-  k = k_ref[...].astype(_F32)
-  do = do_ref[...]
-  dvn = dot(aqk_ref[...], do, cfg, ta=True) + dot(k * jnp.exp(g_last - g), ds, cfg)
-  dvn_ref[...] = dvn
-  ds = (jnp.transpose(jnp.exp(g_last)) * ds + dot(q * jnp.exp(g), do, cfg, ta=True)
-        - dot(w_ref[...], dvn, cfg, ta=True))
+  ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref, aqk_ref,
+                       do_ref, dvn_ref, scale=scale, cfg=cfg)
   ds_ref[...] = ds
 
   @pl.when(first_ref[i] != 0)

@@ -294,6 +294,31 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
 # ---------------------------------------------------------------------------
 
 
+def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_ref, o_ref, *,
+                    scale, cfg: KernelConfig):
+  """One chunk of the forward state recurrence (shared by the GPU and TPU kernels).
+
+  Reads the chunk's `rows` ([C] rows; `last_row` is its last one) and writes
+  O = (q e^G) S + A_qk V' into o_ref.
+
+  Args:
+    s: [K, BV] f32 state entering the chunk.
+
+  Returns:
+    (V' = U - W S [C, BV] f32, S <- e^{G_last} S + (k e^{G_last - G})^T V').
+  """
+  g = g_ref[rows, :]
+  g_last = g_ref[last_row, :]
+  q = q_ref[rows, :].astype(_F32) * scale
+  k = k_ref[rows, :].astype(_F32)
+  s_mm = s.astype(cfg.mm_dtype)
+  v_new = u_ref[rows, :].astype(_F32) - dot(w_ref[rows, :], s_mm, cfg)
+  o = dot(q * jnp.exp(g), s_mm, cfg) + dot(aqk_ref[rows, :], v_new, cfg)
+  o_ref[rows, :] = o.astype(o_ref.dtype)
+  s_next = jnp.transpose(jnp.exp(g_last)) * s + dot(k * jnp.exp(g_last - g), v_new, cfg, ta=True)
+  return v_new, s_next
+
+
 def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
                       aqk_ref, h0_ref, o_ref, ht_ref, *save_refs, scale, chunk_size,
                       cfg):
@@ -301,26 +326,19 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
   tp, dk = q_ref.shape
   nc = tp // c
   bv = u_ref.shape[-1]
-  mm = cfg.mm_dtype
 
   def body(i, s):
     seq = seq_ref[i]
     s = jnp.where(first_ref[i] != 0, h0_ref[seq].astype(_F32), s)
     start = pl.multiple_of(i * c, c)
     rows = pl.ds(start, c)
-    g = g_ref[rows, :]
-    g_last = g_ref[pl.ds(start + c - 1, 1), :]
-    q = q_ref[rows, :].astype(_F32) * scale
-    k = k_ref[rows, :].astype(_F32)
-    s_mm = s.astype(mm)
-    v_new = u_ref[rows, :].astype(_F32) - dot(w_ref[rows, :], s_mm, cfg)
+    v_new, s_next = state_fwd_chunk(s, rows, pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
+                                    w_ref, u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
     if save_refs:
       hs_ref, vn_ref = save_refs
       hs_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :] = s.astype(hs_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    o = dot(q * jnp.exp(g), s_mm, cfg) + dot(aqk_ref[rows, :], v_new, cfg)
-    o_ref[rows, :] = o.astype(o_ref.dtype)
-    s = jnp.transpose(jnp.exp(g_last)) * s + dot(k * jnp.exp(g_last - g), v_new, cfg, ta=True)
+    s = s_next
 
     @pl.when(last_ref[i] != 0)
     def _():
@@ -337,7 +355,6 @@ def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
   save_refs, s_ref = rest[:-1], rest[-1]
   i = pl.program_id(3)
   c = q_ref.shape[0]
-  mm = cfg.mm_dtype
   seq = seq_ref[i]
 
   @pl.when(first_ref[i] != 0)
@@ -345,19 +362,13 @@ def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
     s_ref[...] = h0_ref[seq].astype(_F32)
 
   s = s_ref[...]
-  g = g_ref[...]
-  g_last = g_ref[pl.ds(c - 1, 1), :]
-  q = q_ref[...].astype(_F32) * scale
-  k = k_ref[...].astype(_F32)
-  s_mm = s.astype(mm)
-  v_new = u_ref[...].astype(_F32) - dot(w_ref[...], s_mm, cfg)
+  v_new, s_next = state_fwd_chunk(s, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref,
+                                  u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
   if save:
     hs_ref, vn_ref = save_refs
     hs_ref[...] = s.astype(hs_ref.dtype)
     vn_ref[...] = v_new.astype(vn_ref.dtype)
-  o = dot(q * jnp.exp(g), s_mm, cfg) + dot(aqk_ref[...], v_new, cfg)
-  o_ref[...] = o.astype(o_ref.dtype)
-  s = jnp.transpose(jnp.exp(g_last)) * s + dot(k * jnp.exp(g_last - g), v_new, cfg, ta=True)
+  s = s_next
   s_ref[...] = s
 
   @pl.when(last_ref[i] != 0)
