@@ -1,14 +1,14 @@
 """~1.09B-parameter (~350M active) hybrid KDA/attention MoE model, bf16, one H200.
 
 Same data options as `gpu_150m.py`. GPU command (after `../shared/tools/gpu_wheels.sh
-tqdm==4.70.1 tensorboardX==2.6.5` on a machine with package access; run from the repo root on the H200):
+tensorboardX==2.6.5` on a machine with package access; run from the repo root on the H200):
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/gpu_1b.py \
          --workdir=/tmp/runs/gpu_1b --config.num_steps=300 --config.optim.warmup_steps=100
 
-Until the Pallas KDA kernel is available in the build, add
-`--config.model.kda_implementation=xla`. Memory: float32 weights, AdamW moments
+The KDA layers run the Pallas kernel (`--config.model.kda_implementation=xla` for
+the pure-XLA path). Memory: float32 weights, AdamW moments
 and gradients take ~17 GB; activations at batch 16 x 2048 dominate the rest.
 """
 from k3jax.train.defaults import base_config
@@ -41,6 +41,8 @@ def get_config():
   c.model.top_k = 2
   c.model.expert_hidden = 768
   c.model.num_shared_experts = 1
+  # XLA expands ragged_dot densely over all experts on GPU; capacity buffers keep one batched matmul.
+  c.model.moe_impl = "buffered"
   c.model.dense_hidden = 4096
   c.model.router.name = "quantile"
   c.model.dtype = "bfloat16"

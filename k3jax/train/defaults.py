@@ -29,6 +29,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.top_k = 2                   # experts per token
   c.expert_hidden = 256         # hidden width of each routed / shared expert
   c.num_shared_experts = 1      # always-on experts per MoE FFN
+  c.moe_impl = "ragged"         # routed experts: "ragged" (grouped matmul), "buffered" (capacity buffers; GPU), "dense"
   c.first_layer_dense = True    # layer 0 uses a dense FFN
   c.dense_hidden = 1024         # hidden width of dense FFNs
   c.residual = "prenorm"        # "prenorm", "block_attnres" or "full_attnres"
