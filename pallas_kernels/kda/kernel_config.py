@@ -23,6 +23,9 @@ from jax.experimental import pallas as pl
 
 BACKENDS = ("triton", "tpu", "interpret", "tpu_interpret")
 
+# Ways of forming M = (I + A_kk)^-1 in the intra-chunk forward.
+INVERSES = ("blocked", "substitution")
+
 # Kernel stages, each a separate pallas_call.
 STAGES = ("intra_fwd", "state_fwd", "state_bwd", "intra_bwd")
 
@@ -53,6 +56,15 @@ class KernelConfig:
       shared memory (227 KiB available), so the GPU default for K*V >= 128*128
       is the input dtype (bf16): half the operand buffers, at the accuracy
       cost above. Not yet verified on the GPU.
+    inverse: how the intra-chunk forward builds M = (I + A_kk)^-1.
+      "blocked": scores as per-[L, L]-block products (only blocks on or below
+      the diagonal), diagonal blocks inverted by substitution on [L, L] tiles,
+      the rest by tensor-core block products (needs L >= 16 on the GPU).
+      "substitution": scores as [L, C] row blocks, forward substitution over
+      the whole [C, C] tile. `make_config` picks "substitution" on TPU (the
+      [L, L] stores at lane offsets are not verified on Mosaic) and for L < 16.
+    inverse_mm_dtype: operand dtype of the blocked inverse's block products
+      (f32 accumulation either way).
   """
   backend: str
   block_v: int
@@ -63,6 +75,8 @@ class KernelConfig:
   intra_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_mm_dtype: jnp.dtype = jnp.float32
   score_mm_dtype: jnp.dtype = jnp.float32
+  inverse: str = "blocked"
+  inverse_mm_dtype: jnp.dtype = jnp.float32
 
   def intra(self, backward: bool = False) -> "KernelConfig":
     """This config with an intra-chunk kernel's operand dtype as `mm_dtype`."""
@@ -72,6 +86,8 @@ class KernelConfig:
   def __post_init__(self):
     if self.backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+    if self.inverse not in INVERSES:
+      raise ValueError(f"inverse must be one of {INVERSES}, got {self.inverse!r}")
 
   @property
   def interpret(self):
@@ -175,11 +191,16 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   intra_bwd = jnp.float32
   if backend == "triton" and head_k * head_v >= 128 * 128:
     intra_bwd = mm_dtype
+  inverse = ("substitution" if backend in ("tpu", "tpu_interpret") or sub_chunk < 16
+             else "blocked")
   cfg = KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype,
-                     intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
+                     intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype, inverse=inverse)
   if overrides:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
     if unknown:
       raise ValueError(f"unknown KernelConfig fields in overrides: {sorted(unknown)}")
     cfg = dataclasses.replace(cfg, **overrides)
+  if cfg.inverse == "blocked" and sub_chunk < 16 and backend == "triton":
+    raise ValueError(f"inverse='blocked' needs sub_chunk >= 16 on the GPU (tensor-core "
+                     f"tiles), got {sub_chunk}")
   return cfg
