@@ -65,6 +65,13 @@ class KernelConfig:
       [L, L] stores at lane offsets are not verified on Mosaic) and for L < 16.
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
       (f32 accumulation either way).
+    intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
+      products, every output row block written once), "tiles" (masked
+      [C, C] products over the whole chunk), or "auto" (rows, except on TPU
+      and for Triton with sub_chunk < 16); see `kernel_bwd.use_row_blocks`.
+    save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
+      V' for the backward instead of recomputing them there; see
+      `pallas_op._core_fwd` for the memory it costs.
   """
   backend: str
   block_v: int
@@ -77,6 +84,8 @@ class KernelConfig:
   score_mm_dtype: jnp.dtype = jnp.float32
   inverse: str = "blocked"
   inverse_mm_dtype: jnp.dtype = jnp.float32
+  intra_bwd_impl: str = "auto"
+  save_residuals: bool = True
 
   def intra(self, backward: bool = False) -> "KernelConfig":
     """This config with an intra-chunk kernel's operand dtype as `mm_dtype`."""
