@@ -1,6 +1,14 @@
 """ParallelConfig: mesh sizes, logical-axis rules and expert dispatch capacity, from config.
 
-In an ml_collections config:
+The trainer's flat `config.parallel` section (see `k3jax.train.defaults`):
+
+    c.parallel.data, c.parallel.fsdp, c.parallel.expert, c.parallel.context = -1, 1, 2, 2
+    c.parallel.capacity_factor = 0.0                # 0: lossless
+    c.parallel.rules.embed = "fsdp"                 # "a,b": several axes, "": replicated
+
+    pconf = ParallelConfig.from_trainer_config(config.parallel)
+
+The nested form (library use):
 
     c.parallel = ml_collections.ConfigDict()
     c.parallel.mesh = dict(data=-1, fsdp=1, expert=2, context=2)
@@ -13,6 +21,7 @@ In an ml_collections config:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Mapping
 
 from jax.sharding import Mesh
@@ -58,6 +67,97 @@ class ParallelConfig:
                rules=rules_lib.make_rules(d.get("rules")),
                capacity_factor=d.get("capacity_factor"))
 
+  @classmethod
+  def from_trainer_config(cls, section: Mapping[str, Any] | None) -> "ParallelConfig":
+    """From the trainer's flat section: data, fsdp, expert, context, capacity_factor, rules.
+
+    Every key may be left out (defaults: data=-1, the others 1, lossless
+    dispatch, DEFAULT_RULES). `capacity_factor` 0 means lossless (None).
+    `rules` maps logical names to mesh axes and overrides only the names it
+    lists; see `parse_rule_overrides`.
+    """
+    d = dict(_plain(section) or {})
+    allowed = (*mesh_lib.AXES, "capacity_factor", "rules")
+    for key in d:
+      if key not in allowed:
+        raise ValueError(f"unknown parallel config key {key!r}{_did_you_mean(key, allowed)}; "
+                         f"allowed: {list(allowed)}")
+    sizes = {}
+    for axis in mesh_lib.AXES:
+      size = d.get(axis, -1 if axis == mesh_lib.DATA else 1)
+      if isinstance(size, bool) or not isinstance(size, int):
+        raise ValueError(f"parallel.{axis}={size!r}; must be a positive int or -1")
+      sizes[axis] = size
+    cf = d.get("capacity_factor", 0.0)
+    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf < 0:
+      raise ValueError(f"parallel.capacity_factor={cf!r}; must be >= 0 (0 = lossless dispatch)")
+    return cls(mesh=mesh_lib.MeshConfig(**sizes), rules=parse_rule_overrides(d.get("rules")),
+               capacity_factor=float(cf) if cf else None)
+
   def make_mesh(self, devices=None) -> Mesh:
     """The mesh over `devices` (default: all devices of all processes)."""
     return mesh_lib.make_mesh(self.mesh, devices=devices)
+
+
+def _plain(x: Any) -> Any:
+  """ConfigDicts and mappings -> plain nested dicts."""
+  if hasattr(x, "to_dict"):
+    x = x.to_dict()
+  if isinstance(x, Mapping):
+    return {k: _plain(v) for k, v in x.items()}
+  return x
+
+
+def _did_you_mean(word: str, choices) -> str:
+  close = difflib.get_close_matches(word, list(choices), n=1)
+  return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _parse_target(name: str, target: Any):
+  """A rule's mesh axes from config: "a" / "a,b" / "" (replicated) / a list / None."""
+  if target is None:
+    return None
+  if isinstance(target, str):
+    axes = tuple(a.strip() for a in target.split(",") if a.strip())
+  elif isinstance(target, (list, tuple)):
+    axes = tuple(target)
+  else:
+    raise ValueError(f"parallel.rules.{name}={target!r}; expected a string of comma-separated "
+                     f"mesh axes ({', '.join(mesh_lib.AXES)}) or '' for replicated")
+  for axis in axes:
+    if axis not in mesh_lib.AXES:
+      raise ValueError(f"parallel.rules.{name}={target!r}: unknown mesh axis {axis!r}"
+                       f"{_did_you_mean(str(axis), mesh_lib.AXES)}; mesh axes are "
+                       f"{list(mesh_lib.AXES)}")
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"parallel.rules.{name}={target!r} repeats a mesh axis")
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def parse_rule_overrides(overrides: Mapping[str, Any] | None,
+                         base: rules_lib.Rules = rules_lib.DEFAULT_RULES) -> rules_lib.Rules:
+  """`base` rules with the logical names in `overrides` replaced.
+
+  Args:
+    overrides: logical name -> mesh axes: "data" / "data,fsdp" (several, in
+      order) / "" or None (replicated) / a list of axis names. Only the
+      logical names of `base` are known to the layers; any other name is a
+      typo and raises (with a suggestion).
+    base: the rules to start from.
+  """
+  overrides = dict(_plain(overrides) or {})
+  table = dict(base)
+  for name, target in overrides.items():
+    if name not in table:
+      raise ValueError(f"parallel.rules.{name}: unknown logical axis {name!r}"
+                       f"{_did_you_mean(name, table)}; known: {sorted(table)}")
+    table[name] = _parse_target(name, target)
+  return rules_lib.make_rules(tuple(table.items()))
+
+
+def rule_axes(rules: rules_lib.Rules, name: str) -> tuple[str, ...]:
+  """The mesh axes logical axis `name` maps to (empty when replicated or unknown)."""
+  target = dict(rules).get(name)
+  return () if target is None else (target,) if isinstance(target, str) else tuple(target)

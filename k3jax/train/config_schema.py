@@ -3,11 +3,14 @@
 `validate(config)` raises ValueError naming the key, the value and what is
 allowed for: unknown keys (with a did-you-mean), missing keys, wrong types,
 out-of-range values and unsafe combinations. It returns the `ModelConfig`.
+`parallel_config(config, num_devices)` repeats the mesh checks with the
+device count known (an axis of -1 resolved) and returns the `ParallelConfig`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any, Mapping
 
 from k3jax.data.corpus import BYTE_VOCAB_SIZE
@@ -32,6 +35,11 @@ OPTIM: dict[str, Any] = {
     "learning_rate": _NUM, "end_lr_fraction": _NUM, "warmup_steps": int, "b1": _NUM, "b2": _NUM,
     "eps": _NUM, "weight_decay": _NUM, "grad_clip": _NUM,
 }
+# `parallel` may be left out (every device on the data axis); its keys may be too.
+PARALLEL: dict[str, Any] = {
+    "data": int, "fsdp": int, "expert": int, "context": int, "capacity_factor": _NUM, "rules": dict,
+}
+RULE_TYPES = (str, list, tuple, type(None))
 DATA_KINDS = ("bytes", "token_file", "mqar")
 # Above this peak learning rate AdamW on these models diverges; a typo like 3e-1 for 3e-4 is caught here.
 MAX_LEARNING_RATE = 0.05
@@ -60,6 +68,8 @@ def _check_keys(section: Mapping[str, Any], allowed, where: str, *, require_all:
 
 def _check_types(section: Mapping[str, Any], spec: Mapping[str, Any], where: str) -> None:
   for key, want in spec.items():
+    if key not in section:
+      continue  # required keys were checked by _check_keys
     value = section[key]
     ok = isinstance(value, want) and not (isinstance(value, bool) and want in (int, _NUM))
     if not ok:
@@ -99,8 +109,9 @@ def _check_model_keys(model_section: Mapping[str, Any]) -> None:
 def validate(config: Any):
   """Validates a full training config; returns the built `ModelConfig`. Raises ValueError."""
   c = _plain(config)
-  _check_keys(c, TOP_LEVEL, "")
-  _check_types(c, TOP_LEVEL, "")
+  _check_keys(c, [*TOP_LEVEL, "parallel"], "", require_all=False)
+  _check_keys({k: v for k, v in c.items() if k != "parallel"}, TOP_LEVEL, "")
+  _check_types(c, {**TOP_LEVEL, "parallel": dict}, "")
   for name, spec in (("data", DATA), ("optim", OPTIM)):
     _check_keys(c[name], spec, name + ".")
     _check_types(c[name], spec, name + ".")
@@ -148,4 +159,84 @@ def validate(config: Any):
   _require(model_cfg.vocab_size >= data_vocab,
            f"config model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
            f"{data_vocab} (data.kind={d['kind']!r})")
+  _check_parallel(c, model_cfg, num_devices=None)
   return model_cfg
+
+
+def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
+  """Checks `c["parallel"]` against the batch, sequence and model; returns (ParallelConfig, sizes).
+
+  With `num_devices` None an axis of -1 is unknown and only the fixed axes
+  are checked; with a count, -1 is resolved and the sizes must use exactly
+  that many devices. `sizes` maps every mesh axis to its size (-1 if unknown).
+  """
+  from k3jax.parallel import config as pconfig_lib  # jax-heavy; import on use
+  from k3jax.parallel import mesh as mesh_lib
+  section = c.get("parallel") or {}
+  _check_keys(section, PARALLEL, "parallel.", require_all=False)
+  _check_types(section, PARALLEL, "parallel.")
+  rules = section.get("rules") or {}
+  for name, target in rules.items():
+    if not isinstance(target, RULE_TYPES):
+      raise ValueError(f"config parallel.rules.{name}={target!r} has type {type(target).__name__}; "
+                       "expected a string of comma-separated mesh axes ('' = replicated)")
+  try:
+    pconf = pconfig_lib.ParallelConfig.from_trainer_config(section)
+    sizes = dict(zip(mesh_lib.AXES, pconf.mesh.sizes()))
+    if num_devices is not None:
+      sizes = dict(zip(mesh_lib.AXES, mesh_lib.resolve_sizes(pconf.mesh, num_devices)))
+  except ValueError as e:
+    raise ValueError(f"config parallel: {e}") from None
+
+  def product(axes) -> int:  # over the known sizes; an unresolved -1 counts as 1
+    return math.prod(max(sizes[a], 1) for a in axes)
+
+  def show(axes) -> str:
+    return " x ".join(f"{a}={sizes[a] if sizes[a] > 0 else '?'}" for a in axes) or "none"
+
+  batch_axes = pconfig_lib.rule_axes(pconf.rules, "batch")
+  length_axes = pconfig_lib.rule_axes(pconf.rules, "length")
+  n_batch = product(batch_axes)
+  _require(c["batch_size"] % n_batch == 0,
+           f"config batch_size={c['batch_size']} must be divisible by the mesh axes that shard the "
+           f"batch (parallel.rules.batch: {show(batch_axes)}, product {n_batch})")
+  n_len = product(length_axes)
+  _require(c["seq_len"] % n_len == 0,
+           f"config seq_len={c['seq_len']} must be divisible by the mesh axes that shard the "
+           f"sequence (parallel.rules.length: {show(length_axes)}, product {n_len})")
+  n_ctx = sizes[mesh_lib.CONTEXT]
+  if n_ctx > 1:
+    _require(mesh_lib.CONTEXT not in batch_axes,
+             f"config parallel.rules.batch={batch_axes} includes 'context', which shards the sequence")
+    if "K" in model_cfg.layer_types:
+      span = n_ctx * model_cfg.kda_chunk_size
+      _require(c["seq_len"] % span == 0,
+               f"config seq_len={c['seq_len']} must be divisible by parallel.context={n_ctx} x "
+               f"model.kda_chunk_size={model_cfg.kda_chunk_size} = {span}: each device's part of a "
+               "sequence must be whole KDA chunks")
+  n_exp = sizes[mesh_lib.EXPERT]
+  if n_exp > 1 and model_cfg.num_experts:
+    _require(model_cfg.num_experts % n_exp == 0,
+             f"config model.num_experts={model_cfg.num_experts} must be divisible by "
+             f"parallel.expert={n_exp}")
+    n_all = product(mesh_lib.AXES)
+    _require((c["batch_size"] * c["seq_len"]) % n_all == 0,
+             f"config batch_size x seq_len = {c['batch_size'] * c['seq_len']} tokens must be "
+             f"divisible by the {n_all} devices for expert-parallel dispatch")
+  embed_axes = pconfig_lib.rule_axes(pconf.rules, "embed")
+  n_embed = product(embed_axes)
+  _require(model_cfg.d_model % n_embed == 0,
+           f"config model.d_model={model_cfg.d_model} must be divisible by the mesh axes that shard "
+           f"it (parallel.rules.embed: {show(embed_axes)}, product {n_embed})")
+  return pconf, sizes
+
+
+def parallel_config(config: Any, num_devices: int):
+  """Validates `config` for a run on `num_devices` devices.
+
+  Returns:
+    (ModelConfig, ParallelConfig, {axis: resolved size}).
+  """
+  model_cfg = validate(config)
+  pconf, sizes = _check_parallel(_plain(config), model_cfg, num_devices=num_devices)
+  return model_cfg, pconf, sizes

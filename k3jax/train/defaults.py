@@ -49,13 +49,39 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   return c
 
 
+def parallel_config(**overrides) -> ml_collections.ConfigDict:
+  """The device mesh and sharding rules (`k3jax.parallel.config.ParallelConfig.from_trainer_config`).
+
+  The mesh's axis sizes multiply to the devices used (see `num_devices`); the
+  default puts every device on `data` (plain data parallelism; one device: no
+  sharding at all). Example for two GPUs: `--config.parallel.expert=2`.
+  """
+  c = ml_collections.ConfigDict()
+  c.data = -1                   # data-parallel axis size; -1 = the devices the other axes leave
+  c.fsdp = 1                    # parameter/optimizer-state sharding axis (ZeRO-3 over "embed"); also shards the batch
+  c.expert = 1                  # expert-parallel axis: routed experts split over it (divides model.num_experts); shards the batch elsewhere
+  c.context = 1                 # context-parallel axis: each sequence split over it (seq_len divisible by context * model.kda_chunk_size)
+  c.capacity_factor = 0.0       # expert-parallel dispatch slots per device pair relative to an even split; 0 = lossless (worst-case buffers)
+  c.rules = ml_collections.ConfigDict()  # logical axis -> comma-separated mesh axes ("" = replicated); defaults below
+  c.rules.batch = "data,fsdp,expert"  # sequences of a batch (must cover every axis but context for full use of the devices)
+  c.rules.length = "context"    # positions of a sequence
+  c.rules.embed = "fsdp"        # model width of weights (ZeRO-3 sharding when fsdp > 1)
+  c.rules.expert = "expert"     # routed-expert index of expert weights and their optimizer moments
+  c.rules.vocab = ""            # vocabulary dim of embedding / head
+  c.rules.mlp = ""              # FFN / expert hidden width
+  c.rules.heads = ""            # mixer heads
+  c.rules.kv = ""               # per-head width
+  c.update(overrides)
+  return c
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Every trainer field with its default (a small byte-level CPU run)."""
   c = ml_collections.ConfigDict()
   c.seed = 0                    # seeds the model init, the data order and the step RNG
   c.num_steps = 200             # optimizer updates in the whole run (the schedule's length)
   c.batch_size = 16             # global batch (sequences per step), split over processes and devices
-  c.num_devices = 0             # devices used for data parallelism (0 = all; one process only otherwise)
+  c.num_devices = 0             # devices the mesh spans: the first N of one process (0 = all devices of all processes)
   c.seq_len = 256               # tokens per sequence
   c.log_every = 10              # steps between train-metric records
   c.eval_every = 100            # steps between held-out evaluations (0: only at the start and end)
@@ -67,6 +93,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.peak_tflops_per_device = 0.0  # for MFU; 0 = look up the device kind (no MFU on unknown devices/CPU)
 
   c.model = model_config()
+  c.parallel = parallel_config()
 
   c.data = ml_collections.ConfigDict()
   c.data.kind = "bytes"         # "bytes" (local text files), "token_file" (memory-mapped ids) or "mqar"

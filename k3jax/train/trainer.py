@@ -19,8 +19,10 @@ except ImportError:  # a bare accelerator image may lack tqdm; metrics still rea
   tqdm = None
 
 from k3jax.data import BatchIterator, make_dataset
+from k3jax.parallel import rules as rules_lib
+from k3jax.parallel import training
 from k3jax.train.checkpoint import Checkpointer, SignalGuard
-from k3jax.train.config_schema import validate
+from k3jax.train.config_schema import parallel_config
 from k3jax.train.metrics import MetricWriter
 from k3jax.train.optimizer import make_optimizer
 from k3jax.train.state import TrainState, create_train_state, param_count
@@ -77,6 +79,29 @@ class _NoBar:
     pass
 
 
+def _devices(config: Any, nproc: int) -> list:
+  """The devices the mesh spans: the first `config.num_devices` (one process), or all."""
+  devices = jax.devices()
+  n = config.num_devices
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    raise ValueError(f"config num_devices={n!r} must be an int >= 0 (0 = all devices)")
+  if n:
+    if n > len(devices) or nproc > 1:
+      raise ValueError(f"config num_devices={n}: {len(devices)} devices in "
+                       f"{nproc} process(es); use 0 (all) for multi-process runs")
+    devices = devices[:n]
+  return devices
+
+
+def _needs_sharded_state(abstract_model: nnx.Module, mesh: Mesh, pconf, sizes: dict) -> bool:
+  """False when the mesh only splits the batch: every parameter replicated, no expert or
+  context axis. Such runs keep the plain model and its one-device initialisation."""
+  if sizes["expert"] > 1 or sizes["context"] > 1:
+    return True
+  shardings = rules_lib.tree_shardings(nnx.state(abstract_model), mesh, pconf.rules)
+  return any(s.spec != P() for s in jax.tree.leaves(shardings))
+
+
 class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
@@ -102,20 +127,14 @@ def train_and_evaluate(config: Any, workdir: str, *,
 
   Returns:
     {"step", "interrupted", "train": last train record, "eval": last eval record,
-     "first_eval": eval record at step 0 of a fresh run (or None), "num_params"}.
+     "first_eval": eval record at step 0 of a fresh run (or None), "num_params",
+     "mesh": {axis: size}}.
   """
-  model_cfg = validate(config)
   nproc = jax.process_count()
-  devices = jax.devices()
-  if config.num_devices:
-    if config.num_devices > len(devices) or nproc > 1:
-      raise ValueError(f"config num_devices={config.num_devices}: {len(devices)} devices in "
-                       f"{nproc} process(es); use 0 (all) for multi-process runs")
-    devices = devices[:config.num_devices]
+  devices = _devices(config, nproc)
   ndev = len(devices)
-  if config.batch_size % ndev:
-    raise ValueError(f"config batch_size={config.batch_size} must be divisible by the "
-                     f"{ndev} devices (data parallel)")
+  # Every check, the mesh's included, runs before anything is computed.
+  model_cfg, pconf, sizes = parallel_config(config, ndev)
   if model_fn is None:
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len)
   if model_cfg.kda_implementation == "pallas" and jax.default_backend() == "cpu":
@@ -135,16 +154,27 @@ def train_and_evaluate(config: Any, workdir: str, *,
   eval_set = [{k: v[rows] for k, v in b.items()}
               for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
 
-  mesh = Mesh(np.array(devices), ("data",))
-  replicated, batch_sharding = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  mesh = pconf.make_mesh(devices)
 
   def put(batch):
-    return {k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in batch.items()}
+    return training.shard_batch(batch, mesh, pconf.rules)
 
-  graphdef = nnx.split(nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed))), nnx.Param, ...)[0]
+  # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
+  # created with eager sharding constraints; placement is done explicitly here.
+  abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
+  sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
+  if sharded:
+    model_fn = training.parallel_model_fn(model_fn, capacity_factor=pconf.capacity_factor)
+    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
+  graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
                                         config.num_steps)
-  graphdef, state = create_train_state(model_fn, tx, config.seed, sharding=replicated)
+  if sharded:  # initialised in its sharded layout, never as a full replica
+    graphdef, state = training.create_sharded_train_state(model_fn, tx, config.seed, mesh,
+                                                          pconf.rules)
+  else:  # replicated over the data axis: the plain one-device initialisation, placed
+    graphdef, state = create_train_state(model_fn, tx, config.seed,
+                                         sharding=NamedSharding(mesh, P()))
   num_params = param_count(state.params)
   ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"),
                       max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
@@ -160,13 +190,15 @@ def train_and_evaluate(config: Any, workdir: str, *,
   writer = MetricWriter(workdir, enabled=is_main)
   peak = peak_flops_per_device(config)
   tokens_per_step = config.batch_size * config.seq_len
-  log.info("model: %d parameters; %d devices, %d processes; start step %d of %d",
-           num_params, ndev, nproc, start, config.num_steps)
+  log.info("model: %d parameters; %d devices, %d processes, mesh %s%s; start step %d of %d",
+           num_params, ndev, nproc, dict(mesh.shape), " (sharded state)" if sharded else "",
+           start, config.num_steps)
 
   def evaluate(step: int) -> dict[str, float]:
     sums = None
     for b in eval_set:
-      out = eval_step(state, put(b))
+      with jax.set_mesh(mesh):
+        out = eval_step(state, put(b))
       sums = out if sums is None else jax.tree.map(lambda a, c: a + c, sums, out)
     host = jax.device_get(sums)
     count = max(float(host["count"]), 1.0)
@@ -176,7 +208,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
     return record
 
   result: dict[str, Any] = {"first_eval": None, "eval": None, "train": None, "interrupted": False,
-                            "num_params": num_params}
+                            "num_params": num_params, "mesh": dict(mesh.shape)}
   if start == 0:
     result["first_eval"] = result["eval"] = evaluate(0)
   if tqdm is None:
@@ -221,7 +253,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
     with SignalGuard() as guard:
       while step < config.num_steps:
         batch = put(next(data_it))
-        state, metrics = train_step(state, batch)
+        with jax.set_mesh(mesh):
+          state, metrics = train_step(state, batch)
         step += 1
         bar.update(1)
         if pending is not None:  # check the previous step while this one runs

@@ -1,0 +1,152 @@
+"""The trainer on a device mesh (8 fake CPU devices): sharded runs reproduce the one-device
+losses, a run checkpointed on one mesh resumes on another, mesh config errors come first."""
+import functools
+import os
+
+import numpy as np
+import pytest
+
+from k3jax.parallel import config as pconfig_lib
+from k3jax.parallel import rules as rules_lib
+from k3jax.train.config_schema import parallel_config, validate
+from k3jax.train.defaults import base_config
+from k3jax.train.metrics import read_jsonl
+from k3jax.train.trainer import train_and_evaluate
+from tests.test_train import _RESUME_OVERRIDES, _shrunk_tiny, _stop_at
+
+# Float32 runs that differ only in the order of reductions (sharded matmuls, the
+# context-parallel state composition, all-to-all expert sums), compounded over a few
+# AdamW steps. Measured: 8-device data parallelism differs from one device by ~1e-7.
+LOSS_RTOL = 2e-5
+
+
+def _mesh_config(data=1, fsdp=1, expert=1, context=1, **overrides):
+  # The test_train config (stateful router included), so the one-device programs are shared.
+  c = _shrunk_tiny(**_RESUME_OVERRIDES, **overrides)
+  c.num_devices = data * fsdp * expert * context
+  c.parallel.update(data=data, fsdp=fsdp, expert=expert, context=context)
+  return c
+
+
+def _losses(workdir):
+  return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"),
+                                                                       "train")]
+
+
+@functools.cache
+def _one_device_run(root):
+  """The reference: the same config on one device (5 steps)."""
+  workdir = os.path.join(root, "one_device")
+  result = train_and_evaluate(_mesh_config(), workdir)
+  return result, _losses(workdir)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("train_parallel"))
+
+
+def _assert_losses_match(got, want, steps):
+  assert [s for s, *_ in got] == steps
+  want = {s: (loss, gn) for s, loss, gn in want}
+  for s, loss, gn in got:
+    np.testing.assert_allclose(loss, want[s][0], rtol=LOSS_RTOL, err_msg=f"loss at step {s}")
+    np.testing.assert_allclose(gn, want[s][1], rtol=LOSS_RTOL * 10, err_msg=f"grad norm at step {s}")
+
+
+def test_data_expert_context_mesh_matches_one_device(root):
+  ref, ref_losses = _one_device_run(root)
+  workdir = os.path.join(root, "mesh_2x2x2")
+  result = train_and_evaluate(_mesh_config(data=2, expert=2, context=2), workdir)
+  assert result["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "context": 2}
+  assert ref["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "context": 1}
+  assert result["step"] == 5 and result["num_params"] == ref["num_params"]
+  _assert_losses_match(_losses(workdir), ref_losses, [1, 2, 3, 4, 5])
+  # The losses move (the comparison is not between two untrained models).
+  assert ref_losses[-1][1] < ref_losses[0][1] - 0.2
+  np.testing.assert_allclose(result["eval"]["loss"], ref["eval"]["loss"], rtol=LOSS_RTOL)
+  np.testing.assert_allclose(result["first_eval"]["loss"], ref["first_eval"]["loss"], rtol=1e-6)
+
+
+def test_checkpoint_on_one_mesh_resumes_on_another(root):
+  _, ref_losses = _one_device_run(root)
+  workdir = os.path.join(root, "resumed")
+  first = train_and_evaluate(_mesh_config(data=2, expert=2, context=2), workdir, hooks=[_stop_at(2)])
+  assert first["interrupted"] and first["step"] == 2
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+  # Parameters now sharded over fsdp (ZeRO-3 along the model width) and experts over 4 devices.
+  second = train_and_evaluate(_mesh_config(fsdp=2, expert=4), workdir)
+  assert second["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "context": 1}
+  assert second["step"] == 5 and second["first_eval"] is None
+  _assert_losses_match(_losses(workdir), ref_losses, [1, 2, 3, 4, 5])
+
+
+def _cfg(**changes):
+  c = base_config()
+  for key, value in changes.items():
+    target = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      target = target[p]
+    target[leaf] = value
+  return c
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"parallel.context": 3}, r"seq_len=256 must be divisible by the mesh axes that shard the sequence"),
+    ({"parallel.context": 8}, r"seq_len=256 must be divisible by parallel.context=8 x "
+                              r"model.kda_chunk_size=64 = 512"),
+    ({"parallel.expert": 3, "batch_size": 18}, r"num_experts=8 must be divisible by parallel.expert=3"),
+    ({"parallel.fsdp": 3}, r"batch_size=16 must be divisible by the mesh axes that shard the batch "
+                           r"\(parallel.rules.batch: data=\? x fsdp=3 x expert=1, product 3\)"),
+    ({"parallel.expert": 0}, r"config parallel: MeshConfig.expert=0; must be a positive int or -1"),
+    ({"parallel.data": -1, "parallel.expert": -1}, r"at most one axis may be -1"),
+    ({"parallel.capacity_factor": -1.0}, r"capacity_factor=-1.0; must be >= 0"),
+    ({"parallel.rules.embed": "fsdp,expertt"}, r"unknown mesh axis 'expertt'; did you mean 'expert'"),
+    ({"parallel.rules.batch": "data,context", "parallel.context": 2},
+     r"parallel.rules.batch=\('data', 'context'\) includes 'context'"),
+    ({"parallel.fsdp": 3, "batch_size": 48}, r"d_model=256 must be divisible by .*fsdp=3"),
+])
+def test_parallel_config_errors(changes, message):
+  with pytest.raises(ValueError, match=message):
+    validate(_cfg(**changes))
+
+
+def test_parallel_typos_suggest_the_key():
+  c = base_config()
+  with c.unlocked():
+    c.parallel.expertt = 2
+  with pytest.raises(ValueError, match=r"unknown config key 'parallel.expertt'; did you mean 'parallel.expert'"):
+    validate(c)
+  c = base_config()
+  with c.unlocked():
+    c.parallel.rules.embd = "fsdp"
+  with pytest.raises(ValueError, match=r"unknown logical axis 'embd'; did you mean 'embed'"):
+    validate(c)
+
+
+def test_mesh_must_use_the_devices_and_fails_before_the_run(tmp_path):
+  c = _mesh_config(expert=2, context=2)
+  c.num_devices = 8  # the fixed axes use 4 of them, data=1 is fixed too
+  with pytest.raises(ValueError, match=r"has 4 devices, but 8 are available"):
+    train_and_evaluate(c, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+  # data=-1 takes the devices the other axes leave.
+  c.parallel.data = -1
+  _, pconf, sizes = parallel_config(c, 8)
+  assert sizes == {"data": 2, "fsdp": 1, "expert": 2, "context": 2}
+  assert pconf.capacity_factor is None  # 0 in the config: lossless dispatch
+
+
+def test_default_rules_match_the_library_and_overrides_apply():
+  pconf = pconfig_lib.ParallelConfig.from_trainer_config(base_config().parallel)
+  assert pconf.rules == rules_lib.DEFAULT_RULES
+  assert pconf.mesh.sizes() == (-1, 1, 1, 1)
+  c = base_config()
+  c.parallel.rules.embed = ""
+  c.parallel.rules.mlp = "fsdp"
+  c.parallel.capacity_factor = 2.0
+  pconf = pconfig_lib.ParallelConfig.from_trainer_config(c.parallel)
+  table = dict(pconf.rules)
+  assert table["embed"] is None and table["mlp"] == "fsdp" and table["batch"] == ("data", "fsdp", "expert")
+  assert pconf.capacity_factor == 2.0
