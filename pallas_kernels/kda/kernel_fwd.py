@@ -2,11 +2,14 @@
 
 Two kernels, chunk length C, sub-tile (diagonal tile) length L:
 
-* `intra_fwd`: grid (B, H, chunks), all parallel. Per chunk and row sub-tile
-  it builds the anchored score rows of A_kk (strictly lower) and A_qk
-  (lower), inverts the unit lower-triangular I + A_kk by forward substitution
-  in f32, and writes
+* `intra_fwd`: grid (B, H, chunks), all parallel. Per chunk it builds the
+  anchored scores A_kk (strictly lower) and A_qk (lower), inverts the unit
+  lower-triangular I + A_kk in f32, and writes
   W = M (beta k e^G), U = M (beta v), A_qk (and M when the backward asks).
+  `KernelConfig.inverse` selects the body: "blocked" (scores per [L, L]
+  block on and below the diagonal; diagonal blocks of M by substitution on
+  [L, L] tiles, the others by block products) or "substitution" (scores per
+  [L, C] row block; substitution over the whole [C, C] tile).
 * `state_fwd`: grid (B, H, V/BV) (GPU; on TPU (B, H, V/BV, chunks) with a
   sequential chunk axis). Carries the f32 state S [K, BV] through the
   chunks: V' = U - W S; O = (q e^G) S + A_qk V';
@@ -80,17 +83,19 @@ def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
   return row_ck, col_ck
 
 
-def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
+def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int,
+                     col_start: int | None = None):
   """Adds a diagonal tile's explicit position-pair scores (`pairwise`).
 
   For the L rows/columns from `start`:
     A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
     A_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
   One column j per loop step, as [L, K] work (no [L, L, K] tensor), written
-  into column start + j of the row blocks.
+  into column col_start + j of the row blocks (col_start defaults to start).
 
   Args:
-    p_qk, p_kk: [L, C] score row blocks of the tile's rows (zero on the tile).
+    p_qk, p_kk: [L, C'] score row blocks of the tile's rows (zero on the
+      tile); C' = C for whole rows, L for the diagonal block alone.
     q_l, bk_l: [L, K] scaled q and beta * k of the tile.
     k_ref, g_ref: chunk refs of k and the cumulative gates.
 
@@ -98,6 +103,7 @@ def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
     (p_qk, p_kk) with the diagonal tile filled in.
   """
   ell, c = p_qk.shape
+  col_start = start if col_start is None else col_start
   g_l = g_ref[pl.ds(start, ell), :]
   row_l = iota((ell, 1), 0)
   col = iota((1, c), 1)
@@ -108,7 +114,7 @@ def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
     g_j = g_ref[pl.ds(start + j, 1), :]
     seen = row_l >= j
     dec = jnp.where(seen, jnp.exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0) * k_j
-    at_j = col == start + j
+    at_j = col == col_start + j
     p_qk = jnp.where(at_j, jnp.sum(q_l * dec, axis=1, keepdims=True), p_qk)
     p_kk = jnp.where(at_j & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True), p_kk)
     return p_qk, p_kk
@@ -140,6 +146,59 @@ def unit_lower_inverse(blocks_lc):
       upd = jnp.sum(a_i[:, None] * m, axis=0)
       return jnp.where(row == r * ell + l, m - upd[None, :], m)
     m = lax.fori_loop(1 if r == 0 else 0, ell, body, m)
+  return m
+
+
+def tile_unit_lower_inverses(blocks_ll):
+  """(I + N)^-1 of each strictly lower-triangular [L, L] N, by forward substitution.
+
+  Row l of M is e_l - sum_{j<l} N_lj M_j, in f32 on [L, L] tiles only. All
+  blocks advance in one loop so that their independent steps can overlap.
+
+  Args:
+    blocks_ll: list of [L, L] f32 arrays, zero on and above the diagonal.
+
+  Returns:
+    list of the [L, L] unit lower-triangular inverses.
+  """
+  ell = blocks_ll[0].shape[0]
+  row = iota((ell, 1), 0)
+  eye = (iota((ell, ell), 0) == iota((ell, ell), 1)).astype(_F32)
+
+  def body(l, ms):
+    out = []
+    for n, m in zip(blocks_ll, ms):
+      n_l = jnp.sum(jnp.where(row == l, n, 0.0), axis=0)         # row l of N
+      upd = jnp.sum(n_l[:, None] * m, axis=0)
+      out.append(jnp.where(row == l, m - upd[None, :], m))
+    return tuple(out)
+
+  return list(lax.fori_loop(1, ell, body, tuple(eye for _ in blocks_ll)))
+
+
+def blocked_unit_lower_inverse(a_blocks, nt: int, cfg: KernelConfig, dtype=None):
+  """M = (I + A)^-1 of a strictly lower-triangular A given as [L, L] blocks.
+
+  Diagonal blocks by substitution (`tile_unit_lower_inverses`); below the
+  diagonal, block row by block row on tensor cores:
+    M_ij = -M_ii sum_{k=j}^{i-1} A_ik M_kj   (i > j),
+  from (I + A) M = I restricted to block (i, j). f32 accumulation; operands
+  in `dtype` (default f32).
+
+  Args:
+    a_blocks: dict (i, j) -> [L, L] f32 for 0 <= j <= i < nt; the diagonal
+      blocks are strictly lower triangular.
+
+  Returns:
+    dict (i, j) -> [L, L] f32 block of M for j <= i (blocks above are zero).
+  """
+  dtype = _F32 if dtype is None else dtype
+  diag = tile_unit_lower_inverses([a_blocks[i, i] for i in range(nt)])
+  m = {(i, i): diag[i] for i in range(nt)}
+  for i in range(1, nt):
+    for j in range(i):
+      acc = sum(dot(a_blocks[i, kk], m[kk, j], cfg, dtype=dtype) for kk in range(j, i))
+      m[i, j] = -dot(m[i, i], acc, cfg, dtype=dtype)
   return m
 
 
@@ -217,6 +276,7 @@ def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
                       *m_ref, scale, ell, diagonal, cfg):
+  """Row-block scores and full-tile forward substitution (`inverse="substitution"`)."""
   cfg = cfg.intra()
   c = q_ref.shape[0]
   k = k_ref[...].astype(_F32)
@@ -250,6 +310,79 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
     m_ref[0][...] = m
 
 
+def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
+                              *m_ref, scale, ell, diagonal, cfg):
+  """Per-[L, L]-block scores and the blocked inverse (`inverse="blocked"`).
+
+  Block (r, s), s <= r, of both score matrices is one [L, K] x [K, L] product:
+  * s < r: anchored at a_{s+1} = G[(s+1) L], which lies between every row of
+    tile r and every column of tile s, so both factors are <= 1. The column
+    operand k_s e^{a_{s+1} - G} is shared by all r > s; row r's factor
+    e^{G - a_r} (shared by all s) is completed by the [1, K] factor
+    e^{a_r - a_{s+1}} <= 1 on the column side.
+  * s == r (dense): anchored at a_r, the column factor e^{a_r - G} <= e^{|g_min| (L - 1)}.
+  Blocks above the diagonal are written as zeros. Per chunk this evaluates
+  e^x on 2.75 C K entries (the row-block kernel: at least 5.25 C K), and
+  e^G of W comes from the row factor times e^{a_r}.
+  """
+  cfg = cfg.intra()
+  c = q_ref.shape[0]
+  nt = c // ell
+  sdt, idt = cfg.score_mm_dtype, cfg.inverse_mm_dtype
+  row_l, col_l = iota((ell, ell), 0), iota((ell, ell), 1)
+  tiles = [pl.ds(r * ell, ell) for r in range(nt)]
+  anchors = [g_ref[pl.ds(r * ell, 1), :] for r in range(nt)]     # a_r = G[r L], [1, K]
+  q_row, bk_row, x_w, k_diag, k_off, q_l, bk_l = [], [], [], [], [], [], []
+  for r, rows in enumerate(tiles):
+    g_r = g_ref[rows, :]
+    k_r = k_ref[rows, :].astype(_F32)
+    row_f = jnp.exp(g_r - anchors[r])                              # <= 1
+    q_l.append(q_ref[rows, :].astype(_F32) * scale)
+    bk_l.append(beta_ref[rows, :] * k_r)
+    q_row.append(q_l[r] * row_f)
+    bk_row.append(bk_l[r] * row_f)
+    x_w.append(bk_row[r] * jnp.exp(anchors[r]))                    # beta k e^G
+    if diagonal == "dense":
+      k_diag.append(k_r * jnp.exp(anchors[r] - g_r))               # <= e^{|g_min| (L-1)}
+    if r + 1 < nt:
+      k_off.append(k_r * jnp.exp(anchors[r + 1] - g_r))            # <= 1
+
+  akk = {}
+  for r, rows in enumerate(tiles):
+    for s in range(nt):
+      if s > r:
+        aqk_ref[rows, tiles[s]] = jnp.zeros((ell, ell), aqk_ref.dtype)
+        continue
+      if s < r:
+        col_k = k_off[s] if s + 1 == r else k_off[s] * jnp.exp(anchors[r] - anchors[s + 1])
+        p_qk = dot(q_row[r], col_k, cfg, tb=True, dtype=sdt)
+        p_kk = dot(bk_row[r], col_k, cfg, tb=True, dtype=sdt)
+      elif diagonal == "dense":
+        p_qk = dot(q_row[r], k_diag[r], cfg, tb=True, dtype=sdt)
+        p_kk = dot(bk_row[r], k_diag[r], cfg, tb=True, dtype=sdt)
+      else:
+        zero = jnp.zeros((ell, ell), _F32)
+        p_qk, p_kk = pair_tile_scores(zero, zero, q_l[r], bk_l[r], k_ref, g_ref, r * ell,
+                                      col_start=0)
+      if s == r:
+        p_qk = jnp.where(col_l <= row_l, p_qk, 0.0)
+        p_kk = jnp.where(col_l < row_l, p_kk, 0.0)
+      aqk_ref[rows, tiles[s]] = p_qk.astype(aqk_ref.dtype)
+      akk[r, s] = p_kk
+
+  m = blocked_unit_lower_inverse(akk, nt, cfg, dtype=idt)
+  bv = [beta_ref[rows, :] * v_ref[rows, :].astype(_F32) for rows in tiles]
+  for i, rows in enumerate(tiles):
+    w_i = sum(dot(m[i, j], x_w[j], cfg) for j in range(i + 1))
+    u_i = sum(dot(m[i, j], bv[j], cfg) for j in range(i + 1))
+    w_ref[rows, :] = w_i.astype(w_ref.dtype)
+    u_ref[rows, :] = u_i.astype(u_ref.dtype)
+    if m_ref:
+      for j in range(nt):
+        blk = m[i, j] if j <= i else jnp.zeros((ell, ell), _F32)
+        m_ref[0][rows, tiles[j]] = blk
+
+
 def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
               cfg: KernelConfig, save_m: bool = False):
   """Runs the intra-chunk kernel.
@@ -278,8 +411,8 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
   if save_m:
     out_shape.append(jax.ShapeDtypeStruct((b, h, tp, c), _F32))
     out_specs.append(cspec)
-  kernel = functools.partial(_intra_fwd_kernel, scale=scale, ell=sub_chunk,
-                             diagonal=diagonal, cfg=cfg)
+  body = _intra_fwd_blocked_kernel if cfg.inverse == "blocked" else _intra_fwd_kernel
+  kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg)
   return pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec],
