@@ -58,6 +58,29 @@ def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],
   return graphdef, jax.jit(init, out_shardings=shardings)()
 
 
+def full_shardings(shardings: Any, tree: Any) -> Any:
+  """`shardings` (a prefix of `tree`, as from `rules.tree_shardings`: one sharding per
+  variable, whose value may be a dict) expanded to one sharding per leaf of `tree`."""
+  return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), shardings, tree)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+  """Puts every leaf of `tree` on its sharding in `shardings` (a prefix tree of `tree`).
+
+  With several processes each one holds the same host values (same seed) and
+  contributes its addressable shards, which `jax.device_put` alone cannot do.
+  """
+  shardings = full_shardings(shardings, tree)
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def one(x, sharding):
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(one, tree, shardings)
+
+
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh,
                 rules: rules_lib.Rules = rules_lib.DEFAULT_RULES) -> dict[str, jax.Array]:
   """Places a batch of [B, T] arrays (this process's rows) with batch and length sharded."""

@@ -169,20 +169,26 @@ def train_and_evaluate(config: Any, workdir: str, *,
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
                                         config.num_steps)
-  if sharded:  # initialised in its sharded layout, never as a full replica
-    graphdef, state = training.create_sharded_train_state(model_fn, tx, config.seed, mesh,
-                                                          pconf.rules)
-  else:  # replicated over the data axis: the plain one-device initialisation, placed
-    graphdef, state = create_train_state(model_fn, tx, config.seed,
-                                         sharding=NamedSharding(mesh, P()))
-  num_params = param_count(state.params)
   ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"),
                       max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
-  restored = ckpt.restore(state)
-  if restored is not None:
-    state, data_state = restored
+  abstract_state = jax.eval_shape(lambda: create_train_state(model_fn, tx, config.seed)[1])
+  shardings = rules_lib.tree_shardings(abstract_state, mesh, pconf.rules)
+  if ckpt.latest_step() is not None:
+    # Straight onto this mesh's shardings, whatever mesh wrote it; no initialisation.
+    template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract_state, training.full_shardings(shardings, abstract_state))
+    state, data_state = ckpt.restore(template)
     data_it.set_state(data_state["iterator"])
     log.info("resumed from step %d in %s", int(state.step), ckpt.directory)
+  elif not sharded:  # batch-only mesh: the plain one-device initialisation, replicated
+    state = create_train_state(model_fn, tx, config.seed, sharding=NamedSharding(mesh, P()))[1]
+  elif sizes["fsdp"] > 1:  # ZeRO-3: initialised in its sharded layout, never as a full replica
+    state = training.create_sharded_train_state(model_fn, tx, config.seed, mesh, pconf.rules)[1]
+  else:
+    # No fsdp: each device holds a full replica of all but the experts anyway, so the
+    # eager one-device initialisation (no init program to compile) is placed instead.
+    state = training.place(create_train_state(model_fn, tx, config.seed)[1], shardings)
+  num_params = param_count(state.params)
   start = int(state.step)
   if int(data_it.position) != start:
     raise ValueError(f"checkpoint mismatch: state step {start}, data position {data_it.position}")
