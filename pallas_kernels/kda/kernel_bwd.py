@@ -288,6 +288,157 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
   dbeta_ref[...] = dbeta
 
 
+def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref,
+                           vn_ref, dvn_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
+                           *, scale, ell, diagonal, cfg):
+  """Intra-chunk backward by row block: every product touches only the rows it needs.
+
+  For each row block c (L rows) it forms all gradients of those rows and
+  writes them once, so no [C, K] accumulator stays live and no product is
+  masked to a quarter of its rows:
+
+  * state terms of rows c: do_c S^T, V'_c dS^T ([L, V] x [V, K]);
+  * W/U terms: dU~ = M^T dV' restricted to rows c is M[:, c]^T dV'
+    ([C, L]^T x [C, V], M's column block read from the ref), and
+    d(beta k e^G)_c = -(M[:, c]^T dV') S^T;
+  * scores, row side: daq[c, :] and dA[c, :] ([L, C]) times the anchored
+    column operand of tile c ([C, K]);
+  * scores, column side: for every row tile r >= c the [L, L] block
+    (r, c) of daq / dA, transposed, times the anchored row operand of tile r
+    ([L, K]); tile r's anchor on both sides keeps the rounded bf16 operands
+    of each (i, j) pair identical, so dG's reverse cumsum still cancels.
+
+  dM = dV' (beta v - (beta k e^G) S)^T ([C, C]), and the strictly lower part of
+  dA = -M^T dM M^T is formed row block by row block from
+  P_c = M[:, c]^T dM ([L, C]). Every matmul dim is L, C, K or V (>= 16 for
+  Triton). Shapes and outputs as `_intra_bwd_kernel`.
+  """
+  cfg = cfg.intra(backward=True)
+  c = q_ref.shape[0]
+  nb = c // ell
+  sdt = cfg.score_mm_dtype
+  rnd = lambda x: x.astype(sdt).astype(_F32)
+  mdt = cfg.mm_dtype
+  s = hs_ref[...].astype(mdt)      # [K, V] state entering the chunk
+  ds = dhs_ref[...].astype(mdt)    # [K, V] gradient of the state leaving it
+  m = m_ref[...]
+  g_last = g_ref[pl.ds(c - 1, 1), :]
+  # dM = dV' (beta v - (beta k e^G) S)^T, i.e. dV' U^T + dW (beta k e^G)^T with dW = -dV' S^T.
+  bkg_all = beta_ref[...] * k_ref[...].astype(_F32) * jnp.exp(g_ref[...])
+  z = beta_ref[...] * v_ref[...].astype(_F32) - dot(bkg_all, s, cfg)
+  dm = dot(dvn_ref[...], z, cfg, tb=True)
+  p_blocks = [dot(m_ref[:, pl.ds(r * ell, ell)], dm, cfg, ta=True) for r in range(nb)]
+  # d(S_next) / d(G_last) from the state decay: sum_v dS * S.
+  dglast = jnp.transpose(jnp.sum(dhs_ref[...] * hs_ref[...], axis=1, keepdims=True)) * jnp.exp(g_last)
+
+  row_c = iota((c, 1), 0)
+  col_1c = iota((1, c), 1)
+  row_l, col_l = iota((ell, 1), 0), iota((1, ell), 1)
+
+  def tile(r):
+    """Row tile r: its rows' refs and anchored row operands (<= 1)."""
+    rows = pl.ds(r * ell, ell)
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    row_f = jnp.exp(g_ref[rows, :] - anchor)
+    q_r = q_ref[rows, :].astype(_F32) * scale
+    bk_r = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
+    return rows, anchor, row_f, q_r, bk_r, rnd(q_r * row_f), rnd(bk_r * row_f)
+
+  for cb in range(nb):
+    rows, anchor, row_f, q_c, bk_c, xq_c, xk_c = tile(cb)
+    k_c = k_ref[rows, :].astype(_F32)
+    v_c = v_ref[rows, :].astype(_F32)
+    g_c = g_ref[rows, :]
+    beta_c = beta_ref[rows, :]
+    do_c = do_ref[rows, :]
+    vn_c = vn_ref[rows, :]
+    eg_c = jnp.exp(g_c)
+    # O += (q e^G) S.
+    dqt = dot(do_c, s, cfg, tb=True)
+    dq = eg_c * dqt
+    dg = q_c * eg_c * dqt
+    # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
+    kdec = jnp.exp(g_last - g_c)
+    dkt = dot(vn_c, ds, cfg, tb=True)
+    kk = k_c * kdec
+    dk = kdec * dkt
+    dg = dg - kk * dkt
+    dglast = dglast + jnp.sum(kk * dkt, axis=0, keepdims=True)
+    # U = M (beta v), W = M (beta k e^G), V' = U - W S.
+    dbv = dot(m_ref[:, rows], dvn_ref[...], cfg, ta=True)
+    dbkg = -dot(dbv, s, cfg, tb=True)
+    dv = beta_c * dbv
+    dbeta = (jnp.sum(dbv * v_c, axis=1, keepdims=True)
+             + jnp.sum(dbkg * k_c * eg_c, axis=1, keepdims=True))
+    dk = dk + beta_c * eg_c * dbkg
+    dg = dg + bk_c * eg_c * dbkg
+
+    # Scores, row side: rows c against the columns their tile's matmul sees.
+    row_g = row_l + cb * ell
+    daq = jnp.where(col_1c <= row_g, dot(do_c, vn_ref[...], cfg, tb=True), 0.0)
+    da = jnp.where(col_1c < row_g, -dot(p_blocks[cb], m, cfg, tb=True), 0.0)
+    visible = row_c < ((cb + 1) * ell if diagonal == "dense" else cb * ell)
+    yk = rnd(jnp.where(visible, k_ref[...].astype(_F32)
+                       * jnp.exp(jnp.where(visible, anchor - g_ref[...], 0.0)), 0.0))
+    t_q = dot(rnd(daq), yk, cfg, dtype=sdt)
+    t_k = dot(rnd(da), yk, cfg, dtype=sdt)
+    r_acc = row_f * t_k          # sum_j dA_ij k_j e^{G_i - G_j}
+    dq = dq + row_f * t_q
+    dg = dg + xq_c * t_q + xk_c * t_k
+
+    # Scores, column side: block (r, c) of every row tile r >= c, anchored at r.
+    for r in range(cb, nb):
+      if r == cb and diagonal != "dense":
+        continue
+      rows_r, anchor_r, _, _, _, xq_r, xk_r = tile(r)
+      daq_rc = dot(do_ref[rows_r, :], vn_c, cfg, tb=True)
+      da_rc = -dot(p_blocks[r], m_ref[rows, :], cfg, tb=True)
+      if r == cb:
+        daq_rc = jnp.where(row_l >= col_l, daq_rc, 0.0)
+        da_rc = jnp.where(row_l > col_l, da_rc, 0.0)
+      col_f = jnp.exp(anchor_r - g_c)
+      yk_rc = rnd(k_c * col_f)
+      t_c = (dot(rnd(daq_rc), xq_r, cfg, ta=True, dtype=sdt)
+             + dot(rnd(da_rc), xk_r, cfg, ta=True, dtype=sdt))
+      dk = dk + col_f * t_c
+      dg = dg - yk_rc * t_c
+
+    if diagonal == "pairwise":
+      daq_cc = jnp.where(row_l >= col_l, dot(do_c, vn_c, cfg, tb=True), 0.0)
+      da_cc = jnp.where(row_l > col_l, -dot(p_blocks[cb], m_ref[rows, :], cfg, tb=True), 0.0)
+      p_q, p_qc, p_k, p_kc = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_cc, da_cc,
+                                              cb * ell, scale)
+      dq = dq + p_q
+      r_acc = r_acc + p_k
+      dk = dk + p_qc + p_kc
+      dg = dg + q_c * p_q - k_c * p_qc + bk_c * p_k - k_c * p_kc
+
+    dk = dk + beta_c * r_acc
+    dbeta = dbeta + jnp.sum(k_c * r_acc, axis=1, keepdims=True)
+    if cb == nb - 1:
+      dg = dg + jnp.where(row_l == ell - 1, dglast, 0.0)
+    dq_ref[rows, :] = (dq * scale).astype(dq_ref.dtype)
+    dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+    dv_ref[rows, :] = dv.astype(dv_ref.dtype)
+    dg_ref[rows, :] = dg
+    dbeta_ref[rows, :] = dbeta
+
+
+def use_row_blocks(cfg: KernelConfig, sub_chunk: int) -> bool:
+  """Whether `intra_bwd` runs the row-block kernel (else the masked full-tile one).
+
+  cfg.intra_bwd_impl "auto" picks row blocks everywhere except on TPU, whose
+  Mosaic lowering keeps the full-tile kernel (lane-dim column slices of M),
+  and except Triton with L < 16 (a dot dim below the tensor-core tile).
+  """
+  impl = cfg.intra_bwd_impl
+  if impl not in ("auto", "rows", "tiles"):
+    raise ValueError(f"intra_bwd_impl must be 'auto', 'rows' or 'tiles', got {impl!r}")
+  if impl != "auto":
+    return impl == "rows"
+  return not cfg.is_tpu and (cfg.backend != "triton" or sub_chunk >= 16)
+
+
 def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
               sub_chunk, diagonal, scale, cfg: KernelConfig):
   """Runs the intra-chunk backward kernel.
@@ -310,8 +461,8 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
   bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
   sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
-  kernel = functools.partial(_intra_bwd_kernel, scale=scale, ell=sub_chunk,
-                             diagonal=diagonal, cfg=cfg)
+  body = _intra_bwd_rows_kernel if use_row_blocks(cfg, sub_chunk) else _intra_bwd_kernel
+  kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg)
   return pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec, vspec, sspec, sspec, vspec, vspec, cspec],

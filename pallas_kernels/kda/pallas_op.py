@@ -84,19 +84,52 @@ def _core(st: _Static, q, k, v, g, beta, h0, first_n, last_n, seq_n):
 
 
 def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
-  out = _forward(st, q, k, v, g, beta, h0, (first_n, last_n, seq_n))
-  return out, (q, k, v, g, beta, h0, first_n, last_n, seq_n)
+  """Forward of the custom VJP; what it keeps depends on `cfg.save_residuals`.
+
+  save_residuals=True keeps the forward's intermediates so the backward need
+  not rerun the intra-chunk and state kernels: the cumulative gates G (f32,
+  kept instead of g), W (cfg.mm_dtype), A_qk (cfg.mm_dtype, [C] per row), M
+  (f32, [C] per row), the per-chunk entry states (f32, K*V per chunk) and V'
+  (f32). Per token and head that is 2K + 2C + 4C + 4KV/C + 4V bytes beyond
+  the inputs with bf16 W and A_qk (G takes g's place); K = V = 128, C = 64:
+  2176 bytes,
+  1.7x the bf16 q, k, v plus f32 g themselves (1280 bytes), i.e. 1.14 GB at
+  B16 T2048 H16. save_residuals=False keeps only the inputs and recomputes
+  everything in the backward (costing a second forward's intra and state
+  kernels).
+  """
+  meta = (first_n, last_n, seq_n)
+  if not st.cfg.save_residuals:
+    out = _forward(st, q, k, v, g, beta, h0, meta)
+    return out, (q, k, v, g, beta, h0, meta, None)
+  o, ht, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
+  saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new")}
+  # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
+  return (o, ht), (q, k, v, None, beta, h0, meta, saved)
+
+
+def _saved_intermediates(st, q, k, v, beta, saved):
+  """The dict `_forward(save=True)` returns, rebuilt from kept residuals."""
+  b, tp, h, dk = q.shape
+  r = dict(saved)
+  r.update(q2=q.reshape(b, tp, h * dk), k2=k.reshape(b, tp, h * dk),
+           v2=v.reshape(b, tp, h * v.shape[-1]),
+           beta_t=jnp.transpose(beta.astype(_F32), (0, 2, 1))[..., None])
+  return r
 
 
 def _core_bwd(st, res, cts):
-  q, k, v, g, beta, h0, first_n, last_n, seq_n = res
+  q, k, v, g, beta, h0, meta, saved = res
+  first_n, _, seq_n = meta
   do, dht = cts
-  meta = (first_n, last_n, seq_n)
   b, tp, h, dk = q.shape
   dv = v.shape[-1]
   cfg = st.cfg
-  # Recompute the forward's intermediates (M, entry states, V').
-  _, _, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
+  if saved is None:
+    # Recompute the forward's intermediates (M, entry states, V').
+    _, _, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
+  else:
+    r = _saved_intermediates(st, q, k, v, beta, saved)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   do2 = do.reshape(b, tp, h * dv).astype(cfg.mm_dtype)
   dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, r["q2"], r["k2"], r["g_cum"], r["w"],
@@ -111,7 +144,7 @@ def _core_bwd(st, res, cts):
     started = jnp.zeros((h0.shape[0],), jnp.int32).at[seq_n].max(first_n)
     dh0 = jnp.where(started[:, None, None, None] != 0, dh0, 0.0)
   return (dq.reshape(q.shape).astype(q.dtype), dk_.reshape(k.shape).astype(k.dtype),
-          dv_.reshape(v.shape).astype(v.dtype), dg.reshape(g.shape).astype(g.dtype),
+          dv_.reshape(v.shape).astype(v.dtype), dg.reshape(q.shape).astype(_F32),
           jnp.transpose(dbeta[..., 0], (0, 2, 1)).astype(beta.dtype), dh0,
           None, None, None)
 
