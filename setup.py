@@ -28,7 +28,9 @@ setup(
         "tensorboardX>=2.6",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100"],
+        # nbclient/ipykernel/matplotlib: tests/test_notebooks.py executes the ablation notebooks.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "nbclient>=0.10",
+                 "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8"],
         "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.10", "ipykernel", "matplotlib>=3.8"],
         "bench": ["torch>=2.5", "flash-linear-attention>=0.6.0"],
         "gpu": ["jax[cuda13]>=0.11.2"],

@@ -1,0 +1,186 @@
+"""Runs the ablation sweeps (decay, router, residual) as concurrent processes and writes summary.json.
+
+Full setting, 3 seeds, on one H200 (from the repository root; see configs/gpu_150m.py for the wheels):
+
+  python experiments/run_ablations.py --out=/tmp/ablations --setting=full --seeds=0,1,2 --jobs=8 \
+      --summary=docs/results/ablations_summary.json --results_page=docs/results.md
+
+Each run is a separate process (`XLA_PYTHON_CLIENT_PREALLOCATE=false`), at most
+`--jobs` at a time, assigned round-robin to `--num_gpus` GPUs through
+`CUDA_VISIBLE_DEVICES`; processes share a persistent compilation cache under
+`--out`, so seeds and tasks of one variant compile once. Finished runs are
+skipped and unfinished ones resume, so the command can simply be run again.
+Every run directory lands under `--out/<sweep>/<variant>/<task>/seed<k>`, its
+log under `--out/logs/`.
+
+Re-render the results page from an existing summary:
+
+  python experiments/run_ablations.py --render_only --summary=docs/results/ablations_summary.json \
+      --results_page=docs/results.md
+"""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+# Run from a checkout without installing: the repository root holds the k3jax package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from k3jax.ablations import runs as runs_lib  # noqa: E402
+from k3jax.ablations import summary as summary_lib  # noqa: E402
+from k3jax.ablations.sweeps import SETTINGS, SWEEPS, make_sweep  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", None, "Directory for every run directory, logs and summary.json.")
+flags.DEFINE_enum("setting", "full", SETTINGS, "Sweep size: quick (CPU) or full (GPU).")
+flags.DEFINE_list("sweeps", list(SWEEPS), "Sweeps to run.")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; one run per seed, variant and task.")
+flags.DEFINE_integer("jobs", 8, "Runs at a time (separate processes).")
+flags.DEFINE_integer("num_gpus", -1, "GPUs to spread runs over round-robin; -1 counts them with "
+                     "nvidia-smi, 0 runs on the CPU.")
+flags.DEFINE_integer("max_wall_s", 0, "Launch no new run after this many seconds (0: no limit); "
+                     "the summary then lists the runs left out, and a rerun continues.")
+flags.DEFINE_string("summary", None, "Where to write summary.json (default: <out>/summary.json).")
+flags.DEFINE_string("results_page", None, "Markdown page whose tables are rendered from the summary "
+                    "(e.g. docs/results.md).")
+flags.DEFINE_bool("render_only", False, "Only render --results_page from --summary.")
+flags.DEFINE_string("worker", None, "Internal: run the one run with this key and exit.")
+
+
+def _specs():
+  seeds = tuple(int(s) for s in FLAGS.seeds)
+  specs = []
+  for name in FLAGS.sweeps:
+    specs += make_sweep(name, FLAGS.setting, seeds).runs()
+  return specs
+
+
+def _gpu_count() -> int:
+  if FLAGS.num_gpus >= 0:
+    return FLAGS.num_gpus
+  if shutil.which("nvidia-smi") is None:
+    return 0
+  out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+  return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _order(specs):
+  """Seed-major (the first seed of every program compiles into the shared cache first),
+  larger runs first within a seed."""
+  def cost(spec):
+    depth = spec.config().model.num_layers
+    return (spec.seed, -depth, spec.sweep, spec.variant.name, spec.task.name)
+  return sorted(specs, key=cost)
+
+
+def _env(gpu: int | None, cache_dir: str) -> dict:
+  env = dict(os.environ)
+  env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1",
+             JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")
+  if gpu is None:
+    env["JAX_PLATFORMS"] = "cpu"
+  else:
+    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+  return env
+
+
+def _launch_all(specs, out: str):
+  """Runs every spec in its own process; returns {key: return code} of the launched ones."""
+  ngpu = _gpu_count()
+  cache_dir = os.path.join(out, "jax_cache")
+  log_dir = os.path.join(out, "logs")
+  os.makedirs(log_dir, exist_ok=True)
+  pending = list(_order(specs))
+  running: dict[str, tuple[subprocess.Popen, float, object]] = {}
+  codes: dict[str, int] = {}
+  start = time.time()
+  launched = 0
+  print(f"{len(pending)} runs, {FLAGS.jobs} at a time, "
+        f"{'CPU' if ngpu == 0 else f'{ngpu} GPU(s)'}; logs in {log_dir}", flush=True)
+  while pending or running:
+    while pending and len(running) < FLAGS.jobs:
+      if FLAGS.max_wall_s and time.time() - start > FLAGS.max_wall_s:
+        print(f"--max_wall_s={FLAGS.max_wall_s} reached: {len(pending)} runs not launched", flush=True)
+        pending = []
+        break
+      spec = pending.pop(0)
+      gpu = None if ngpu == 0 else launched % ngpu
+      launched += 1
+      log = open(os.path.join(log_dir, spec.key.replace("/", "__") + ".log"), "w", encoding="utf-8")
+      cmd = [sys.executable, os.path.abspath(__file__), f"--worker={spec.key}", f"--out={out}",
+             f"--setting={FLAGS.setting}"]
+      running[spec.key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                            env=_env(gpu, cache_dir)), time.time(), log)
+    time.sleep(0.5)
+    for key, (proc, t0, log) in list(running.items()):
+      if proc.poll() is not None:
+        log.close()
+        codes[key] = proc.returncode
+        del running[key]
+        status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see logs/)"
+        print(f"[{time.time() - start:7.1f}s] {key}: {status} in {time.time() - t0:.1f}s; "
+              f"{len(pending)} waiting, {len(running)} running", flush=True)
+  return codes
+
+
+def _worker(key: str, out: str):
+  sweep_name = key.split("/")[0]
+  seed = int(key.rsplit("seed", 1)[1])
+  for spec in make_sweep(sweep_name, FLAGS.setting, (seed,)).runs():
+    if spec.key == key:
+      import jax  # pylint: disable=g-import-not-at-top
+      jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
+      t0 = time.time()
+      record = runs_lib.run_or_load(spec, out)
+      print(f"{key}: done in {time.time() - t0:.1f}s on {jax.devices()[0].device_kind}; "
+            f"final eval {record.get('final_eval')}", flush=True)
+      return
+  raise app.UsageError(f"--worker={key!r} is no run of the {FLAGS.setting} setting")
+
+
+def main(argv):
+  del argv
+  summary_path = FLAGS.summary
+  if FLAGS.render_only:
+    if not (summary_path and FLAGS.results_page):
+      raise app.UsageError("--render_only needs --summary and --results_page")
+    summary_lib.update_results_page(FLAGS.results_page, summary_path)
+    print(f"rendered {FLAGS.results_page} from {summary_path}")
+    return
+  if not FLAGS.out:
+    raise app.UsageError("--out is required")
+  out = os.path.abspath(FLAGS.out)
+  if FLAGS.worker:
+    _worker(FLAGS.worker, out)
+    return
+  for name in FLAGS.sweeps:
+    if name not in SWEEPS:
+      raise app.UsageError(f"--sweeps: unknown sweep {name!r}; allowed: {SWEEPS}")
+  specs = _specs()
+  t0 = time.time()
+  codes = _launch_all(specs, out)
+  wall = time.time() - t0
+  records, missing = [], []
+  for spec in specs:
+    rec = runs_lib.load_run_summary(runs_lib.workdir_of(spec, out))
+    (records if rec is not None else missing).append(rec if rec is not None else spec.key)
+  summary = summary_lib.make_summary(records, setting=FLAGS.setting)
+  summary.update(wall_s=round(wall, 1), jobs=FLAGS.jobs, num_gpus=_gpu_count(), missing=missing,
+                 failed=sorted(k for k, c in codes.items() if c != 0))
+  summary_path = summary_path or os.path.join(out, "summary.json")
+  summary_lib.write_summary(summary, summary_path)
+  print(f"{len(records)} runs summarised in {summary_path} ({wall:.0f}s wall); "
+        f"missing: {missing or 'none'}", flush=True)
+  if FLAGS.results_page:
+    summary_lib.update_results_page(FLAGS.results_page, summary_path)
+    print(f"rendered {FLAGS.results_page}")
+  if missing:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,318 @@
+"""Post-training evaluations of a run directory through the model API.
+
+* `eval_at_length`: held-out loss/accuracy at a multiple of the training
+  length (decay sweep), with finiteness and the largest logit;
+* `routing_leak`: how many earlier-position outputs change when one sequence's
+  future changes (router sweep), measured on the trained model;
+* `depth_profile`: per-layer RMS norm of the residual stream, cosine
+  similarity between consecutive layers, and forward memory (residual sweep);
+* `summarize_run`: the per-run record written to summary.json.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.ablations import runs as runs_lib
+from k3jax.ablations.sweeps import RunSpec
+
+
+def restore(workdir: str):
+  """(model, model_config, trainer config, step) of a finished run directory."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  from k3jax.models.generate import restore_model  # pylint: disable=g-import-not-at-top
+  model, model_cfg, step = restore_model(workdir)
+  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+    config = ml_collections.ConfigDict(json.load(f))
+  return model, model_cfg, config, step
+
+
+# -- held-out evaluation at other lengths ------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_stats(graphdef, state, inputs_bt, targets_bt, mask_bt):
+  from k3jax.train.step import masked_cross_entropy  # pylint: disable=g-import-not-at-top
+  model = nnx.merge(graphdef, state)
+  logits_btv, _ = model(inputs_bt, deterministic=True)
+  nll, correct, count = masked_cross_entropy(logits_btv, targets_bt, mask_bt)
+  return {"nll_sum": nll, "correct_sum": correct, "count": count,
+          "max_abs_logit": jnp.max(jnp.abs(logits_btv)),
+          "finite": jnp.all(jnp.isfinite(logits_btv))}
+
+
+def length_data_config(config, multiplier: int):
+  """The run's data config for held-out windows `multiplier` times longer.
+
+  MQAR scales the key-value pairs with the length (more to remember), capped by
+  the distinct keys the vocabulary offers; byte text just takes longer windows.
+  """
+  data = config.data.copy_and_resolve_references()
+  if data.kind == "mqar":
+    data.mqar_num_kv_pairs = min(data.mqar_num_kv_pairs * multiplier, data.vocab_size // 2 - 1)
+  return data
+
+
+def eval_at_length(model, config, multiplier: int) -> dict[str, float]:
+  """Held-out metrics at `multiplier` x the training length.
+
+  Uses `config.eval_batches` batches of max(1, batch_size // multiplier)
+  sequences (about the same number of tokens at every length).
+
+  Returns:
+    {"seq_len", "loss" (nats per scored token), "accuracy", "bpb" (bytes only),
+     "max_abs_logit", "finite" (1.0 if every logit was finite), "mqar_pairs" (MQAR only)}.
+  """
+  from k3jax.data import make_dataset  # pylint: disable=g-import-not-at-top
+  if multiplier < 1:
+    raise ValueError(f"multiplier must be >= 1, got {multiplier}")
+  seq_len = config.seq_len * multiplier
+  data = length_data_config(config, multiplier)
+  dataset = make_dataset(data, seed=config.seed)
+  dataset.check_seq_len(seq_len)
+  batch = max(1, config.batch_size // multiplier)
+  graphdef, state = nnx.split(model)
+  sums = {"nll_sum": 0.0, "correct_sum": 0.0, "count": 0.0}
+  max_logit, finite = 0.0, True
+  for b in dataset.eval_batches(batch, seq_len, config.eval_batches):
+    out = jax.device_get(_loss_stats(graphdef, state, b["inputs"], b["targets"], b["mask"]))
+    for k in sums:
+      sums[k] += float(out[k])
+    max_logit = max(max_logit, float(out["max_abs_logit"]))
+    finite = finite and bool(out["finite"])
+  count = max(sums["count"], 1.0)
+  nats = sums["nll_sum"] / count
+  record = {"seq_len": seq_len, "loss": nats, "accuracy": sums["correct_sum"] / count,
+            "max_abs_logit": max_logit, "finite": float(finite)}
+  record.update(dataset.metrics_from_loss(nats))
+  if data.kind == "mqar":
+    record["mqar_pairs"] = int(data.mqar_num_kv_pairs)
+  return record
+
+
+# -- causality leak of the trained routers -----------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, inputs_bt):
+  model = nnx.merge(graphdef, state)
+  return model(inputs_bt, deterministic=True)[0]
+
+
+def routing_leak(model, inputs_bt: np.ndarray, *, position: int, seed: int = 0) -> dict[str, float]:
+  """Changes tokens after `position` in sequence 0 and measures which earlier outputs move.
+
+  Every mixer is causal, so any change of a logit at positions <= `position`
+  comes from routing that depends on other tokens of the batch (a shared
+  threshold or capacity). The batch is run twice unchanged first: any
+  difference there (`noise`) would make the comparison meaningless.
+
+  Args:
+    model: trained HybridLM.
+    inputs_bt: [B, T] int token batch (B >= 2 to see cross-sequence leaks).
+    position: last position whose outputs must not change, in [0, T - 2].
+    seed: draws the replacement tokens.
+
+  Returns:
+    {"changed_fraction": share of (sequence, position <= `position`) whose logits
+     changed, "changed_fraction_own": the same within sequence 0,
+     "changed_fraction_others": within the other sequences, "max_logit_change",
+     "noise": max |logit difference| between two identical runs}.
+  """
+  b, t = inputs_bt.shape
+  if not 0 <= position < t - 1:
+    raise ValueError(f"position={position} must lie in [0, T-2={t - 2}]")
+  vocab = model.config.vocab_size
+  rng = np.random.default_rng(seed)
+  changed = np.array(inputs_bt, copy=True)
+  changed[0, position + 1:] = rng.integers(0, vocab, size=t - position - 1)
+  graphdef, state = nnx.split(model)
+  base = np.asarray(_logits(graphdef, state, jnp.asarray(inputs_bt)))
+  again = np.asarray(_logits(graphdef, state, jnp.asarray(inputs_bt)))
+  moved = np.asarray(_logits(graphdef, state, jnp.asarray(changed)))
+  noise = float(np.max(np.abs(base - again)))
+  diff_bs = np.max(np.abs(base - moved), axis=-1)[:, : position + 1]
+  flag = diff_bs > noise
+  return {"changed_fraction": float(flag.mean()),
+          "changed_fraction_own": float(flag[0].mean()),
+          "changed_fraction_others": float(flag[1:].mean()) if b > 1 else 0.0,
+          "max_logit_change": float(diff_bs.max()), "noise": noise}
+
+
+# -- per-layer representation statistics ---------------------------------------------
+
+
+def trace_layers(model, tokens_bt: jax.Array) -> dict[str, Any]:
+  """Runs the model's forward step by step and records the residual stream per layer.
+
+  Walks the same public pieces as `HybridLM.__call__` (embedding, residual
+  strategy, per-layer norms, mixers, FFNs) in deterministic mode.
+
+  Args:
+    model: HybridLM.
+    tokens_bt: [B, T] int.
+
+  Returns:
+    {"stream": list of L + 1 [B, T, D] float32 tensors, the stream read by layer l's
+      mixer (stream[0] is the embedding) and the final read, "sublayer_out": list of
+      2L [B, T, D] float32 sublayer outputs, "max_stored": most [B, T, D] tensors the
+      residual state held, "max_keys": most float32 key tensors it held,
+      "logits": [B, T, V] float32}.
+  """
+  cfg = model.config
+  x = jnp.take(model.embed[...], tokens_bt, axis=0).astype(cfg.compute_dtype)
+  res = model.residual
+  state = res.start(x)
+  stream, outs = [], []
+  max_stored, max_keys = state.num_stored, len(state.keys)
+  for i, layer in enumerate(model.layers):
+    h = res.read(state, 2 * i)
+    stream.append(h.astype(jnp.float32))
+    out, _ = layer.mixer(layer.mixer_norm(h))
+    outs.append(out.astype(jnp.float32))
+    state = res.write(state, 2 * i, out)
+    max_stored, max_keys = max(max_stored, state.num_stored), max(max_keys, len(state.keys))
+    out, _ = layer.ffn(layer.ffn_norm(res.read(state, 2 * i + 1)), deterministic=True)
+    outs.append(out.astype(jnp.float32))
+    state = res.write(state, 2 * i + 1, out)
+    max_stored, max_keys = max(max_stored, state.num_stored), max(max_keys, len(state.keys))
+  final = res.finish(state)
+  stream.append(final.astype(jnp.float32))
+  return {"stream": stream, "sublayer_out": outs, "max_stored": max_stored, "max_keys": max_keys,
+          "logits": model._logits(final)}  # pylint: disable=protected-access
+
+
+def _rms(x):
+  return jnp.sqrt(jnp.mean(jnp.square(x)))
+
+
+def _mean_cosine(a_btd, b_btd):
+  num = jnp.sum(a_btd * b_btd, axis=-1)
+  den = jnp.linalg.norm(a_btd, axis=-1) * jnp.linalg.norm(b_btd, axis=-1)
+  return jnp.mean(num / jnp.maximum(den, 1e-30))
+
+
+def _profile(graphdef, state, tokens_bt):
+  model = nnx.merge(graphdef, state)
+  tr = trace_layers(model, tokens_bt)
+  s = tr["stream"]
+  return {"stream_rms": jnp.stack([_rms(h) for h in s]),
+          "cos_next": jnp.stack([_mean_cosine(a, b) for a, b in zip(s[:-1], s[1:])]),
+          "cos_to_embedding": jnp.stack([_mean_cosine(s[0], h) for h in s[1:]]),
+          "sublayer_out_rms": jnp.stack([_rms(o) for o in tr["sublayer_out"]]),
+          "max_stored": jnp.int32(tr["max_stored"]), "max_keys": jnp.int32(tr["max_keys"])}
+
+
+def depth_profile(model, tokens_bt: np.ndarray) -> dict[str, Any]:
+  """Per-layer statistics and forward memory of `model` on a token batch.
+
+  Returns:
+    {"stream_rms": [L + 1] RMS of the stream read by each layer (0: embedding,
+     L: final), "cos_next": [L] mean cosine similarity between the streams of
+     layers l and l + 1 (near 1 means a layer changes little: degradation),
+     "cos_to_embedding": [L], "sublayer_out_rms": [2L],
+     "param_bytes": float32 parameter bytes,
+     "residual_bytes_per_token": bytes the residual state holds per token at its peak,
+     "forward_temp_bytes": XLA's temporary buffer size of the jitted forward
+     for this batch (None where the backend does not report it)}.
+  """
+  graphdef, state = nnx.split(model)
+  tokens = jnp.asarray(tokens_bt)
+  compiled = jax.jit(_profile, static_argnums=0).lower(graphdef, state, tokens).compile()
+  out = jax.device_get(compiled(state, tokens))
+  mem = compiled.memory_analysis()
+  cfg = model.config
+  itemsize = jnp.dtype(cfg.compute_dtype).itemsize
+  params = nnx.state(model, nnx.Param)
+  param_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
+  return {"stream_rms": [float(v) for v in out["stream_rms"]],
+          "cos_next": [float(v) for v in out["cos_next"]],
+          "cos_to_embedding": [float(v) for v in out["cos_to_embedding"]],
+          "sublayer_out_rms": [float(v) for v in out["sublayer_out_rms"]],
+          "max_stored": int(out["max_stored"]), "max_keys": int(out["max_keys"]),
+          "param_bytes": param_bytes,
+          "residual_bytes_per_token": cfg.d_model * (int(out["max_stored"]) * itemsize
+                                                     + int(out["max_keys"]) * 4),
+          "forward_temp_bytes": None if mem is None else int(mem.temp_size_in_bytes)}
+
+
+# -- per-run summary record ------------------------------------------------------------
+
+
+def _router_stats(metrics) -> dict[str, Any]:
+  out = {}
+  for stat in ("max_vio", "max_vio_routed", "drop_fraction"):
+    layers = runs_lib.per_layer(metrics, stat)
+    out[stat] = {str(layer): runs_lib.tail_mean(s) for layer, s in layers.items()}
+    vals = [v for v in out[stat].values() if math.isfinite(v)]
+    out[stat + "_mean"] = float(np.mean(vals)) if vals else float("nan")
+  return out
+
+
+def summarize_run(spec: RunSpec, workdir: str, out_dir: str | None = None) -> dict[str, Any]:
+  """The record of one finished run: identity, final metrics and the sweep's evaluations.
+
+  Keys: key, sweep, setting, variant, task, seed, tags, step, num_params,
+  first_eval, final_eval, final_train_loss, and per sweep:
+  decay `lengths` {multiplier: eval_at_length record}; router `router`
+  (tail means per layer of max_vio, max_vio_routed, drop_fraction) and
+  `leak` (routing_leak); residual `depth` (depth_profile).
+  """
+  sweep = _sweep_of(spec)
+  evals = runs_lib.load_metrics(workdir, "eval")
+  train = runs_lib.load_metrics(workdir, "train")
+  model, _, config, step = restore(workdir)
+
+  def at(metrics, i):
+    return {k: float(s.values[i]) for k, s in metrics.items() if np.isfinite(s.values[i])}
+
+  record: dict[str, Any] = {
+      "key": spec.key, "sweep": spec.sweep, "setting": spec.setting, "variant": spec.variant.name,
+      "task": spec.task.name, "seed": spec.seed, "tags": dict(spec.variant.tags), "step": step,
+      "workdir": os.path.relpath(workdir, out_dir) if out_dir else workdir,
+      "num_params": int(sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+      "first_eval": at(evals, 0), "final_eval": at(evals, -1),
+      "final_train_loss": runs_lib.tail_mean(train["ce_loss"], 0.2) if "ce_loss" in train else None,
+  }
+  if spec.sweep == "decay":
+    record["lengths"] = {str(m): eval_at_length(model, config, m) for m in sweep.length_multipliers}
+  if spec.sweep == "router":
+    record["router"] = _router_stats(train)
+    batch = _heldout_batch(config)
+    position = int(sweep.probe_position * (config.seq_len - 1))
+    record["leak"] = routing_leak(model, batch, position=position, seed=spec.seed)
+  if spec.sweep == "residual":
+    record["depth"] = depth_profile(model, _heldout_batch(config))
+  return _finite_or_none(record)
+
+
+def _heldout_batch(config) -> np.ndarray:
+  from k3jax.data import make_dataset  # pylint: disable=g-import-not-at-top
+  dataset = make_dataset(config.data, seed=config.seed)
+  return dataset.eval_batches(config.batch_size, config.seq_len, 1)[0]["inputs"]
+
+
+def _sweep_of(spec: RunSpec):
+  from k3jax.ablations.sweeps import make_sweep  # pylint: disable=g-import-not-at-top
+  return make_sweep(spec.sweep, spec.setting, (spec.seed,))
+
+
+def _finite_or_none(x):
+  """JSON has no NaN/inf: they become None."""
+  if isinstance(x, dict):
+    return {k: _finite_or_none(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_finite_or_none(v) for v in x]
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x

@@ -1,0 +1,22 @@
+"""KDA kernel time per decay variant, copied from docs/benchmarks.md (H200, one device run).
+
+Shape B16 T2048 H16 K=V=128, chunk 64, bf16 inputs, f32 gates, medians of 10
+calls, jax 0.11.2 with the Pallas Triton lowering. Variants whose tile was not
+benchmarked carry None and the command that measures them.
+"""
+
+KERNEL_TIMES = {
+    "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 7.31, "fwd_bwd_ms": 33.40,
+               "note": "docs/benchmarks.md, KDA kernels table"},
+    "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 10.77, "fwd_bwd_ms": 143.4,
+                 "note": "docs/benchmarks.md (pairwise diagonal: the only path for an unbounded gate)"},
+    "g2.5_t32": {"path": "pallas dense, tile 32", "fwd_ms": None, "fwd_bwd_ms": None,
+                 "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
+                         "--impls=pallas:dense --lower_bound=-2.5 --sub_chunk=32 --peer=false`"},
+    "g1.3_t64": {"path": "pallas dense, tile 64", "fwd_ms": None, "fwd_bwd_ms": None,
+                 "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
+                         "--impls=pallas:dense --lower_bound=-1.3 --sub_chunk=64 --peer=false`"},
+}
+KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Measured (H200, jax 0.11.2, Triton lowering, bf16 "
+                       "inputs, 2026-11-30)\", shape B16 T2048 H16 K=V=128, C=64; medians of 10 calls. "
+                       "Same GPU run for both measured rows.")

@@ -1,0 +1,219 @@
+"""Sweep-level collection, summary.json, mean ± std aggregation and the results page tables."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import re
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from k3jax.ablations import runs as runs_lib
+from k3jax.ablations.kernel_times import KERNEL_TIMES, KERNEL_TIMES_SOURCE
+from k3jax.ablations.sweeps import Sweep
+
+SUMMARY_VERSION = 1
+
+
+def run_sweep(sweep: Sweep, out_dir: str, *, log: Callable[[str], None] | None = print) -> list[dict]:
+  """Trains (or resumes, or loads) every run of `sweep` in this process; returns their records."""
+  records = []
+  for spec in sweep.runs():
+    if log:
+      log(f"[{sweep.name}] {spec.key}")
+    records.append(runs_lib.run_or_load(spec, out_dir))
+  return records
+
+
+def make_summary(records: Iterable[dict], *, setting: str) -> dict:
+  """The summary.json object: {"version", "setting", "created", "runs": [records]}."""
+  return {"version": SUMMARY_VERSION, "setting": setting,
+          "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+          "runs": sorted(records, key=lambda r: r["key"])}
+
+
+def write_summary(summary: dict, path: str) -> None:
+  """Writes summary.json (NaN-free JSON)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(summary, f, indent=1, sort_keys=True, allow_nan=False)
+
+
+def read_summary(path: str) -> dict:
+  """Reads a summary.json written by `write_summary`; raises ValueError if it is not one."""
+  if not os.path.isfile(path):
+    raise ValueError(f"summary file {path!r} does not exist; run experiments/run_ablations.py first")
+  with open(path, encoding="utf-8") as f:
+    summary = json.load(f)
+  if not isinstance(summary, dict) or summary.get("version") != SUMMARY_VERSION or "runs" not in summary:
+    raise ValueError(f"{path!r} is not an ablation summary (version {SUMMARY_VERSION})")
+  return summary
+
+
+def records_of(summary: dict, sweep: str) -> list[dict]:
+  """The run records of one sweep."""
+  return [r for r in summary["runs"] if r["sweep"] == sweep]
+
+
+# -- aggregation -------------------------------------------------------------------------
+
+
+def get(record: dict, path: str) -> Any:
+  """A value by dotted path (`"lengths.16.loss"`), None if any part is missing."""
+  node: Any = record
+  for part in path.split("."):
+    if not isinstance(node, dict) or part not in node:
+      return None
+    node = node[part]
+  return node
+
+
+def group(records: Iterable[dict], keys: tuple[str, ...] = ("variant", "task")) -> dict[tuple, list[dict]]:
+  """Records grouped by the given top-level keys, in first-seen order."""
+  out: dict[tuple, list[dict]] = {}
+  for r in records:
+    out.setdefault(tuple(r[k] for k in keys), []).append(r)
+  return out
+
+
+def mean_std(values: Iterable[Any]) -> tuple[float, float, int]:
+  """(mean, sample std (0 for one value), count) over the finite numbers in `values`."""
+  v = np.array([float(x) for x in values if x is not None and math.isfinite(float(x))], np.float64)
+  if v.size == 0:
+    return float("nan"), float("nan"), 0
+  return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0, int(v.size)
+
+
+def fmt(values: Iterable[Any], digits: int = 3, scale: float = 1.0) -> str:
+  """`mean ± std` (std over seeds) or `mean` for one seed; `n/a` without data."""
+  m, s, n = mean_std(values)
+  if n == 0:
+    return "n/a"
+  m, s = m * scale, s * scale
+  return f"{m:.{digits}f} ± {s:.{digits}f}" if n > 1 else f"{m:.{digits}f}"
+
+
+# -- results page tables -------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def decay_table(records: list[dict]) -> str:
+  """Per (variant, task): held-out loss and accuracy at 1x / 4x / 16x the training length."""
+  rows = []
+  for (variant, task), rs in group(records).items():
+    mults = sorted({int(m) for r in rs for m in (r.get("lengths") or {})})
+    row = [variant, task, str(len(rs))]
+    metric = "accuracy" if task == "mqar" else "bpb"
+    for m in (1, 4, 16):
+      row.append(fmt(get(r, f"lengths.{m}.{metric}") for r in rs) if m in mults else "n/a")
+    row.append(fmt(get(r, "lengths.16.loss") for r in rs))
+    row.append("yes" if all(get(r, f"lengths.{m}.finite") == 1.0 for r in rs for m in mults) else "**no**")
+    row.append(fmt((get(r, f"lengths.{max(mults)}.max_abs_logit") for r in rs), 1) if mults else "n/a")
+    rows.append(row)
+  return _table(["variant", "task", "seeds", "metric @1x", "@4x", "@16x", "loss @16x (nats)",
+                 "all logits finite", "max abs logit @16x"], rows)
+
+
+def kernel_table() -> str:
+  """Kernel time per decay variant from `kernel_times.KERNEL_TIMES`, with the source."""
+  rows = []
+  for name, entry in KERNEL_TIMES.items():
+    fwd, both = entry["fwd_ms"], entry["fwd_bwd_ms"]
+    rows.append([name, entry["path"], "n/a" if fwd is None else f"{fwd:.2f}",
+                 "n/a" if both is None else f"{both:.2f}", entry["note"]])
+  return _table(["variant", "kernel path", "fwd ms", "fwd+bwd ms", "note"], rows) + "\n\n" + KERNEL_TIMES_SOURCE
+
+
+def router_table(records: list[dict]) -> str:
+  """Per router: held-out loss, MaxVio and drops (tail means), causality leak."""
+  rows = []
+  for (variant, _), rs in group(records).items():
+    rows.append([variant, str(len(rs)),
+                 fmt(get(r, "final_eval.loss") for r in rs),
+                 fmt(get(r, "final_eval.bpb") for r in rs),
+                 fmt(get(r, "router.max_vio_mean") for r in rs),
+                 fmt(get(r, "router.max_vio_routed_mean") for r in rs),
+                 fmt((get(r, "router.drop_fraction_mean") for r in rs), 4),
+                 fmt((get(r, "leak.changed_fraction") for r in rs), 4),
+                 fmt((get(r, "leak.max_logit_change") for r in rs), 4)])
+  return _table(["router", "seeds", "held-out loss (nats)", "bits/byte", "MaxVio (kept)",
+                 "MaxVio (preferred)", "drop fraction", "leak: earlier outputs changed",
+                 "leak: max logit change"], rows)
+
+
+def router_layer_table(records: list[dict]) -> str:
+  """MaxVio per MoE layer (tail mean over the last quarter of training)."""
+  layers = sorted({int(k) for r in records for k in (get(r, "router.max_vio") or {})})
+  rows = []
+  for (variant, _), rs in group(records).items():
+    rows.append([variant] + [fmt(get(r, f"router.max_vio.{layer}") for r in rs) for layer in layers])
+  return _table(["router"] + [f"MaxVio layer {layer}" for layer in layers], rows)
+
+
+def residual_table(records: list[dict]) -> str:
+  """Per (strategy, depth): held-out loss, stream norm and similarity at the last layer, memory."""
+  rows = []
+  for (variant, _), rs in group(records).items():
+    tags = rs[0]["tags"]
+    last = lambda r, key: (get(r, f"depth.{key}") or [None])[-1]
+    rows.append([tags.get("residual", variant), str(tags.get("depth", "")), str(len(rs)),
+                 fmt(get(r, "final_eval.loss") for r in rs),
+                 fmt(get(r, "final_eval.bpb") for r in rs),
+                 fmt((last(r, "stream_rms") for r in rs), 2),
+                 fmt((np.mean(get(r, "depth.cos_next") or [np.nan]) for r in rs), 3),
+                 fmt((last(r, "cos_next") for r in rs), 3),
+                 fmt((get(r, "depth.param_bytes") for r in rs), 2, 1e-6),
+                 fmt((get(r, "depth.residual_bytes_per_token") for r in rs), 0),
+                 fmt((get(r, "depth.forward_temp_bytes") for r in rs), 2, 1e-6)])
+  return _table(["residual", "layers", "seeds", "held-out loss (nats)", "bits/byte",
+                 "final stream RMS", "mean cos(l, l+1)", "last-layer cos", "param MB",
+                 "residual bytes/token", "forward temp MB"], rows)
+
+
+TABLES: dict[str, Callable[[list[dict]], str]] = {
+    "decay": decay_table, "router": router_table, "router_layers": router_layer_table,
+    "residual": residual_table,
+}
+_MARK = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(.*?)(<!-- /table -->)", re.S)
+
+
+def render_tables(markdown: str, summary: dict) -> str:
+  """Replaces every `<!-- table:NAME -->...<!-- /table -->` block with the table from `summary`.
+
+  NAME is a key of TABLES (its records are the sweep's), "kernels", or "meta"
+  (setting, run count, date). Unknown names raise ValueError.
+  """
+  def table_for(name: str) -> str:
+    if name == "kernels":
+      return kernel_table()
+    if name == "meta":
+      sweeps = sorted({r["sweep"] for r in summary["runs"]})
+      seeds = sorted({r["seed"] for r in summary["runs"]})
+      return (f"Setting `{summary['setting']}`, {len(summary['runs'])} runs ({', '.join(sweeps)}), "
+              f"seeds {seeds}, summary created {summary['created']}.")
+    if name not in TABLES:
+      raise ValueError(f"unknown table {name!r} in the results page; allowed: "
+                       f"{sorted(TABLES) + ['kernels', 'meta']}")
+    sweep = "router" if name.startswith("router") else name
+    records = records_of(summary, sweep)
+    return TABLES[name](records) if records else f"_No {sweep} runs in the summary._"
+
+  return _MARK.sub(lambda m: m.group(1) + table_for(m.group("name")) + "\n" + m.group(4), markdown)
+
+
+def update_results_page(page: str, summary_path: str) -> str:
+  """Rewrites the tables of the markdown file `page` from `summary_path`; returns the new text."""
+  summary = read_summary(summary_path)
+  with open(page, encoding="utf-8") as f:
+    text = f.read()
+  new = render_tables(text, summary)
+  with open(page, "w", encoding="utf-8") as f:
+    f.write(new)
+  return new

@@ -1,0 +1,288 @@
+"""Sweep definitions of the three ablations, as frozen dataclasses with a `quick` and a `full` setting.
+
+A sweep is a set of variants (config overrides), tasks (data overrides) and
+seeds. Each (variant, task, seed) is one training run whose config is
+`k3jax.train.defaults.base_config()` with the setting's base overrides, then
+the task's, then the variant's, applied in that order.
+
+* `quick`: CPU-sized (tiny models, tens of steps) so that CI can execute the
+  notebooks; the numbers only show that the pipeline works.
+* `full`: GPU-sized (d_model 256, 4-8 layers, a few hundred steps) for the
+  results page; `experiments/run_ablations.py` runs it on one or two GPUs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import ml_collections
+
+from k3jax.train.defaults import base_config
+
+SETTINGS = ("quick", "full")
+SWEEPS = ("decay", "router", "residual")
+Overrides = tuple[tuple[str, Any], ...]
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides) -> ml_collections.ConfigDict:
+  """Sets dotted paths (`"model.router.name"`) on `config` in place; unknown paths raise ValueError."""
+  for path, value in overrides:
+    *parents, leaf = path.split(".")
+    node = config
+    for name in parents:
+      if name not in node:
+        raise ValueError(f"config override {path!r}: no section {name!r}")
+      node = node[name]
+    if leaf not in node:
+      raise ValueError(f"config override {path!r}: no field {leaf!r} (allowed: {sorted(node.keys())})")
+    node[leaf] = value
+  return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One arm of a sweep.
+
+  Attributes:
+    name: short id used in run directories and tables.
+    overrides: dotted config paths and values.
+    tags: (key, value) pairs for grouping in plots and tables (e.g. ("depth", 8)).
+  """
+  name: str
+  overrides: Overrides = ()
+  tags: tuple[tuple[str, Any], ...] = ()
+
+  def tag(self, key: str, default: Any = None) -> Any:
+    """The value of tag `key`, or `default`."""
+    return dict(self.tags).get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A data setting: name ("mqar", "bytes") and its config overrides."""
+  name: str
+  overrides: Overrides = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+  """One training run of a sweep."""
+  sweep: str
+  setting: str
+  variant: Variant
+  task: Task
+  seed: int
+  base: Overrides
+
+  @property
+  def key(self) -> str:
+    """Run directory relative to the sweep output directory: `<sweep>/<variant>/<task>/seed<k>`."""
+    return f"{self.sweep}/{self.variant.name}/{self.task.name}/seed{self.seed}"
+
+  def config(self) -> ml_collections.ConfigDict:
+    """The full trainer config of this run."""
+    c = base_config()
+    apply_overrides(c, self.base)
+    apply_overrides(c, self.task.overrides)
+    apply_overrides(c, self.variant.overrides)
+    c.seed = self.seed
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+  """A sweep: base overrides x variants x tasks x seeds, plus what to evaluate after training.
+
+  Attributes:
+    name: one of SWEEPS.
+    setting: one of SETTINGS.
+    base: overrides shared by every run.
+    variants: the arms.
+    tasks: data settings (each variant runs on each task).
+    seeds: one run per seed.
+    length_multipliers: decay: held-out evaluation at these multiples of the
+      training length (1 included).
+    probe_position: router: the causality probe changes positions after this
+      fraction of the sequence.
+  """
+  name: str
+  setting: str
+  base: Overrides
+  variants: tuple[Variant, ...]
+  tasks: tuple[Task, ...]
+  seeds: tuple[int, ...]
+  length_multipliers: tuple[int, ...] = (1,)
+  probe_position: float = 0.5
+
+  def runs(self) -> list[RunSpec]:
+    """Every run, variant-major then task then seed."""
+    return [RunSpec(self.name, self.setting, v, t, s, self.base)
+            for v in self.variants for t in self.tasks for s in self.seeds]
+
+  def variant(self, name: str) -> Variant:
+    """The variant called `name`."""
+    for v in self.variants:
+      if v.name == name:
+        return v
+    raise ValueError(f"sweep {self.name!r} has no variant {name!r}; "
+                     f"allowed: {[v.name for v in self.variants]}")
+
+
+# -- shared pieces -------------------------------------------------------------
+
+_RUN_QUICK: Overrides = (
+    ("num_devices", 1), ("batch_size", 8), ("seq_len", 32), ("num_steps", 40),
+    ("log_every", 5), ("eval_every", 20), ("eval_batches", 2), ("checkpoint_every", 0),
+    ("keep_checkpoints", 1), ("async_checkpoints", False), ("progress_bar", False),
+    ("optim.warmup_steps", 4), ("optim.learning_rate", 3e-3),
+    ("data.max_bytes", 300_000),
+)
+_RUN_FULL: Overrides = (
+    ("num_devices", 1), ("batch_size", 16), ("seq_len", 256), ("num_steps", 300),
+    ("log_every", 10), ("eval_every", 100), ("eval_batches", 4), ("checkpoint_every", 0),
+    ("keep_checkpoints", 1), ("async_checkpoints", False), ("progress_bar", False),
+    ("optim.warmup_steps", 30), ("optim.learning_rate", 2e-3),
+    ("data.max_bytes", 8_000_000),
+)
+# Tiny CPU model: every sweep starts here and changes the layer stack it studies.
+_MODEL_QUICK: Overrides = (
+    ("model.d_model", 32), ("model.num_heads", 2), ("model.head_dim", 16), ("model.num_kv_heads", 2),
+    ("model.dense_hidden", 64), ("model.expert_hidden", 32), ("model.num_experts", 0),
+    ("model.first_layer_dense", False), ("model.kda_implementation", "xla"),
+    ("model.kda_chunk_size", 16), ("model.kda_sub_chunk", 16), ("model.dtype", "float32"),
+)
+# GPU model: d_model 256, four heads of 64, bf16 compute, the XLA chunked KDA path
+# (it accepts every (g_min, tile) pair of the decay sweep; kernel times come from benchmarks).
+_MODEL_FULL: Overrides = (
+    ("model.d_model", 256), ("model.num_heads", 4), ("model.head_dim", 64), ("model.num_kv_heads", 4),
+    ("model.dense_hidden", 768), ("model.expert_hidden", 256), ("model.num_experts", 8),
+    ("model.top_k", 2), ("model.num_shared_experts", 1), ("model.first_layer_dense", True),
+    ("model.kda_implementation", "xla"), ("model.moe_impl", "ragged"),
+    ("model.kda_chunk_size", 64), ("model.kda_sub_chunk", 16), ("model.dtype", "bfloat16"),
+)
+# Byte-level text and MQAR share the 256-id vocabulary, so both tasks run the same compiled
+# programs. MQAR keys come from [1, 128) and values from [128, 256).
+_BYTES = Task("bytes", (("data.kind", "bytes"),))
+
+
+def _mqar(pairs: int) -> Task:
+  return Task("mqar", (("data.kind", "mqar"), ("data.vocab_size", 256),
+                       ("data.mqar_num_kv_pairs", pairs), ("data.mqar_num_queries", 0)))
+
+
+def _seeds(setting: str, seeds: tuple[int, ...] | None) -> tuple[int, ...]:
+  if seeds is not None:
+    if not seeds or any((not isinstance(s, int)) or s < 0 for s in seeds):
+      raise ValueError(f"seeds must be non-negative ints, got {seeds!r}")
+    return tuple(seeds)
+  return (0,) if setting == "quick" else (0, 1, 2)
+
+
+# -- the three sweeps ----------------------------------------------------------
+
+# (name, gate, g_min, diagonal tile, diagonal strategy); every bounded pair keeps
+# |g_min| * (tile - 1) <= 85 (DESIGN.md); softplus has no bound and needs pairwise tiles.
+DECAY_ARMS = (
+    ("softplus", "softplus", -5.0, 16, "pairwise"),
+    ("g1.3_t64", "bounded", -1.3, 64, "dense"),
+    ("g2.5_t32", "bounded", -2.5, 32, "dense"),
+    ("g5_t16", "bounded", -5.0, 16, "dense"),
+)
+QUICK_DECAY_ARMS = ("softplus", "g5_t16")
+
+
+def decay_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> Sweep:
+  """Bounded vs softplus KDA gate and g_min/tile pairs, on MQAR recall and byte-level loss.
+
+  The model is a pure KDA stack (no softmax attention, dense FFNs) so that recall
+  has to come from the decaying state; each run is also evaluated at 4x and 16x
+  its training length.
+  """
+  _check_setting(setting)
+  # The chunk must hold the largest diagonal tile (64).
+  if setting == "quick":
+    # The two quick arms share 16-row tiles; one-tile chunks keep the CPU compile small.
+    base = _RUN_QUICK + _MODEL_QUICK + (
+        ("seq_len", 64), ("model.num_layers", 1), ("model.layer_pattern", "K"))
+    pairs = 8
+  else:
+    base = _RUN_FULL + _MODEL_FULL + (
+        ("model.num_layers", 4), ("model.layer_pattern", "K"), ("model.num_experts", 0),
+        ("model.first_layer_dense", False))
+    pairs = 32
+  # Each arm compiles its own programs; the CPU setting keeps the two ends of the comparison.
+  arms = DECAY_ARMS if setting == "full" else tuple(a for a in DECAY_ARMS if a[0] in QUICK_DECAY_ARMS)
+  variants = tuple(
+      Variant(name, (("model.gate", gate), ("model.g_min", g_min), ("model.kda_sub_chunk", tile),
+                     ("model.kda_diagonal", diagonal)),
+              (("gate", gate), ("g_min", g_min), ("tile", tile), ("diagonal", diagonal)))
+      for name, gate, g_min, tile, diagonal in arms)
+  return Sweep("decay", setting, base, variants, (_mqar(pairs), _BYTES), _seeds(setting, seeds),
+               length_multipliers=(1, 4, 16))
+
+
+# (name, router overrides). The quantile router is run as designed, with a batch capacity
+# (cf 1.25); the lagged, bias-sign and aux-loss routers in their causal, dropless form.
+ROUTER_ARMS = (
+    ("quantile", (("model.router.name", "quantile"), ("model.router.capacity_factor", 1.25))),
+    ("quantile_lagged", (("model.router.name", "quantile_lagged"), ("model.router.capacity_factor", 0.0))),
+    ("bias_sign", (("model.router.name", "bias_sign"), ("model.router.capacity_factor", 0.0),
+                   ("model.router.bias_update_rate", 1e-3))),
+    ("aux_loss", (("model.router.name", "aux_loss"), ("model.router.capacity_factor", 0.0),
+                  ("model.router.aux_loss_coef", 1e-2))),
+)
+
+
+def router_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> Sweep:
+  """Quantile / lagged quantile / bias-sign / aux-loss routers on byte-level text."""
+  _check_setting(setting)
+  if setting == "quick":
+    # Two attention layers, both MoE: the cheapest stack with per-layer routers on a CPU.
+    base = _RUN_QUICK + _MODEL_QUICK + (
+        ("model.num_layers", 2), ("model.layer_pattern", "A"), ("model.num_experts", 4),
+        ("model.top_k", 2), ("model.num_shared_experts", 1))
+  else:
+    base = _RUN_FULL + _MODEL_FULL + (("model.num_layers", 4), ("model.layer_pattern", "KKKA"))
+  variants = tuple(Variant(name, ov, (("router", name),)) for name, ov in ROUTER_ARMS)
+  return Sweep("router", setting, base, variants, (_BYTES,), _seeds(setting, seeds))
+
+
+RESIDUAL_ARMS = ("prenorm", "block_attnres", "full_attnres")
+
+
+def residual_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> Sweep:
+  """Pre-norm vs block AttnRes vs full AttnRes at several depths, on byte-level text.
+
+  Block AttnRes groups 4 sublayers (two layers) per block (2 in the quick setting).
+  """
+  _check_setting(setting)
+  if setting == "quick":
+    # The router sweep's quick model, so its prenorm run shares compiled programs with that sweep.
+    base = _RUN_QUICK + _MODEL_QUICK + (
+        ("model.layer_pattern", "A"), ("model.num_experts", 4), ("model.top_k", 2),
+        ("model.num_shared_experts", 1))
+    depths, block = (2,), 2
+  else:
+    base = _RUN_FULL + _MODEL_FULL + (("model.layer_pattern", "KKKA"),)
+    depths, block = (4, 8), 4
+  variants = tuple(
+      Variant(f"{arm}_L{depth}", (("model.residual", arm), ("model.num_layers", depth),
+                                  ("model.attnres_block_size", block)),
+              (("residual", arm), ("depth", depth)))
+      for depth in depths for arm in RESIDUAL_ARMS)
+  return Sweep("residual", setting, base, variants, (_BYTES,), _seeds(setting, seeds))
+
+
+_BUILDERS = {"decay": decay_sweep, "router": router_sweep, "residual": residual_sweep}
+
+
+def make_sweep(name: str, setting: str = "quick", seeds: tuple[int, ...] | None = None) -> Sweep:
+  """The sweep called `name` ("decay", "router" or "residual") at `setting` ("quick" or "full")."""
+  if name not in _BUILDERS:
+    raise ValueError(f"sweep name {name!r}; allowed: {SWEEPS}")
+  return _BUILDERS[name](setting, seeds)
+
+
+def _check_setting(setting: str) -> None:
+  if setting not in SETTINGS:
+    raise ValueError(f"setting {setting!r}; allowed: {SETTINGS}")
