@@ -72,6 +72,10 @@ class KernelConfig:
     save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
       V' for the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
+    residual_dtype: storage dtype of the saved M, entry states and V' (None:
+      as the forward kernels produce them, f32). With bf16 intra-backward
+      operands (`intra_bwd_mm_dtype`) bf16 storage loses nothing but the f32
+      sum(dS * S) of the last gate row, since every other use casts to bf16.
   """
   backend: str
   block_v: int
@@ -86,6 +90,7 @@ class KernelConfig:
   inverse_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_impl: str = "auto"
   save_residuals: bool = True
+  residual_dtype: jnp.dtype | None = None
 
   def intra(self, backward: bool = False) -> "KernelConfig":
     """This config with an intra-chunk kernel's operand dtype as `mm_dtype`."""
