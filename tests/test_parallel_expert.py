@@ -144,3 +144,59 @@ def test_without_expert_axis_the_variant_is_the_plain_layer():
   assert type(variant) is layers.ExpertParallelMoE
   apply = nnx.jit(lambda layer, x: layer(x, deterministic=True)[0])
   np.testing.assert_array_equal(np.asarray(apply(plain, x)), np.asarray(apply(variant, x)))
+
+
+def _skewed_assignments(n, d, e, h, k, seed):
+  keys = jax.random.split(jax.random.key(seed), 6)
+  x = jax.random.normal(keys[0], (n, d))
+  logits = jax.random.normal(keys[1], (n, e)) + jnp.array([3.0, 2.0] + [0.0] * (e - 2))
+  idx = jax.lax.top_k(logits, k)[1]
+  w = jax.random.uniform(keys[2], (n, k), minval=0.1)
+  w = w.at[::5, 1].set(0.0)
+  wg = jax.random.normal(keys[3], (e, d, h)) / 4
+  wu = jax.random.normal(keys[4], (e, d, h)) / 4
+  wo = jax.random.normal(keys[5], (e, h, d)) / 4
+  return x, idx, w, wg, wu, wo
+
+
+def test_buffered_local_grouping_equals_ragged_when_nothing_overflows():
+  mesh = make_mesh(MeshConfig(data=2, expert=4))
+  args = _skewed_assignments(64, 16, 8, 8, 2, seed=5)
+  run = lambda impl: jax.jit(lambda *a: expert_parallel.routed_experts(
+      *a, mesh=mesh, local_impl=impl, return_dropped=True))(*args)
+  (y_r, drop_r), (y_b, drop_b) = run("ragged"), run("buffered")
+  np.testing.assert_allclose(np.asarray(y_b), np.asarray(y_r), atol=1e-5, rtol=1e-5)
+  assert float(drop_r) == float(drop_b) == 0.0
+
+
+def test_buffered_local_capacity_drops_overflow_in_token_order_and_counts_it():
+  mesh = make_mesh(MeshConfig(data=2, expert=4))
+  n, d, e, h, k = 64, 16, 8, 8, 2
+  x, idx, w, wg, wu, wo = _skewed_assignments(n, d, e, h, k, seed=6)
+  lcf = 1.0
+  e_local = e // 4
+  lcap = expert_parallel.local_capacity(n // 8 * k, e_local, lcf)
+  y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(
+      *a, mesh=mesh, local_impl="buffered", local_capacity_factor=lcf,
+      return_dropped=True))(x, idx, w, wg, wu, wo)
+  # Lossless dispatch; within a data group (half the tokens), a local
+  # expert's rows arrive in source-device order, then slot order: token
+  # order. Keep the first lcap per (data group, expert).
+  w_kept = np.asarray(w, np.float64).copy()
+  idx_np = np.asarray(idx)
+  used = np.zeros((2, e), int)
+  for r in range(n):
+    for j in range(k):
+      if w_kept[r, j] > 0:
+        group = r // (n // 2)
+        if used[group, idx_np[r, j]] >= lcap:
+          w_kept[r, j] = 0.0
+        used[group, idx_np[r, j]] += 1
+  n_kept = (np.asarray(w) > 0).sum()
+  n_dropped = n_kept - (w_kept > 0).sum()
+  assert n_dropped > 0, "the skew must overflow the hot experts' buffers"
+  np.testing.assert_allclose(float(dropped), n_dropped / n_kept, rtol=1e-6)
+  expected, _ = _expected_with_capacity(x, idx, w_kept, wg, wu, wo, 1, 4, math.inf)
+  np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5, rtol=1e-5)
+  with pytest.raises(ValueError, match="local_impl='grouped'"):
+    expert_parallel.routed_experts(x, idx, w, wg, wu, wo, mesh=mesh, local_impl="grouped")

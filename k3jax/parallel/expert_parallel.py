@@ -8,8 +8,13 @@ all mesh axes) and E / P experts (P = expert-axis size). Per device:
    [P, capacity, d] send buffer (slots past the capacity are dropped);
 2. `all_to_all` over the expert axis: row p of the buffer goes to shard p,
    which receives [P, capacity, d] rows from every source;
-3. the received rows are sorted by local expert and run through the grouped
-   SwiGLU matmul (`jax.lax.ragged_dot`), exactly as the one-device layer does;
+3. the received rows are grouped by local expert and run through the SwiGLU
+   experts: `local_impl="ragged"` sorts them for `jax.lax.ragged_dot` (as the
+   one-device ragged layer); `local_impl="buffered"` scatters them into
+   per-local-expert buffers of `local_capacity` rows and runs one batched
+   matmul (as the one-device buffered layer). XLA (jax 0.11.2) expands
+   `ragged_dot` on GPU into a product of every row with every expert, so the
+   buffered grouping is the GPU choice;
 4. combine: the results travel back with the inverse `all_to_all`, are
    weighted by the combine weights and summed over each token's k experts.
 
@@ -19,6 +24,11 @@ is ever dropped and the result equals the unsharded layer. A factor c gives
 ceil(c * n_local * k / P) slots: communication and expert compute shrink by
 about P / c, and assignments beyond the slots are dropped (their output is
 zero), in expert order then token order within each source device.
+
+Local capacity. A local expert's buffer holds ceil(local_capacity_factor *
+rows received / E_l) rows, at most every received row; rows past it are
+dropped (in source-device order, then slot order) and counted in the
+dropped fraction with the dispatch drops.
 
 Routing (scores, router statistics and state) runs outside, with the
 semantics of the unsharded layer; only dispatch, expert math and combine are
@@ -80,12 +90,49 @@ def _swiglu_grouped(x_rd, e_r, num_local, wi_gate, wi_up, wo, dtype):
   return jnp.zeros_like(ys).at[order].set(ys)
 
 
+def _swiglu_buffered(x_rd, e_r, num_local, local_cap, wi_gate, wi_up, wo, dtype):
+  """SwiGLU over rows grouped into [E_l, local_cap, d] buffers (num_local = empty row).
+
+  x_rd [R, d] dtype, e_r [R] int32; weights [E_l, d, h], [E_l, h, d].
+  Returns ([R, d] f32, zero on empty and overflowing rows; [R] bool, row
+  overflowed its expert's buffer).
+  """
+  r_rows, d = x_rd.shape
+  order = jnp.argsort(e_r, stable=True)
+  e_sorted = e_r[order]
+  sizes = jnp.bincount(e_r, length=num_local + 1)
+  starts = jnp.cumsum(sizes) - sizes
+  pos = jnp.arange(r_rows, dtype=jnp.int32) - starts[e_sorted]
+  real = e_sorted < num_local
+  fits = real & (pos < local_cap)
+  slot = jnp.where(fits, e_sorted * local_cap + pos, num_local * local_cap)
+  buf = jnp.zeros((num_local * local_cap, d), dtype).at[slot].set(x_rd[order], mode="drop")
+  buf = buf.reshape(num_local, local_cap, d)
+  gate = jnp.einsum("ecd,edh->ech", buf, wi_gate.astype(dtype), preferred_element_type=jnp.float32)
+  up = jnp.einsum("ecd,edh->ech", buf, wi_up.astype(dtype), preferred_element_type=jnp.float32)
+  h = (jax.nn.silu(gate) * up).astype(dtype)
+  out = jnp.einsum("ech,ehd->ecd", h, wo.astype(dtype),
+                   preferred_element_type=jnp.float32).reshape(num_local * local_cap, d)
+  ys = jnp.where(fits[:, None], out[jnp.minimum(slot, num_local * local_cap - 1)], 0.0)
+  overflow = jnp.zeros((r_rows,), bool).at[order].set(real & ~fits)
+  return jnp.zeros_like(ys).at[order].set(ys), overflow
+
+
+def local_capacity(rows: int, num_local: int, local_capacity_factor: float) -> int:
+  """Rows per local-expert buffer when `rows` real rows are expected for `num_local` experts."""
+  if not local_capacity_factor > 0:
+    raise ValueError(f"local_capacity_factor={local_capacity_factor!r}; must be > 0 or None")
+  return max(1, min(rows, math.ceil(local_capacity_factor * rows / num_local)))
+
+
 def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_edh: jax.Array,
                    wi_up_edh: jax.Array, wo_ehd: jax.Array, *, mesh: Mesh | None = None,
                    expert_axis: str = mesh_lib.EXPERT,
                    token_axes: Sequence[str] = TOKEN_AXES,
                    capacity_factor: float | None = None,
-                   dtype=jnp.float32, return_dropped: bool = False):
+                   dtype=jnp.float32, return_dropped: bool = False,
+                   local_impl: str = "ragged",
+                   local_capacity_factor: float | None = None):
   """Routed SwiGLU experts with experts sharded over `expert_axis`.
 
   Args:
@@ -100,7 +147,13 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
       relative to an even split (see module docstring).
     dtype: compute dtype of the expert matmuls (accumulation is float32).
     return_dropped: also return the fraction of router-kept assignments that
-      the dispatch capacity dropped (float32 scalar, over all devices).
+      the dispatch or local capacity dropped (float32 scalar, over all devices).
+    local_impl: "ragged" (`ragged_dot` on sorted rows) or "buffered"
+      (per-local-expert buffers, one batched matmul; the GPU choice).
+    local_capacity_factor: buffered only: buffer rows per local expert
+      relative to an even split of the received rows (the expected number
+      of real rows when capacity_factor is None); None = every received
+      row fits (lossless, E_l x the work).
 
   Returns:
     y_nd [N, d] float32: sum_k w[n, k] * expert_{idx[n, k]}(x[n]);
@@ -123,9 +176,16 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
   if n % n_tok_shards:
     raise ValueError(f"N={n} tokens must be divisible by the token shards {t_axes} "
                      f"(product {n_tok_shards})")
+  if local_impl not in ("ragged", "buffered"):
+    raise ValueError(f"local_impl={local_impl!r}; allowed: 'ragged', 'buffered'")
   e_local = num_experts // n_shards
   n_local = n // n_tok_shards
   cap = capacity(n_local, k, n_shards, capacity_factor)
+  # Buffers are sized from the rows a device expects (n_local * k on average),
+  # not from the padded all_to_all slots.
+  lcap = n_shards * cap
+  if local_capacity_factor is not None:
+    lcap = min(lcap, local_capacity(n_local * k, e_local, local_capacity_factor))
 
   def local(x_nd, idx_nk, w_nk, wi_gate, wi_up, wo):
     nl = x_nd.shape[0]
@@ -148,14 +208,20 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
         key_s % e_local, mode="drop")
     recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=True)
     recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=True)
-    y_r = _swiglu_grouped(recv_x.reshape(n_shards * cap, d), recv_e.reshape(-1), e_local,
-                          wi_gate, wi_up, wo, dtype)
+    if local_impl == "ragged":
+      y_r = _swiglu_grouped(recv_x.reshape(n_shards * cap, d), recv_e.reshape(-1), e_local,
+                            wi_gate, wi_up, wo, dtype)
+      local_dropped = jnp.float32(0.0)
+    else:
+      y_r, overflow = _swiglu_buffered(recv_x.reshape(n_shards * cap, d), recv_e.reshape(-1),
+                                       e_local, lcap, wi_gate, wi_up, wo, dtype)
+      local_dropped = jnp.sum(overflow.astype(jnp.float32))
     back = jax.lax.all_to_all(y_r.reshape(n_shards, cap, d), expert_axis, 0, 0, tiled=True)
     y_s = back[jnp.minimum(row_s, n_shards - 1), jnp.minimum(pos_s, cap - 1)]
     y_s = jnp.where(ok_s[:, None], y_s * w_nk.reshape(-1)[order][:, None], 0.0)
     y_a = jnp.zeros_like(y_s).at[order].set(y_s)
     kept = (dest_s < n_shards).astype(jnp.float32)
-    counts = jnp.stack([jnp.sum(kept * (1.0 - ok_s)), jnp.sum(kept)])
+    counts = jnp.stack([jnp.sum(kept * (1.0 - ok_s)) + local_dropped, jnp.sum(kept)])
     if t_axes:
       counts = jax.lax.psum(counts, t_axes)
     return jnp.sum(y_a.reshape(nl, k, d), axis=1), counts

@@ -45,7 +45,10 @@ class ExpertParallelMoE(MoE):
   `expert_parallel.routed_experts` then; "dense" stays the reference.
 
   `ep_capacity_factor` (instance attribute, default None = lossless) sets the
-  dispatch capacity; see `expert_parallel.routed_experts`.
+  dispatch capacity; see `expert_parallel.routed_experts`. The "buffered"
+  path groups the received rows into per-local-expert buffers sized by the
+  router's capacity factor (with only an expert axis, the router's cap on
+  each expert's load over the batch means these buffers never overflow).
   """
 
   ep_capacity_factor: float | None = None
@@ -60,7 +63,10 @@ class ExpertParallelMoE(MoE):
   def _routed_buffered(self, x_nd, idx_nk, w_nk):
     if _axis(mesh_lib.EXPERT) == 1:
       return super()._routed_buffered(x_nd, idx_nk, w_nk)
-    return self._routed_ragged(x_nd, idx_nk, w_nk)
+    return expert_parallel.routed_experts(
+        x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
+        capacity_factor=self.ep_capacity_factor, dtype=self.config.dtype,
+        local_impl="buffered", local_capacity_factor=self.config.router.capacity_factor)
 
 
 _SWAPS = ((MoE, ExpertParallelMoE), (KDA, ContextParallelKDA))
