@@ -61,8 +61,9 @@ class KernelConfig:
       the diagonal), diagonal blocks inverted by substitution on [L, L] tiles,
       the rest by tensor-core block products (needs L >= 16 on the GPU).
       "substitution": scores as [L, C] row blocks, forward substitution over
-      the whole [C, C] tile. `make_config` picks "substitution" on TPU (the
-      [L, L] stores at lane offsets are not verified on Mosaic) and for L < 16.
+      the whole [C, C] tile. The default: on the H200 (bf16, B16 T2048 H16
+      D128) it ran intra_fwd in 5.48 ms against 9.32 ms for a per-[L, L]-block
+      "blocked" body (56 small dots plus 4 x 15 substitution steps).
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
       (f32 accumulation either way).
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
@@ -86,7 +87,7 @@ class KernelConfig:
   intra_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_mm_dtype: jnp.dtype = jnp.float32
   score_mm_dtype: jnp.dtype = jnp.float32
-  inverse: str = "blocked"
+  inverse: str = "substitution"
   inverse_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_impl: str = "auto"
   save_residuals: bool = True
@@ -205,10 +206,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   intra_bwd = jnp.float32
   if backend == "triton" and head_k * head_v >= 128 * 128:
     intra_bwd = mm_dtype
-  inverse = ("substitution" if backend in ("tpu", "tpu_interpret") or sub_chunk < 16
-             else "blocked")
   cfg = KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype,
-                     intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype, inverse=inverse)
+                     intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
   if overrides:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
     if unknown:
