@@ -1,7 +1,8 @@
 """Train-step throughput with expert and context parallelism vs one device.
 
     PYTHONPATH=. python experiments/bench_parallel.py                 # all visible devices
-    PYTHONPATH=. python experiments/bench_parallel.py --meshes=1,1,1:1,2,1:1,1,2:2,1,1
+    PYTHONPATH=. python experiments/bench_parallel.py --meshes=1,1,1:2,1,1:1,2,1:1,1,2 \
+        --kda_implementation=pallas,xla                               # one table per implementation
 
 Every mesh (data, expert, context) runs the same per-device work: each device
 holds `--batch_per_device` sequences of `--seq_per_device` tokens, so the
@@ -48,7 +49,8 @@ flags.DEFINE_integer("top_k", 2, "experts per token")
 flags.DEFINE_integer("expert_hidden", 1024, "expert SwiGLU width")
 flags.DEFINE_integer("vocab_size", 32768, "vocabulary")
 flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "compute dtype")
-flags.DEFINE_enum("kda_implementation", "xla", ["xla", "pallas"], "chunk_kda implementation")
+flags.DEFINE_list("kda_implementation", ["xla"],
+                  "chunk_kda implementations, comma-separated (xla, pallas): one table each")
 flags.DEFINE_enum("moe_impl", "ragged", ["ragged", "buffered"],
                   "one-device MoE expert path (expert-parallel meshes dispatch with all_to_all "
                   "and run grouped matmuls locally either way)")
@@ -59,13 +61,16 @@ flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
 flags.DEFINE_string("profile_dir", "", "write a jax.profiler trace per mesh here")
 
 
-def _config() -> ModelConfig:
+KDA_IMPLEMENTATIONS = ("xla", "pallas")
+
+
+def _config(kda_implementation: str) -> ModelConfig:
   return ModelConfig(
       vocab_size=FLAGS.vocab_size, d_model=FLAGS.d_model, num_layers=FLAGS.num_layers,
       layer_pattern=FLAGS.layer_pattern, num_heads=FLAGS.num_heads, head_dim=FLAGS.head_dim,
       num_kv_heads=FLAGS.num_heads, num_experts=FLAGS.num_experts, top_k=FLAGS.top_k,
       expert_hidden=FLAGS.expert_hidden, dense_hidden=4 * FLAGS.d_model,
-      kda_implementation=FLAGS.kda_implementation, dtype=FLAGS.dtype)
+      kda_implementation=kda_implementation, dtype=FLAGS.dtype)
 
 
 def _median_time(fn, steps):
@@ -132,28 +137,34 @@ def _run(mesh_shape, config):
 
 def main(argv):
   del argv
-  config = _config()
+  impls = list(FLAGS.kda_implementation)
+  for impl in impls:
+    if impl not in KDA_IMPLEMENTATIONS:
+      raise ValueError(f"--kda_implementation entry {impl!r}; allowed: {KDA_IMPLEMENTATIONS}")
   meshes = [tuple(int(x) for x in m.split(",")) for m in FLAGS.meshes.split(":")]
   for m in meshes:
     if len(m) != 3:
       raise ValueError(f"--meshes entries are data,expert,context triples, got {m}")
-  print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; model d={config.d_model} "
-        f"L={config.num_layers} {config.layer_pattern} H={config.num_heads} hd={config.head_dim} "
-        f"E={config.num_experts} k={config.top_k} eh={config.expert_hidden} {config.dtype}; "
-        f"kda={config.kda_implementation}; moe={FLAGS.moe_impl}; per device {FLAGS.batch_per_device} x "
-        f"{FLAGS.seq_per_device} tokens; capacity_factor={FLAGS.capacity_factor}")
-  header = ("mesh d,e,c", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
-            "eff vs base", "loss", "compile s")
-  print(" | ".join(header))
-  base = None
-  for m in meshes:
-    r = _run(m, config)
-    per_dev = r["tok_s"] / r["n"]
-    base = per_dev if base is None else base
-    print(" | ".join([",".join(map(str, m)), str(r["n"]), f"{r['b']}x{r['t']}",
-                      f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['fwd_s']:.1f}",
-                      f"{r['tok_s']:.0f}", f"{per_dev / base:.3f}", f"{r['loss']:.4f}",
-                      f"{r['compile_s']:.1f}"]), flush=True)
+  for impl in impls:
+    config = _config(impl)
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; model d={config.d_model} "
+          f"L={config.num_layers} {config.layer_pattern} H={config.num_heads} hd={config.head_dim} "
+          f"E={config.num_experts} k={config.top_k} eh={config.expert_hidden} {config.dtype}; "
+          f"kda={config.kda_implementation}; moe={FLAGS.moe_impl}; per device {FLAGS.batch_per_device} x "
+          f"{FLAGS.seq_per_device} tokens; capacity_factor={FLAGS.capacity_factor}")
+    header = ("mesh d,e,c", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
+              "eff vs base", "loss", "compile s")
+    print(" | ".join(header))
+    base = None
+    for m in meshes:
+      r = _run(m, config)
+      per_dev = r["tok_s"] / r["n"]
+      base = per_dev if base is None else base
+      print(" | ".join([",".join(map(str, m)), str(r["n"]), f"{r['b']}x{r['t']}",
+                        f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['fwd_s']:.1f}",
+                        f"{r['tok_s']:.0f}", f"{per_dev / base:.3f}", f"{r['loss']:.4f}",
+                        f"{r['compile_s']:.1f}"]), flush=True)
+    print(flush=True)
 
 
 if __name__ == "__main__":
