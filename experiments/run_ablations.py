@@ -69,12 +69,14 @@ def _gpu_count() -> int:
 
 
 def _order(specs):
-  """Seed-major (the first seed of every program compiles into the shared cache first),
-  larger runs first within a seed."""
-  def cost(spec):
-    depth = spec.config().model.num_layers
-    return (spec.seed, -depth, spec.sweep, spec.variant.name, spec.task.name)
-  return sorted(specs, key=cost)
+  """One run of every distinct program first (first seed, first task: they fill the shared
+  compilation cache), deeper models first within a wave; then the runs that hit the cache."""
+  seeds = sorted({s.seed for s in specs})
+  def rank(spec):
+    task_index = [t.name for t in make_sweep(spec.sweep, FLAGS.setting, (spec.seed,)).tasks].index(spec.task.name)
+    wave = 0 if (spec.seed == seeds[0] and task_index == 0) else 1
+    return (wave, spec.seed, task_index, -spec.config().model.num_layers, spec.key)
+  return sorted(specs, key=rank)
 
 
 def _env(gpu: int | None, cache_dir: str) -> dict:
@@ -85,6 +87,8 @@ def _env(gpu: int | None, cache_dir: str) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
   else:
     env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    # Bitwise-repeatable GPU reductions: the causality probe compares two forwards exactly.
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
   return env
 
 

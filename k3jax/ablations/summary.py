@@ -12,7 +12,7 @@ import numpy as np
 
 from k3jax.ablations import runs as runs_lib
 from k3jax.ablations.kernel_times import KERNEL_TIMES, KERNEL_TIMES_SOURCE
-from k3jax.ablations.sweeps import Sweep
+from k3jax.ablations.sweeps import Sweep, make_sweep
 
 SUMMARY_VERSION = 1
 
@@ -70,10 +70,26 @@ def get(record: dict, path: str) -> Any:
   return node
 
 
-def group(records: Iterable[dict], keys: tuple[str, ...] = ("variant", "task")) -> dict[tuple, list[dict]]:
-  """Records grouped by the given top-level keys, in first-seen order."""
-  out: dict[tuple, list[dict]] = {}
+def ordered(records: Iterable[dict]) -> list[dict]:
+  """Records in the order of their sweep's definition (variant, then task, then seed)."""
+  records = list(records)
+  position = {}
   for r in records:
+    if (r["sweep"], r["setting"]) not in position:
+      sweep = make_sweep(r["sweep"], r["setting"], (0,))
+      position[(r["sweep"], r["setting"])] = ({v.name: i for i, v in enumerate(sweep.variants)},
+                                              {t.name: i for i, t in enumerate(sweep.tasks)})
+  def rank(r):
+    variants, tasks = position[(r["sweep"], r["setting"])]
+    return (r["sweep"], variants.get(r["variant"], len(variants)), r["variant"],
+            tasks.get(r["task"], len(tasks)), r["seed"])
+  return sorted(records, key=rank)
+
+
+def group(records: Iterable[dict], keys: tuple[str, ...] = ("variant", "task")) -> dict[tuple, list[dict]]:
+  """Records grouped by the given top-level keys, in sweep-definition order."""
+  out: dict[tuple, list[dict]] = {}
+  for r in ordered(records):
     out.setdefault(tuple(r[k] for k in keys), []).append(r)
   return out
 
