@@ -8,11 +8,15 @@ Variants (safe pairs keep |g_min| * (tile - 1) < ~85):
   g5_t16            g_min=-5,   tile 16, dense diagonal (default model)
   g10_t8            g_min=-10,  tile 8,  dense diagonal
   g2.5_t32          g_min=-2.5, tile 32, dense diagonal
+  g1.3_t64          g_min=-1.3, tile 64, dense diagonal (one tile per 64-row chunk)
 
 GPU command (see configs/gpu_150m.py for the wheel install line), one run per variant:
 
   PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/ablations/decay.py:g5_t16 \
     --workdir=/tmp/runs/decay_g5_t16
+
+The measured sweep (these arms on MQAR and byte text, 3 seeds, 4x/16x length evaluation) is defined in
+`k3jax/ablations/sweeps.py` and run by `experiments/run_ablations.py`; results in docs/results.md.
 
 CPU check: `python experiments/train.py --config=configs/ablations/decay.py:softplus,tiny --workdir=runs/decay_softplus`.
 """
@@ -24,6 +28,7 @@ VARIANTS = {
     "g5_t16": dict(gate="bounded", g_min=-5.0, kda_sub_chunk=16, kda_diagonal="dense"),
     "g10_t8": dict(gate="bounded", g_min=-10.0, kda_sub_chunk=8, kda_diagonal="dense"),
     "g2.5_t32": dict(gate="bounded", g_min=-2.5, kda_sub_chunk=32, kda_diagonal="dense"),
+    "g1.3_t64": dict(gate="bounded", g_min=-1.3, kda_sub_chunk=64, kda_diagonal="dense"),
 }
 SCALES = ("gpu_150m", "tiny")
 

@@ -8,6 +8,9 @@ GPU command (see configs/gpu_150m.py for the wheel install line), one run per va
 
   PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/ablations/router.py:quantile_lagged \
     --workdir=/tmp/runs/router_quantile_lagged
+
+The measured sweep (fixed small model, 3 seeds) is defined in `k3jax/ablations/sweeps.py` and run by
+`experiments/run_ablations.py`; results in docs/results.md.
 """
 from k3jax.train.config_files import sibling_config
 
