@@ -57,13 +57,15 @@ class KernelConfig:
       is the input dtype (bf16): half the operand buffers, at the accuracy
       cost above. Not yet verified on the GPU.
     inverse: how the intra-chunk forward builds M = (I + A_kk)^-1.
-      "blocked": scores as per-[L, L]-block products (only blocks on or below
-      the diagonal), diagonal blocks inverted by substitution on [L, L] tiles,
-      the rest by tensor-core block products (needs L >= 16 on the GPU).
-      "substitution": scores as [L, C] row blocks, forward substitution over
-      the whole [C, C] tile. The default: on the H200 (bf16, B16 T2048 H16
-      D128) it ran intra_fwd in 5.48 ms against 9.32 ms for a per-[L, L]-block
-      "blocked" body (56 small dots plus 4 x 15 substitution steps).
+      "substitution" (default): scores as [L, C] row blocks, forward
+      substitution over the whole [C, C] tile, one row (and two cross-row
+      reductions) per step. "blocked": whole-tile score products, the
+      diagonal L x L blocks of M by an L-step substitution done as tensor-core
+      products on their stack, the blocks below by block products (needs
+      L >= 16 on the GPU). On the H200 (bf16, B16 T2048 H16 D128) the
+      substitution body ran intra_fwd in 5.48 ms; an earlier per-[L, L]-block
+      form of "blocked" (56 small dots, 4 x 15 reduction steps) took 9.32 ms.
+      The whole-tile "blocked" body has not been timed on the GPU yet.
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
       (f32 accumulation either way).
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]

@@ -6,10 +6,11 @@ Two kernels, chunk length C, sub-tile (diagonal tile) length L:
   anchored scores A_kk (strictly lower) and A_qk (lower), inverts the unit
   lower-triangular I + A_kk in f32, and writes
   W = M (beta k e^G), U = M (beta v), A_qk (and M when the backward asks).
-  `KernelConfig.inverse` selects the body: "blocked" (scores per [L, L]
-  block on and below the diagonal; diagonal blocks of M by substitution on
-  [L, L] tiles, the others by block products) or "substitution" (scores per
-  [L, C] row block; substitution over the whole [C, C] tile).
+  `KernelConfig.inverse` selects the body: "substitution" (scores per
+  [L, C] row block; substitution over the whole [C, C] tile, row by row) or
+  "blocked" (whole-tile score products; diagonal L x L blocks of M by an
+  L-step substitution on their [C, L] stack, the rest by block products,
+  every step a tensor-core product).
 * `state_fwd`: grid (B, H, V/BV) (GPU; on TPU (B, H, V/BV, chunks) with a
   sequential chunk axis). Carries the f32 state S [K, BV] through the
   chunks: V' = U - W S; O = (q e^G) S + A_qk V';
@@ -83,19 +84,17 @@ def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
   return row_ck, col_ck
 
 
-def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int,
-                     col_start: int | None = None):
+def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
   """Adds a diagonal tile's explicit position-pair scores (`pairwise`).
 
   For the L rows/columns from `start`:
     A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
     A_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
   One column j per loop step, as [L, K] work (no [L, L, K] tensor), written
-  into column col_start + j of the row blocks (col_start defaults to start).
+  into column start + j of the row blocks.
 
   Args:
-    p_qk, p_kk: [L, C'] score row blocks of the tile's rows (zero on the
-      tile); C' = C for whole rows, L for the diagonal block alone.
+    p_qk, p_kk: [L, C] score row blocks of the tile's rows (zero on the tile).
     q_l, bk_l: [L, K] scaled q and beta * k of the tile.
     k_ref, g_ref: chunk refs of k and the cumulative gates.
 
@@ -103,7 +102,6 @@ def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int,
     (p_qk, p_kk) with the diagonal tile filled in.
   """
   ell, c = p_qk.shape
-  col_start = start if col_start is None else col_start
   g_l = g_ref[pl.ds(start, ell), :]
   row_l = iota((ell, 1), 0)
   col = iota((1, c), 1)
@@ -114,7 +112,7 @@ def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int,
     g_j = g_ref[pl.ds(start + j, 1), :]
     seen = row_l >= j
     dec = jnp.where(seen, jnp.exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0) * k_j
-    at_j = col == col_start + j
+    at_j = col == start + j
     p_qk = jnp.where(at_j, jnp.sum(q_l * dec, axis=1, keepdims=True), p_qk)
     p_kk = jnp.where(at_j & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True), p_kk)
     return p_qk, p_kk
@@ -149,56 +147,50 @@ def unit_lower_inverse(blocks_lc):
   return m
 
 
-def tile_unit_lower_inverses(blocks_ll):
-  """(I + N)^-1 of each strictly lower-triangular [L, L] N, by forward substitution.
+def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
+  """(I + A)^-1 of a strictly lower-triangular A [C, C], blocked by L x L tiles.
 
-  Row l of M is e_l - sum_{j<l} N_lj M_j, in f32 on [L, L] tiles only. All
-  blocks advance in one loop so that their independent steps can overlap.
-
-  Args:
-    blocks_ll: list of [L, L] f32 arrays, zero on and above the diagonal.
-
-  Returns:
-    list of the [L, L] unit lower-triangular inverses.
-  """
-  ell = blocks_ll[0].shape[0]
-  row = iota((ell, 1), 0)
-  eye = (iota((ell, ell), 0) == iota((ell, ell), 1)).astype(_F32)
-
-  def body(l, ms):
-    out = []
-    for n, m in zip(blocks_ll, ms):
-      n_l = jnp.sum(jnp.where(row == l, n, 0.0), axis=0)         # row l of N
-      upd = jnp.sum(n_l[:, None] * m, axis=0)
-      out.append(jnp.where(row == l, m - upd[None, :], m))
-    return tuple(out)
-
-  return list(lax.fori_loop(1, ell, body, tuple(eye for _ in blocks_ll)))
-
-
-def blocked_unit_lower_inverse(a_blocks, nt: int, cfg: KernelConfig, dtype=None):
-  """M = (I + A)^-1 of a strictly lower-triangular A given as [L, L] blocks.
-
-  Diagonal blocks by substitution (`tile_unit_lower_inverses`); below the
-  diagonal, block row by block row on tensor cores:
-    M_ij = -M_ii sum_{k=j}^{i-1} A_ik M_kj   (i > j),
-  from (I + A) M = I restricted to block (i, j). f32 accumulation; operands
-  in `dtype` (default f32).
+  Every step is a whole-tile tensor-core product (f32 accumulation), so the
+  Triton lowering needs no per-row reductions:
+  * the C/L diagonal blocks together, by forward substitution in L steps on
+    their vertical stack D [C, L] (D[rL + i, j] = M_rr[i, j]): step l sets the
+    rows l of all blocks at once, D_l <- e_l - (A_diag rows l) D, in f32;
+  * below the diagonal, one block row i at a time:
+    M_ij = -M_ii sum_{k=j}^{i-1} A_ik M_kj (i > j), i.e.
+    M_i <- -M_diag ((rows i of A_off) M), operands in `dtype` (default f32).
 
   Args:
-    a_blocks: dict (i, j) -> [L, L] f32 for 0 <= j <= i < nt; the diagonal
-      blocks are strictly lower triangular.
+    a_cc: [C, C] f32, zero on and above the diagonal.
 
   Returns:
-    dict (i, j) -> [L, L] f32 block of M for j <= i (blocks above are zero).
+    M [C, C] f32, unit lower triangular.
   """
+  c = a_cc.shape[0]
   dtype = _F32 if dtype is None else dtype
-  diag = tile_unit_lower_inverses([a_blocks[i, i] for i in range(nt)])
-  m = {(i, i): diag[i] for i in range(nt)}
-  for i in range(1, nt):
-    for j in range(i):
-      acc = sum(dot(a_blocks[i, kk], m[kk, j], cfg, dtype=dtype) for kk in range(j, i))
-      m[i, j] = -dot(m[i, i], acc, cfg, dtype=dtype)
+  row, col = iota((c, 1), 0), iota((1, c), 1)
+  rmod = jnp.bitwise_and(row, ell - 1)                 # row within its tile
+  same = jnp.zeros((c, c), jnp.bool_)
+  for r in range(c // ell):
+    same = same | ((row >= r * ell) & (row < (r + 1) * ell)
+                   & (col >= r * ell) & (col < (r + 1) * ell))
+  a_diag = jnp.where(same, a_cc, 0.0)
+  a_off = jnp.where(same, 0.0, a_cc)
+  col_l = iota((1, ell), 1)
+  stack0 = (rmod == col_l).astype(_F32)                # [C, L] stacked identities
+
+  def step(l, stack):
+    upd = dot(jnp.where(rmod == l, a_diag, 0.0), stack, cfg, dtype=_F32)
+    return jnp.where(rmod == l, stack - upd, stack)
+
+  stack = lax.fori_loop(1, ell, step, stack0)
+  # [C, L] -> block-diagonal [C, C] through a one-hot product (exact).
+  tile_cols = (iota((ell, 1), 0) == jnp.bitwise_and(col, ell - 1)).astype(_F32)
+  m_diag = jnp.where(same, dot(stack, tile_cols, cfg, dtype=_F32), 0.0)
+  m = m_diag
+  for i in range(1, c // ell):
+    in_i = (row >= i * ell) & (row < (i + 1) * ell)
+    t = dot(jnp.where(in_i, a_off, 0.0), m, cfg, dtype=dtype)
+    m = m - dot(m_diag, t, cfg, dtype=dtype)
   return m
 
 
@@ -312,76 +304,73 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
 
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
                               *m_ref, scale, ell, diagonal, cfg):
-  """Per-[L, L]-block scores and the blocked inverse (`inverse="blocked"`).
+  """Whole-tile scores and the blocked inverse (`inverse="blocked"`).
 
-  Block (r, s), s <= r, of both score matrices is one [L, K] x [K, L] product:
-  * s < r: anchored at a_{s+1} = G[(s+1) L], which lies between every row of
-    tile r and every column of tile s, so both factors are <= 1. The column
-    operand k_s e^{a_{s+1} - G} is shared by all r > s; row r's factor
-    e^{G - a_r} (shared by all s) is completed by the [1, K] factor
-    e^{a_r - a_{s+1}} <= 1 on the column side.
-  * s == r (dense): anchored at a_r, the column factor e^{a_r - G} <= e^{|g_min| (L - 1)}.
-  Blocks above the diagonal are written as zeros. Per chunk this evaluates
-  e^x on 3.75 C K entries (the row-block kernel: 6 C K).
+  Scores, with a_r = G[r L] the first row of tile r and t(i) the tile of row i:
+  * diagonal tiles (dense), all at once: (x e^{G - a_t(i)}) (k e^{a_t(j) - G})^T
+    masked to i, j in one tile; row factors <= 1, column factors
+    <= e^{|g_min| (L - 1)};
+  * column tile s against all later rows, anchored at a_{s+1} (between every
+    such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
+    all factors <= 1.
+  So each score matrix takes C/L products of [C, K] x [K, C], and e^x runs on
+  3 C K entries per chunk plus [1, K] anchor ratios.
   """
   cfg = cfg.intra()
   c = q_ref.shape[0]
   nt = c // ell
-  sdt, idt = cfg.score_mm_dtype, cfg.inverse_mm_dtype
-  row_l, col_l = iota((ell, ell), 0), iota((ell, ell), 1)
-  tiles = [pl.ds(r * ell, ell) for r in range(nt)]
-  anchors = [g_ref[pl.ds(r * ell, 1), :] for r in range(nt)]     # a_r = G[r L], [1, K]
-  q_row, bk_row, k_diag, k_off, q_l, bk_l = [], [], [], [], [], []
-  for r, rows in enumerate(tiles):
-    g_r = g_ref[rows, :]
-    k_r = k_ref[rows, :].astype(_F32)
-    row_f = jnp.exp(g_r - anchors[r])                              # <= 1
-    q_l.append(q_ref[rows, :].astype(_F32) * scale)
-    bk_l.append(beta_ref[rows, :] * k_r)
-    q_row.append(q_l[r] * row_f)
-    bk_row.append(bk_l[r] * row_f)
-    if diagonal == "dense":
-      k_diag.append(k_r * jnp.exp(anchors[r] - g_r))               # <= e^{|g_min| (L-1)}
+  sdt = cfg.score_mm_dtype
+  row, col = iota((c, 1), 0), iota((1, c), 1)
+  in_tile = [(row >= r * ell) & (row < (r + 1) * ell) for r in range(nt)]
+  anchors = [g_ref[pl.ds(r * ell, 1), :] for r in range(nt)]     # [1, K]
+  g = g_ref[...]
+  a_own = jnp.broadcast_to(anchors[0], g.shape)                  # a_t(i)
+  a_next = jnp.broadcast_to(anchors[nt - 1], g.shape)            # a_t(i)+1; own on the last
+  for r in range(nt):
+    if r > 0:
+      a_own = jnp.where(in_tile[r], anchors[r], a_own)
     if r + 1 < nt:
-      k_off.append(k_r * jnp.exp(anchors[r + 1] - g_r))            # <= 1
+      a_next = jnp.where(in_tile[r], anchors[r + 1], a_next)
+  k = k_ref[...].astype(_F32)
+  beta = beta_ref[...]
+  row_f = jnp.exp(g - a_own)                                     # <= 1
+  xq = q_ref[...].astype(_F32) * scale * row_f
+  xk = beta * k * row_f
+  k_next = k * jnp.exp(a_next - g)                               # <= 1 off the last tile
+  same = jnp.zeros((c, c), jnp.bool_)
+  for r in range(nt):
+    same = same | (in_tile[r] & (col >= r * ell) & (col < (r + 1) * ell))
 
-  akk = {}
-  for r, rows in enumerate(tiles):
-    for s in range(nt):
-      if s > r:
-        aqk_ref[rows, tiles[s]] = jnp.zeros((ell, ell), aqk_ref.dtype)
-        continue
-      if s < r:
-        col_k = k_off[s] if s + 1 == r else k_off[s] * jnp.exp(anchors[r] - anchors[s + 1])
-        p_qk = dot(q_row[r], col_k, cfg, tb=True, dtype=sdt)
-        p_kk = dot(bk_row[r], col_k, cfg, tb=True, dtype=sdt)
-      elif diagonal == "dense":
-        p_qk = dot(q_row[r], k_diag[r], cfg, tb=True, dtype=sdt)
-        p_kk = dot(bk_row[r], k_diag[r], cfg, tb=True, dtype=sdt)
-      else:
-        zero = jnp.zeros((ell, ell), _F32)
-        p_qk, p_kk = pair_tile_scores(zero, zero, q_l[r], bk_l[r], k_ref, g_ref, r * ell,
-                                      col_start=0)
-      if s == r:
-        p_qk = jnp.where(col_l <= row_l, p_qk, 0.0)
-        p_kk = jnp.where(col_l < row_l, p_kk, 0.0)
-      aqk_ref[rows, tiles[s]] = p_qk.astype(aqk_ref.dtype)
-      akk[r, s] = p_kk
-
-  m = blocked_unit_lower_inverse(akk, nt, cfg, dtype=idt)
-  # Built only now, so that they are not live during the score products.
-  x_w = [beta_ref[rows, :] * k_ref[rows, :].astype(_F32) * jnp.exp(g_ref[rows, :])
-         for rows in tiles]                                        # beta k e^G
-  bv = [beta_ref[rows, :] * v_ref[rows, :].astype(_F32) for rows in tiles]
-  for i, rows in enumerate(tiles):
-    w_i = sum(dot(m[i, j], x_w[j], cfg) for j in range(i + 1))
-    u_i = sum(dot(m[i, j], bv[j], cfg) for j in range(i + 1))
-    w_ref[rows, :] = w_i.astype(w_ref.dtype)
-    u_ref[rows, :] = u_i.astype(u_ref.dtype)
-    if m_ref:
-      for j in range(nt):
-        blk = m[i, j] if j <= i else jnp.zeros((ell, ell), _F32)
-        m_ref[0][rows, tiles[j]] = blk
+  if diagonal == "dense":
+    k_own = k * jnp.exp(a_own - g)                               # <= e^{|g_min| (L-1)}
+    p_qk = jnp.where(same, dot(xq, k_own, cfg, tb=True, dtype=sdt), 0.0)
+    p_kk = jnp.where(same, dot(xk, k_own, cfg, tb=True, dtype=sdt), 0.0)
+  else:
+    p_qk = p_kk = jnp.zeros((c, c), _F32)
+    zero = jnp.zeros((ell, c), _F32)
+    for r in range(nt):
+      rows = pl.ds(r * ell, ell)
+      q_l = q_ref[rows, :].astype(_F32) * scale
+      bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
+      t_qk, t_kk = pair_tile_scores(zero, zero, q_l, bk_l, k_ref, g_ref, r * ell)
+      e_cl = onehot_rows(c, ell, r)                              # exact embedding
+      p_qk = p_qk + dot(e_cl, t_qk, cfg, dtype=_F32)
+      p_kk = p_kk + dot(e_cl, t_kk, cfg, dtype=_F32)
+  for s in range(nt - 1):
+    ratio = jnp.ones_like(g)                                     # e^{a_t(i) - a_{s+1}}
+    for r in range(s + 2, nt):
+      ratio = jnp.where(in_tile[r], jnp.exp(anchors[r] - anchors[s + 1]), ratio)
+    later = row >= (s + 1) * ell
+    col_s = jnp.where(in_tile[s], k_next, 0.0)
+    p_qk = p_qk + dot(jnp.where(later, xq * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
+    p_kk = p_kk + dot(jnp.where(later, xk * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
+  aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
+  m = blocked_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
+                                 dtype=cfg.inverse_mm_dtype)
+  w_ref[...] = dot(m, beta * k * jnp.exp(g), cfg).astype(w_ref.dtype)
+  u_ref[...] = dot(m, beta * v_ref[...].astype(_F32), cfg).astype(u_ref.dtype)
+  if m_ref:
+    m_ref[0][...] = m
 
 
 def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
