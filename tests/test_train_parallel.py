@@ -16,8 +16,8 @@ from tests.test_train import _RESUME_OVERRIDES, _shrunk_tiny, _stop_at
 
 # Float32 runs that differ only in the order of reductions (sharded matmuls, the
 # context-parallel state composition, all-to-all expert sums), compounded over a few
-# AdamW steps. Measured: 8-device data parallelism differs from one device by ~1e-7.
-LOSS_RTOL = 2e-5
+# AdamW steps. Measured on (2, 2, 2): loss 1.7e-7, gradient norm 2.3e-7 (relative).
+RTOL = {"loss": 2e-6, "grad_norm": 5e-6}
 
 
 def _mesh_config(data=1, fsdp=1, expert=1, context=1, **overrides):
@@ -50,8 +50,8 @@ def _assert_losses_match(got, want, steps):
   assert [s for s, *_ in got] == steps
   want = {s: (loss, gn) for s, loss, gn in want}
   for s, loss, gn in got:
-    np.testing.assert_allclose(loss, want[s][0], rtol=LOSS_RTOL, err_msg=f"loss at step {s}")
-    np.testing.assert_allclose(gn, want[s][1], rtol=LOSS_RTOL * 10, err_msg=f"grad norm at step {s}")
+    np.testing.assert_allclose(loss, want[s][0], rtol=RTOL["loss"], err_msg=f"loss at step {s}")
+    np.testing.assert_allclose(gn, want[s][1], rtol=RTOL["grad_norm"], err_msg=f"grad norm at step {s}")
 
 
 def test_data_expert_context_mesh_matches_one_device(root):
@@ -64,7 +64,7 @@ def test_data_expert_context_mesh_matches_one_device(root):
   _assert_losses_match(_losses(workdir), ref_losses, [1, 2, 3, 4, 5])
   # The losses move (the comparison is not between two untrained models).
   assert ref_losses[-1][1] < ref_losses[0][1] - 0.2
-  np.testing.assert_allclose(result["eval"]["loss"], ref["eval"]["loss"], rtol=LOSS_RTOL)
+  np.testing.assert_allclose(result["eval"]["loss"], ref["eval"]["loss"], rtol=RTOL["loss"])
   np.testing.assert_allclose(result["first_eval"]["loss"], ref["first_eval"]["loss"], rtol=1e-6)
 
 

@@ -28,6 +28,16 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import fan_in_init, logical_param
 from k3jax.layers.residual import make_residual
 from k3jax.models.config import ModelConfig
+from k3jax.parallel.rules import constrain
+
+# Logical names of the residual stream [B, T, d]; mapped to mesh axes by the
+# run's rules under `jax.set_mesh`, no-ops without a mesh.
+_BTD = ("batch", "length", "embed")
+
+
+def _shard_btd(x_btd: jax.Array) -> jax.Array:
+  """Pins a [B, T, d] activation to the rules' layout at a sublayer boundary."""
+  return constrain(x_btd, _BTD, skip_indivisible=True)
 
 
 class DenseFFN(nnx.Module):
@@ -117,7 +127,7 @@ class HybridLM(nnx.Module):
     cfg = self.config
     if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
       raise ValueError(f"tokens must be an int array [B, T], got {tokens_bt.dtype}{tokens_bt.shape}")
-    x = jnp.take(self.embed[...], tokens_bt, axis=0).astype(cfg.compute_dtype)
+    x = _shard_btd(jnp.take(self.embed[...], tokens_bt, axis=0).astype(cfg.compute_dtype))
     state = self.residual.start(x)
     aux = {}
     aux_loss = jnp.zeros((), jnp.float32)
@@ -125,6 +135,7 @@ class HybridLM(nnx.Module):
     for i, layer in enumerate(self.layers):
       h = layer.mixer_norm(self.residual.read(state, 2 * i))
       out, stats, cache = mixer_fn(i, layer.mixer, h)
+      out = _shard_btd(out)
       caches.append(cache)
       if layer.kind == "K" and stats:
         aux[f"gate/{i}/mean"] = stats["g_mean"]
@@ -132,6 +143,7 @@ class HybridLM(nnx.Module):
       state = self.residual.write(state, 2 * i, out)
       h = layer.ffn_norm(self.residual.read(state, 2 * i + 1))
       out, ffn_aux = layer.ffn(h, deterministic=deterministic)
+      out = _shard_btd(out)
       for name, value in ffn_aux.items():
         if name == "aux_loss":
           aux_loss = aux_loss + jnp.asarray(value, jnp.float32)

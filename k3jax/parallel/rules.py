@@ -14,7 +14,9 @@ and a dimension that its mesh axes do not divide is an error.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import contextlib
+import threading
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 from flax import nnx
@@ -37,6 +39,29 @@ DEFAULT_RULES: Rules = (
     ("heads", None),
     ("kv", None),
 )
+
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def use_rules(rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None) -> Iterator[Rules]:
+  """Makes `rules` the default of `constrain` while tracing inside the block.
+
+  Layers name activations without knowing the run's rules; the trainer sets
+  them next to `jax.set_mesh`. Read at trace time, like the mesh.
+  """
+  previous = getattr(_ACTIVE, "rules", None)
+  _ACTIVE.rules = make_rules(rules)
+  try:
+    yield _ACTIVE.rules
+  finally:
+    _ACTIVE.rules = previous
+
+
+def current_rules() -> Rules:
+  """The rules set by `use_rules`, else DEFAULT_RULES."""
+  return getattr(_ACTIVE, "rules", None) or DEFAULT_RULES
 
 
 def make_rules(rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None) -> Rules:
@@ -152,12 +177,14 @@ def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
   return NamedSharding(mesh, activation_spec(("batch", "length"), mesh, rules))
 
 
-def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules = DEFAULT_RULES,
-              mesh: Mesh | None = None) -> jax.Array:
+def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules | None = None,
+              mesh: Mesh | None = None, *, skip_indivisible: bool = False) -> jax.Array:
   """`with_sharding_constraint` of an activation by logical names.
 
   Uses `mesh`, else the current mesh (`jax.set_mesh`); a no-op without one,
-  so layers may call it unconditionally.
+  so layers may call it unconditionally. `rules` default to `current_rules()`.
+  With `skip_indivisible`, a dimension its mesh axes do not divide (a
+  one-token decode step on a context axis) stays unsharded instead of raising.
   """
   if mesh is None:
     abstract = jax.sharding.get_abstract_mesh()
@@ -166,6 +193,21 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules = DEFAULT_R
     mesh = abstract
   if len(axes) != x.ndim:
     raise ValueError(f"need one logical name per dim: shape {x.shape}, axes {tuple(axes)}")
-  spec = logical_to_spec(axes, mesh, make_rules(rules), x.shape)
+  rules = current_rules() if rules is None else make_rules(rules)
+  if skip_indivisible:
+    axes = [a if _divides(a, dim, mesh, rules) else None for a, dim in zip(axes, x.shape)]
+  spec = logical_to_spec(axes, mesh, rules, x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec) if isinstance(mesh, Mesh)
                                           else spec)
+
+
+def _divides(name: str | None, dim: int, mesh, rules: Rules) -> bool:
+  """Whether the mesh axes of logical `name` (all of them, sizes > 1) divide `dim`."""
+  if name is None:
+    return True
+  target = dict(rules).get(name)
+  size = 1
+  for a in (() if target is None else (target,) if isinstance(target, str) else target):
+    if a in mesh.axis_names:
+      size *= int(mesh.shape[a])
+  return dim % size == 0

@@ -1,6 +1,7 @@
 """`train_and_evaluate(config, workdir)`: the training loop behind `experiments/train.py`."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -159,6 +160,12 @@ def train_and_evaluate(config: Any, workdir: str, *,
   def put(batch):
     return training.shard_batch(batch, mesh, pconf.rules)
 
+  @contextlib.contextmanager
+  def on_mesh():
+    """The mesh and the run's rules, which layers read while the steps are traced."""
+    with jax.set_mesh(mesh), rules_lib.use_rules(pconf.rules):
+      yield
+
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
@@ -203,7 +210,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
   def evaluate(step: int) -> dict[str, float]:
     sums = None
     for b in eval_set:
-      with jax.set_mesh(mesh):
+      with on_mesh():
         out = eval_step(state, put(b))
       sums = out if sums is None else jax.tree.map(lambda a, c: a + c, sums, out)
     host = jax.device_get(sums)
@@ -259,7 +266,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
     with SignalGuard() as guard:
       while step < config.num_steps:
         batch = put(next(data_it))
-        with jax.set_mesh(mesh):
+        with on_mesh():
           state, metrics = train_step(state, batch)
         step += 1
         bar.update(1)
