@@ -162,6 +162,20 @@ def test_blocked_forward_matches_naive(dtype, inverse_mm):
   assert _rel(ht, ht_ref, dtype) < tol
 
 
+def test_blocked_causal_under_future_gates():
+  """Changing gates after position p leaves earlier outputs bit-identical."""
+  b, t, h, d = 1, 100, 1, 32
+  q, k, v, g, beta = _inputs(24, b, t, h, d, d, jnp.float32)
+  p = 64 + 16 + 3                      # inside the second diagonal tile of chunk 1
+  g2 = g.at[:, p:].set(LOWER_BOUND * 0.999)
+  fn = jax.jit(lambda *xs: chunk_kda_pallas(
+      *xs, scale=d ** -0.5, chunk_size=64, sub_chunk=16, interpret=True,
+      config_overrides=dict(inverse="blocked"))[0])
+  o1, o2 = np.asarray(fn(q, k, v, g, beta)), np.asarray(fn(q, k, v, g2, beta))
+  np.testing.assert_array_equal(o1[:, :p], o2[:, :p])
+  assert not np.array_equal(o1[:, p:], o2[:, p:])
+
+
 def test_config_picks_and_validates_inverse():
   make = functools.partial(kernel_config.make_config, dtype=jnp.bfloat16, head_k=64,
                            head_v=64, chunk_size=64)

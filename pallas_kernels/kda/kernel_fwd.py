@@ -314,7 +314,8 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
     such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
     all factors <= 1.
   So each score matrix takes C/L products of [C, K] x [K, C], and e^x runs on
-  3 C K entries per chunk plus [1, K] anchor ratios.
+  4 C K entries per chunk plus [1, K] anchor ratios (the substitution body:
+  6 C K). Anchors are first rows of tiles at or before every row using them.
   """
   cfg = cfg.intra()
   c = q_ref.shape[0]
@@ -367,8 +368,11 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
   aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
   m = blocked_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
                                  dtype=cfg.inverse_mm_dtype)
-  w_ref[...] = dot(m, beta * k * jnp.exp(g), cfg).astype(w_ref.dtype)
-  u_ref[...] = dot(m, beta * v_ref[...].astype(_F32), cfg).astype(u_ref.dtype)
+  # Reloaded rather than kept: [C, K] f32 values live across the inverse
+  # would spill registers.
+  x_w = beta_ref[...] * k_ref[...].astype(_F32) * jnp.exp(g_ref[...])
+  w_ref[...] = dot(m, x_w, cfg).astype(w_ref.dtype)
+  u_ref[...] = dot(m, beta_ref[...] * v_ref[...].astype(_F32), cfg).astype(u_ref.dtype)
   if m_ref:
     m_ref[0][...] = m
 
