@@ -44,7 +44,7 @@ def test_row_block_kernel_matches_full_tile_kernel(diagonal="dense"):
   The pairwise row-block path is checked end to end by the pairwise VJP test
   of tests/test_kda_pallas.py (the interpret backend runs "rows").
   """
-  b, h, nc, c, ell, dk, dv = 1, 1, 2, 64, 16, 16, 32
+  b, h, nc, c, ell, dk, dv = 1, 1, 1, 64, 16, 16, 32
   tp = nc * c
   ks = jax.random.split(jax.random.PRNGKey(0), 12)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
@@ -96,13 +96,13 @@ def test_use_row_blocks_choice():
 def test_vjp_saved_and_recomputed_residuals_match_naive():
   """All six gradients vs the naive recurrence, with and without saved residuals.
 
-  Gates at the bound, T = 100 (not a multiple of C = 32), four row tiles of
+  Gates at the bound, T = 40 (not a multiple of C = 32), four row tiles of
   L = 8, an initial state and a final-state cotangent. (With C = 64, L = 16
   at the bound, dg is ~2.2e-5 from the float64 recurrence, for the full-tile
   kernel 2.4e-5: a property of the e^75 diagonal factors, not of this kernel.) Both residual modes run the same kernels on
   the same operands, so their gradients must agree bit for bit.
   """
-  b, t, h, dk, dv = 1, 100, 1, 16, 16
+  b, t, h, dk, dv = 1, 40, 1, 16, 16
   ks = jax.random.split(jax.random.PRNGKey(1), 8)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   q = unit(jax.random.normal(ks[0], (b, t, h, dk)))
@@ -133,3 +133,43 @@ def test_vjp_saved_and_recomputed_residuals_match_naive():
       assert err < F32_TOL, f"save_residuals={save} {name}: {err:.2e}"
   for a, r in zip(got[True], got[False]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+
+def _pallas_call_inputs(jaxpr, name):
+  """Input dtypes of the pallas_call `name` anywhere in `jaxpr` (nested jaxprs too)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
+      return [str(v.aval.dtype) for v in eqn.invars]
+    for p in eqn.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          found = _pallas_call_inputs(sub, name)
+          if found:
+            return found
+  return None
+
+
+@pytest.mark.parametrize("residual_dtype,want", [(None, "float32"), (jnp.bfloat16, "bfloat16")])
+def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
+  """The saved M, entry states and V' reach intra_bwd in cfg.residual_dtype.
+
+  Checked on the traced program: on the CPU, XLA's excess-precision rewrite
+  may drop an f32 -> bf16 -> f32 round trip inside one interpreted program,
+  so the rounding itself is only observable on the GPU, where the residuals
+  are stored to memory between kernels.
+  """
+  x = jnp.ones((1, 40, 1, 16), jnp.bfloat16)
+  fn = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
+                         interpret=True, config_overrides=dict(residual_dtype=residual_dtype))
+
+  def run(*xs):
+    _, vjp = jax.vjp(lambda *a: fn(*a)[0], *xs)
+    return vjp(xs[2])
+
+  jaxpr = jax.make_jaxpr(run)(x, x, x, -jnp.ones((1, 40, 1, 16)), jnp.ones((1, 40, 1)))
+  dtypes = _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd")
+  # (q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
+  assert dtypes is not None and [dtypes[i] for i in (6, 8, 10)] == [want] * 3, dtypes
+  assert dtypes[7] == dtypes[9] == "float32"  # gradients stay f32

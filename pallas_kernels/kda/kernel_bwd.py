@@ -446,7 +446,8 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
   Args:
     q, k, g_cum: [B, Tp, H*K]; v, do, v_new, dv_new: [B, Tp, H*V];
     beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] f32 (entry state and
-    gradient of the exit state per chunk); m: [B, H, Tp, C] f32.
+    gradient of the exit state per chunk; hs may be bf16); m: [B, H, Tp, C]
+    f32 or bf16; v_new: f32 or bf16 (saved residuals, `residual_dtype`).
 
   Returns:
     dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,

@@ -94,9 +94,11 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
   the inputs with bf16 W and A_qk (G takes g's place); K = V = 128, C = 64:
   2176 bytes,
   1.7x the bf16 q, k, v plus f32 g themselves (1280 bytes), i.e. 1.14 GB at
-  B16 T2048 H16. save_residuals=False keeps only the inputs and recomputes
-  everything in the backward (costing a second forward's intra and state
-  kernels).
+  B16 T2048 H16. cfg.residual_dtype=bf16 stores M, the states and V' in
+  bf16: 2K + 2C + 2C + 2KV/C + 2V = 1280 bytes there (0.67 GB), for one
+  extra cast pass over them in the forward. save_residuals=False keeps only the
+  inputs and recomputes everything in the backward (costing a second
+  forward's intra and state kernels).
   """
   meta = (first_n, last_n, seq_n)
   if not st.cfg.save_residuals:
@@ -104,6 +106,9 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
     return out, (q, k, v, g, beta, h0, meta, None)
   o, ht, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
   saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new")}
+  if st.cfg.residual_dtype is not None:
+    for name in ("m", "hs", "v_new"):
+      saved[name] = saved[name].astype(st.cfg.residual_dtype)
   # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
   return (o, ht), (q, k, v, None, beta, h0, meta, saved)
 
