@@ -1,7 +1,8 @@
 """Pallas backward kernels of chunked KDA (backend-neutral bodies).
 
-The backward recomputes the forward's intra-chunk quantities (with
-M = (I + A_kk)^-1 kept) and per-chunk entry states, then runs:
+The backward takes the forward's intra-chunk quantities (M = (I + A_kk)^-1,
+W, A_qk) and per-chunk entry states and V' (saved by the forward, or
+recomputed; `KernelConfig.save_residuals`), then runs:
 
 * `state_bwd`: grid (B, H, V/BV), chunks in reverse. Carries dS, the
   gradient of the state leaving the chunk:
@@ -13,7 +14,9 @@ M = (I + A_kk)^-1 kept) and per-chunk entry states, then runs:
   gradient of the within-chunk cumsum G; `pallas_op` turns it into dg with a
   reverse cumsum). The anchored score gradients use the same row sub-tiles
   and anchors as the forward; `pairwise` handles diagonal tiles with the
-  explicit position-pair decay, one column at a time.
+  explicit position-pair decay, one column at a time. Two bodies:
+  `_intra_bwd_rows_kernel` (row blocks; GPU and CPU default) and
+  `_intra_bwd_kernel` (masked whole-chunk tiles; TPU default).
 """
 from __future__ import annotations
 
