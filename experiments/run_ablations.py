@@ -1,27 +1,33 @@
 """Runs the ablation sweeps (decay, router, residual) as concurrent processes and writes summary.json.
 
-Full setting, 3 seeds, on one H200 (from the repository root; see configs/gpu_150m.py for the wheels):
+Full setting, 3 seeds, on one H200 (repository root; GPU wheels installed as in configs/gpu_150m.py):
 
-  python experiments/run_ablations.py --out=/tmp/ablations --setting=full --seeds=0,1,2 --jobs=8 \
-      --summary=docs/results/ablations_summary.json --results_page=docs/results.md
+  python3 experiments/run_ablations.py --out=/tmp/ablations --setting=full --seeds=0,1,2 --jobs=8 \
+      --max_wall_s=400 --stop_after_s=520 --summary=$OUT/ablations_summary.json \
+      --archive=$OUT/ablation_runs.tar.gz
 
 Each run is a separate process (`XLA_PYTHON_CLIENT_PREALLOCATE=false`), at most
 `--jobs` at a time, assigned round-robin to `--num_gpus` GPUs through
 `CUDA_VISIBLE_DEVICES`; processes share a persistent compilation cache under
-`--out`, so seeds and tasks of one variant compile once. Finished runs are
-skipped and unfinished ones resume, so the command can simply be run again.
-Every run directory lands under `--out/<sweep>/<variant>/<task>/seed<k>`, its
-log under `--out/logs/`.
+`--out`, and one run of every distinct program is launched first, so the other
+seeds and tasks of a variant load its compiled programs. Finished runs are
+skipped and unfinished ones resume, so the same command continues a cut-off
+sweep. Every run directory lands under `--out/<sweep>/<variant>/<task>/seed<k>`,
+its log under `--out/logs/`. The exit status is 1 if any run is missing.
 
-Re-render the results page from an existing summary:
+Then, in the checkout: copy the summary to docs/results/ablations_summary.json and render the page
 
   python experiments/run_ablations.py --render_only --summary=docs/results/ablations_summary.json \
       --results_page=docs/results.md
+
+(extract the archive into runs/ablations_full for the notebooks' curves in the "full" setting).
 """
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tarfile
 import time
 
 from absl import app
@@ -44,6 +50,11 @@ flags.DEFINE_integer("num_gpus", -1, "GPUs to spread runs over round-robin; -1 c
                      "nvidia-smi, 0 runs on the CPU.")
 flags.DEFINE_integer("max_wall_s", 0, "Launch no new run after this many seconds (0: no limit); "
                      "the summary then lists the runs left out, and a rerun continues.")
+flags.DEFINE_integer("stop_after_s", 0, "Send SIGTERM to runs still going after this many seconds "
+                     "(0: never); they save a checkpoint and exit, the summary lists them as missing, and "
+                     "a rerun resumes them.")
+flags.DEFINE_string("archive", None, "Also write a .tar.gz of every run's config.json, metrics.jsonl and "
+                    "ablation_summary.json (no checkpoints) here, for the notebooks' curves elsewhere.")
 flags.DEFINE_string("summary", None, "Where to write summary.json (default: <out>/summary.json).")
 flags.DEFINE_string("results_page", None, "Markdown page whose tables are rendered from the summary "
                     "(e.g. docs/results.md).")
@@ -103,6 +114,7 @@ def _launch_all(specs, out: str):
   codes: dict[str, int] = {}
   start = time.time()
   launched = 0
+  stopped: set[str] = set()
   print(f"{len(pending)} runs, {FLAGS.jobs} at a time, "
         f"{'CPU' if ngpu == 0 else f'{ngpu} GPU(s)'}; logs in {log_dir}", flush=True)
   while pending or running:
@@ -120,6 +132,13 @@ def _launch_all(specs, out: str):
       running[spec.key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             env=_env(gpu, cache_dir)), time.time(), log)
     time.sleep(0.5)
+    if FLAGS.stop_after_s and time.time() - start > FLAGS.stop_after_s:
+      for key, (proc, _, _) in running.items():
+        if proc.poll() is None and key not in stopped:
+          print(f"--stop_after_s={FLAGS.stop_after_s} reached: stopping {key}", flush=True)
+          proc.send_signal(signal.SIGTERM)
+          stopped.add(key)
+      pending = []
     for key, (proc, t0, log) in list(running.items()):
       if proc.poll() is not None:
         log.close()
@@ -144,6 +163,17 @@ def _worker(key: str, out: str):
             f"final eval {record.get('final_eval')}", flush=True)
       return
   raise app.UsageError(f"--worker={key!r} is no run of the {FLAGS.setting} setting")
+
+
+def _archive(specs, out: str, path: str) -> None:
+  """tar.gz of each run's small files, named as under --out (extract into ABLATION_RUNS)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with tarfile.open(path, "w:gz") as tar:
+    for spec in specs:
+      for name in ("config.json", "metrics.jsonl", runs_lib.SUMMARY_FILE):
+        full = os.path.join(runs_lib.workdir_of(spec, out), name)
+        if os.path.isfile(full):
+          tar.add(full, arcname=os.path.join(spec.key, name))
 
 
 def main(argv):
@@ -179,6 +209,9 @@ def main(argv):
   summary_lib.write_summary(summary, summary_path)
   print(f"{len(records)} runs summarised in {summary_path} ({wall:.0f}s wall); "
         f"missing: {missing or 'none'}", flush=True)
+  if FLAGS.archive:
+    _archive(specs, out, FLAGS.archive)
+    print(f"run metrics archived in {FLAGS.archive}")
   if FLAGS.results_page:
     summary_lib.update_results_page(FLAGS.results_page, summary_path)
     print(f"rendered {FLAGS.results_page}")

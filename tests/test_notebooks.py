@@ -1,7 +1,11 @@
 """Executes the ablation notebooks on their committed `quick` setting (tiny CPU runs); any cell error fails."""
+import glob
+import json
 import os
 
 import pytest
+
+from k3jax.ablations import summary
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -18,8 +22,7 @@ def shared_cache(tmp_path_factory):
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs(name, tmp_path, shared_cache, monkeypatch):
-  path = os.path.join(ROOT, "notebooks", f"{name}.ipynb")
-  book = nbformat.read(path, as_version=4)
+  book = nbformat.read(path_of(name), as_version=4)
   setting_cells = [c for c in book.cells if c.cell_type == "code" and 'SETTING = "quick"' in c.source]
   assert setting_cells, f"{name}: the committed notebook must run the quick setting"
   assert all(not c.get("outputs") for c in book.cells if c.cell_type == "code"), f"{name}: outputs not stripped"
@@ -29,9 +32,33 @@ def test_notebook_runs(name, tmp_path, shared_cache, monkeypatch):
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", shared_cache)
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel draws inline PNGs
+  _execute(book, name)
+
+  # The "full" setting reads a summary.json and the run directories: point it at the quick runs.
+  records = []
+  for path in glob.glob(str(tmp_path / "runs" / "**" / "ablation_summary.json"), recursive=True):
+    with open(path, encoding="utf-8") as f:
+      records.append(json.load(f))
+  assert records
+  summary_path = str(tmp_path / "summary.json")
+  summary.write_summary(summary.make_summary(records, setting="quick"), summary_path)
+  monkeypatch.setenv("ABLATION_SUMMARY", summary_path)
+  monkeypatch.setenv("ABLATION_RUNS", str(tmp_path / "runs"))
+  full = nbformat.read(path_of(name), as_version=4)
+  for cell in full.cells:
+    cell.source = cell.source.replace('SETTING = "quick"', 'SETTING = "full"')
+  _execute(full, name)
+
+
+def path_of(name):
+  return os.path.join(ROOT, "notebooks", f"{name}.ipynb")
+
+
+def _execute(book, name):
+  """Runs every cell (CellExecutionError on the first failure) and checks that figures were drawn."""
   client = nbclient.NotebookClient(book, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}})
-  client.execute()  # raises CellExecutionError on the first failing cell
+  client.execute()
   images = sum(1 for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
                if "image/png" in o.get("data", {}))
   assert images >= 2, f"{name}: expected figures, got {images}"
