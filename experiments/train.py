@@ -1,7 +1,9 @@
 """Trains a k3jax model: `python experiments/train.py --config=configs/tiny.py --workdir=runs/tiny`.
 
 `--config=FILE.py[:ARG]` loads `get_config(ARG)`; `--config.a.b=value` overrides any
-field. The run resumes from the newest checkpoint in `--workdir`. Multi-host:
+field. The run resumes from the newest checkpoint in `--workdir`, on whatever mesh
+the config now names. Device mesh: `--config.parallel.{data,fsdp,expert,context}=N`
+(docs/sharding.md), e.g. `--config.parallel.expert=2` on two GPUs. Multi-host:
 `jax.distributed.initialize()` runs when `--coordinator_address` (with
 `--num_processes`, `--process_id`) is given, or when the environment names a
 coordinator (JAX_COORDINATOR_ADDRESS) or a multi-task SLURM / Open MPI job.

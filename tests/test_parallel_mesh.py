@@ -106,6 +106,25 @@ def test_constrain_is_a_noop_without_a_mesh_and_shards_with_one():
     rules.constrain(x, ("batch",), mesh=mesh)
 
 
+def test_constrain_follows_the_active_rules_and_can_skip_indivisible_dims():
+  mesh = make_mesh(MeshConfig(data=4, context=2))
+  one_token = jnp.ones((8, 1, 2))  # a decode step: length 1 on a context axis of 2
+
+  @jax.jit
+  def f(x):
+    return rules.constrain(x * 2, ("batch", "length", "embed"), skip_indivisible=True)
+
+  with jax.set_mesh(mesh):
+    assert f(one_token).sharding.spec == P("data")
+    with pytest.raises(ValueError, match=r"dimension 1 \('length'\) of size 1 is not divisible"):
+      jax.jit(lambda x: rules.constrain(x, ("batch", "length", "embed")))(one_token)
+    # Rules set by use_rules are the default while tracing; restored afterwards.
+    with rules.use_rules({**dict(rules.DEFAULT_RULES), "batch": "context", "length": None}):
+      g = jax.jit(lambda x: rules.constrain(x * 3, ("batch", "length", "embed")))
+      assert g(jnp.ones((8, 4, 2))).sharding.spec == P("context")
+  assert rules.current_rules() == rules.DEFAULT_RULES
+
+
 def test_parallel_config_from_dict():
   from k3jax.parallel.config import ParallelConfig  # pylint: disable=g-import-not-at-top
   pconf = ParallelConfig.from_dict({"mesh": {"data": -1, "expert": 2}, "capacity_factor": 2.0,
