@@ -154,7 +154,7 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   Triton lowering needs no per-row reductions:
   * the C/L diagonal blocks together, by forward substitution in L steps on
     their vertical stack D [C, L] (D[rL + i, j] = M_rr[i, j]): step l sets the
-    rows l of all blocks at once, D_l <- e_l - (A_diag rows l) D, in f32;
+    rows l of all blocks at once, D_l <- e_l - (A_diag D)_l, in f32;
   * below the diagonal, one block row i at a time:
     M_ij = -M_ii sum_{k=j}^{i-1} A_ik M_kj (i > j), i.e.
     M_i <- -M_diag ((rows i of A_off) M), operands in `dtype` (default f32).
@@ -179,7 +179,9 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   stack0 = (rmod == col_l).astype(_F32)                # [C, L] stacked identities
 
   def step(l, stack):
-    upd = dot(jnp.where(rmod == l, a_diag, 0.0), stack, cfg, dtype=_F32)
+    # All rows of the product are formed, only rows l kept: the loop-invariant
+    # left operand lets the compiler keep it in the matmul layout.
+    upd = dot(a_diag, stack, cfg, dtype=_F32)
     return jnp.where(rmod == l, stack - upd, stack)
 
   stack = lax.fori_loop(1, ell, step, stack0)
