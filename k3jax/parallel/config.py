@@ -80,8 +80,8 @@ class ParallelConfig:
     allowed = (*mesh_lib.AXES, "capacity_factor", "rules")
     for key in d:
       if key not in allowed:
-        raise ValueError(f"unknown parallel config key {key!r}{_did_you_mean(key, allowed)}; "
-                         f"allowed: {list(allowed)}")
+        raise ValueError(f"unknown parallel config key {key!r}{_did_you_mean(key, allowed)} "
+                         f"Allowed: {list(allowed)}")
     sizes = {}
     for axis in mesh_lib.AXES:
       size = d.get(axis, -1 if axis == mesh_lib.DATA else 1)
@@ -127,7 +127,7 @@ def _parse_target(name: str, target: Any):
   for axis in axes:
     if axis not in mesh_lib.AXES:
       raise ValueError(f"parallel.rules.{name}={target!r}: unknown mesh axis {axis!r}"
-                       f"{_did_you_mean(str(axis), mesh_lib.AXES)}; mesh axes are "
+                       f"{_did_you_mean(str(axis), mesh_lib.AXES)} Mesh axes: "
                        f"{list(mesh_lib.AXES)}")
   if len(set(axes)) != len(axes):
     raise ValueError(f"parallel.rules.{name}={target!r} repeats a mesh axis")
@@ -152,7 +152,7 @@ def parse_rule_overrides(overrides: Mapping[str, Any] | None,
   for name, target in overrides.items():
     if name not in table:
       raise ValueError(f"parallel.rules.{name}: unknown logical axis {name!r}"
-                       f"{_did_you_mean(name, table)}; known: {sorted(table)}")
+                       f"{_did_you_mean(name, table)} Known: {sorted(table)}")
     table[name] = _parse_target(name, target)
   return rules_lib.make_rules(tuple(table.items()))
 
