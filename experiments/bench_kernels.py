@@ -35,8 +35,9 @@ _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per measurement (median)
 _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
 _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Chunk length C.")
 _SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
-_OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields of the pallas path, "
-                               "e.g. score_mm_dtype=float32,intra_bwd_mm_dtype=bfloat16.")
+_OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields of the pallas path "
+                               "(see parse_overrides), e.g. score_mm_dtype=float32,"
+                               "inverse=blocked,warps.intra_fwd=8.")
 _CEIL_BYTES = flags.DEFINE_integer("ceiling_bytes", 2 ** 32, "Array size of the bandwidth "
                                    "measurement.")
 _CEIL_MM = flags.DEFINE_integer("ceiling_matmul", 8192, "Size of the square bf16 matmul.")
@@ -103,16 +104,49 @@ def _peer_times(shapes):
   return out
 
 
+def parse_overrides(items):
+  """`--overrides` items -> KernelConfig fields.
+
+  `name=value` sets a field: dtype fields take a dtype name, `true`/`false`
+  are booleans, integers are ints, anything else a string (e.g.
+  `inverse=blocked`). `warps.<stage>=N` sets one stage's Triton warps.
+  """
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda import kernel_config  # pylint: disable=g-import-not-at-top
+  overrides, warps = {}, {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"--overrides item {item!r} is not name=value")
+    if name.startswith("warps."):
+      stage = name[len("warps."):]
+      if stage not in kernel_config.STAGES:
+        raise ValueError(f"--overrides {item!r}: stage must be one of {kernel_config.STAGES}")
+      warps[stage] = int(value)
+    elif name.endswith("dtype"):
+      overrides[name] = jnp.dtype(value)
+    elif value.lower() in ("true", "false"):
+      overrides[name] = value.lower() == "true"
+    else:
+      try:
+        overrides[name] = int(value)
+      except ValueError:
+        overrides[name] = value
+  if warps:
+    default = next(f.default for f in dataclasses.fields(kernel_config.KernelConfig)
+                   if f.name == "num_warps")
+    overrides["num_warps"] = tuple((st, warps.get(st, n)) for st, n in default)
+  return overrides
+
+
 def _run_jax(shapes):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
 
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-  overrides = {}
-  for item in _OVERRIDES.value:
-    name, _, value = item.partition("=")
-    overrides[name] = jnp.dtype(value) if name.endswith("dtype") else int(value)
+  overrides = parse_overrides(_OVERRIDES.value)
   if overrides:
     print(f"pallas KernelConfig overrides: {overrides}", flush=True)
   ceil = bench.measure_ceilings(_CEIL_BYTES.value, _CEIL_MM.value)

@@ -1,0 +1,33 @@
+"""The kernel benchmark's `--overrides` parsing (no timing here)."""
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import bench_kernels  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from pallas_kernels.kda import kernel_config  # pylint: disable=wrong-import-position
+
+
+def test_overrides_parse_to_kernel_config_fields():
+  got = bench_kernels.parse_overrides(
+      ["inverse=blocked", "score_mm_dtype=bfloat16", "save_residuals=false", "block_v=32",
+       "warps.intra_fwd=8"])
+  assert got["inverse"] == "blocked"
+  assert got["score_mm_dtype"] == jnp.dtype(jnp.bfloat16)
+  assert got["save_residuals"] is False
+  assert got["block_v"] == 32
+  warps = dict(got["num_warps"])
+  assert warps["intra_fwd"] == 8 and set(warps) == set(kernel_config.STAGES)
+  cfg = kernel_config.make_config(backend="interpret", dtype=jnp.bfloat16, head_k=64, head_v=64,
+                                  chunk_size=64, sub_chunk=16, overrides=got)
+  assert cfg.inverse == "blocked" and dict(cfg.num_warps)["intra_fwd"] == 8
+
+
+@pytest.mark.parametrize("item, match", [("inverse", "not name=value"),
+                                         ("warps.nope=4", "stage must be one of")])
+def test_bad_overrides_are_named(item, match):
+  with pytest.raises(ValueError, match=match):
+    bench_kernels.parse_overrides([item])
