@@ -84,8 +84,11 @@ def test_use_row_blocks_choice():
   cfg = lambda backend, **kw: kernel_config.make_config(
       backend=backend, dtype=jnp.bfloat16, head_k=128, head_v=128, chunk_size=64,
       sub_chunk=16, overrides=kw or None)
-  assert kernel_bwd.use_row_blocks(cfg("triton"), 16)
-  assert not kernel_bwd.use_row_blocks(cfg("triton"), 8)  # a dot dim < 16
+  # Triton keeps the full-tile kernel until the GPU gradient checks cover rows.
+  assert not kernel_bwd.use_row_blocks(cfg("triton"), 16)
+  assert kernel_bwd.use_row_blocks(cfg("triton", intra_bwd_impl="rows"), 16)
+  with pytest.raises(ValueError, match="sub_chunk >= 16"):
+    kernel_bwd.use_row_blocks(cfg("triton", intra_bwd_impl="rows"), 8)
   assert not kernel_bwd.use_row_blocks(cfg("tpu"), 16)
   assert kernel_bwd.use_row_blocks(cfg("interpret"), 8)
   assert not kernel_bwd.use_row_blocks(cfg("interpret", intra_bwd_impl="tiles"), 16)

@@ -430,16 +430,24 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
 def use_row_blocks(cfg: KernelConfig, sub_chunk: int) -> bool:
   """Whether `intra_bwd` runs the row-block kernel (else the masked full-tile one).
 
-  cfg.intra_bwd_impl "auto" picks row blocks everywhere except on TPU, whose
-  Mosaic lowering keeps the full-tile kernel (lane-dim column slices of M),
-  and except Triton with L < 16 (a dot dim below the tensor-core tile).
+  cfg.intra_bwd_impl "auto" picks row blocks in interpret mode only. TPU
+  keeps the full-tile kernel (its Mosaic lowering wants lane-dim column
+  slices of M), and so does Triton for now: on the H200 the row-block kernel
+  has passed the f32 dense gradient test (and ran intra_bwd in 13.0 ms
+  against 16.7 ms at B16 T2048 H16 D128 bf16), but its bf16, pairwise and
+  varlen gradients have not been checked on the GPU yet, and this image's
+  Triton is known to miscompile some Hopper backward kernels. Select it with
+  intra_bwd_impl="rows" (Triton needs L >= 16: every dot dim is >= 16).
   """
   impl = cfg.intra_bwd_impl
   if impl not in ("auto", "rows", "tiles"):
     raise ValueError(f"intra_bwd_impl must be 'auto', 'rows' or 'tiles', got {impl!r}")
+  if impl == "rows" and cfg.backend == "triton" and sub_chunk < 16:
+    raise ValueError(f"intra_bwd_impl='rows' on Triton needs sub_chunk >= 16 (a dot dim), "
+                     f"got {sub_chunk}; use 'tiles' or 'auto'")
   if impl != "auto":
     return impl == "rows"
-  return not cfg.is_tpu and (cfg.backend != "triton" or sub_chunk >= 16)
+  return not cfg.is_tpu and cfg.backend != "triton"
 
 
 def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,

@@ -70,8 +70,9 @@ class KernelConfig:
       (f32 accumulation either way).
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
       products, every output row block written once), "tiles" (masked
-      [C, C] products over the whole chunk), or "auto" (rows, except on TPU
-      and for Triton with sub_chunk < 16); see `kernel_bwd.use_row_blocks`.
+      [C, C] products over the whole chunk), or "auto" (rows in interpret
+      mode; tiles on TPU and, until its bf16/pairwise/varlen gradients are
+      checked on the GPU, on Triton); see `kernel_bwd.use_row_blocks`.
     save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
       V' for the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
