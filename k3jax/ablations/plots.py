@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from k3jax.ablations import runs as runs_lib
-from k3jax.ablations.summary import get, group, mean_std
+from k3jax.ablations.summary import get, group, mean_std, ordered
 
 
 def run_dir(record: dict, out_dir: str | None) -> str | None:
@@ -45,7 +45,7 @@ def curves(ax, records: Iterable[dict], out_dir: str | None, pick: Callable[[dic
     label: legend label of a record; records with the same label are seeds of one line.
   """
   by_label: dict[str, list] = {}
-  for r in records:
+  for r in ordered(records):
     path = run_dir(r, out_dir)
     if path is None:
       continue
@@ -95,7 +95,7 @@ def profile(ax, records: Iterable[dict], path: str, *, label: Callable[[dict], s
             logy: bool = False):
   """Line per label of a per-layer list at dotted `path` (mean over seeds, band = ±1 std)."""
   by_label: dict[str, list] = {}
-  for r in records:
+  for r in ordered(records):
     values = get(r, path)
     if values:
       by_label.setdefault(label(r), []).append(np.array([np.nan if v is None else v for v in values], float))
@@ -118,7 +118,7 @@ def versus_length(ax, records: Iterable[dict], field: str, *, title: str = "", y
                   logy: bool = False):
   """Line per variant of `lengths.<m>.<field>` against the length multiplier m (decay sweep)."""
   by_variant: dict[str, dict[int, list]] = {}
-  for r in records:
+  for r in ordered(records):
     for m, rec in (r.get("lengths") or {}).items():
       by_variant.setdefault(r["variant"], {}).setdefault(int(m), []).append(rec.get(field))
   for name, per_m in by_variant.items():
