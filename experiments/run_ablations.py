@@ -3,7 +3,7 @@
 Full setting, 3 seeds, on one H200 (repository root; GPU wheels installed as in configs/gpu_150m.py):
 
   python3 experiments/run_ablations.py --out=/tmp/ablations --setting=full --seeds=0,1,2 --jobs=8 \
-      --max_wall_s=400 --stop_after_s=520 --summary=$OUT/ablations_summary.json \
+      --max_wall_s=380 --stop_after_s=500 --summary=$OUT/ablations_summary.json \
       --archive=$OUT/ablation_runs.tar.gz
 
 Each run is a separate process (`XLA_PYTHON_CLIENT_PREALLOCATE=false`), at most

@@ -212,8 +212,14 @@ def render_tables(markdown: str, summary: dict) -> str:
     if name == "meta":
       sweeps = sorted({r["sweep"] for r in summary["runs"]})
       seeds = sorted({r["seed"] for r in summary["runs"]})
-      return (f"Setting `{summary['setting']}`, {len(summary['runs'])} runs ({', '.join(sweeps)}), "
-              f"seeds {seeds}, summary created {summary['created']}.")
+      text = (f"Setting `{summary['setting']}`, {len(summary['runs'])} runs ({', '.join(sweeps)}), "
+              f"seeds {seeds}, summary created {summary['created']}")
+      if summary.get("wall_s") is not None:
+        text += f"; sweep wall time {summary['wall_s']:.0f} s with {summary.get('jobs')} concurrent runs"
+      text += "."
+      if summary.get("missing"):
+        text += f" **Missing runs** (not in the tables): {', '.join(summary['missing'])}."
+      return text
     if name not in TABLES:
       raise ValueError(f"unknown table {name!r} in the results page; allowed: "
                        f"{sorted(TABLES) + ['kernels', 'meta']}")
