@@ -9,7 +9,8 @@ KERNEL_TIMES = {
     "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 7.31, "fwd_bwd_ms": 33.40,
                "note": "docs/benchmarks.md, KDA kernels table"},
     "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 10.77, "fwd_bwd_ms": 143.4,
-                 "note": "docs/benchmarks.md (pairwise diagonal: the only path for an unbounded gate)"},
+                 "note": "docs/benchmarks.md; pairwise diagonal, the only path for an unbounded gate "
+                         "(its cost does not depend on the gate values)"},
     "g2.5_t32": {"path": "pallas dense, tile 32", "fwd_ms": None, "fwd_bwd_ms": None,
                  "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-2.5 --sub_chunk=32 --peer=false`"},

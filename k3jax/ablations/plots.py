@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable
 
+import matplotlib.ticker
 import numpy as np
 
 from k3jax.ablations import runs as runs_lib
@@ -107,6 +108,7 @@ def profile(ax, records: Iterable[dict], path: str, *, label: Callable[[dict], s
     line, = ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(arrays)})")
     ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
   ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+  ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
   if logy:
     ax.set_yscale("log")
   if by_label:
@@ -115,12 +117,12 @@ def profile(ax, records: Iterable[dict], path: str, *, label: Callable[[dict], s
 
 
 def versus_length(ax, records: Iterable[dict], field: str, *, title: str = "", ylabel: str = "",
-                  logy: bool = False):
-  """Line per variant of `lengths.<m>.<field>` against the length multiplier m (decay sweep)."""
+                  logy: bool = False, label: Callable[[dict], str] = lambda r: r["variant"]):
+  """Line per label (mean ± std over seeds) of `lengths.<m>.<field>` against the length multiplier m."""
   by_variant: dict[str, dict[int, list]] = {}
   for r in ordered(records):
     for m, rec in (r.get("lengths") or {}).items():
-      by_variant.setdefault(r["variant"], {}).setdefault(int(m), []).append(rec.get(field))
+      by_variant.setdefault(label(r), {}).setdefault(int(m), []).append(rec.get(field))
   for name, per_m in by_variant.items():
     ms = sorted(per_m)
     stats = [mean_std(per_m[m]) for m in ms]

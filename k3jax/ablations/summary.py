@@ -133,7 +133,7 @@ def decay_table(records: list[dict]) -> str:
     row.append("yes" if all(get(r, f"lengths.{m}.finite") == 1.0 for r in rs for m in mults) else "**no**")
     row.append(fmt((get(r, f"lengths.{max(mults)}.max_abs_logit") for r in rs), 1) if mults else "n/a")
     rows.append(row)
-  return _table(["variant", "task", "seeds", "metric @1x", "@4x", "@16x", "loss @16x (nats)",
+  return _table(["variant", "task", "seeds", "accuracy (mqar) or bits/byte @1x", "@4x", "@16x", "loss @16x (nats)",
                  "all logits finite", "max abs logit @16x"], rows)
 
 
