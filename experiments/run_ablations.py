@@ -33,6 +33,8 @@ import time
 from absl import app
 from absl import flags
 
+# The launcher itself never computes; should anything in it touch a GPU, it must not reserve memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Run from a checkout without installing: the repository root holds the k3jax package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
