@@ -194,20 +194,39 @@ def test_routing_leak_separates_causal_and_batch_routers():
     evaluate.routing_leak(shared, tokens, position=15)
 
 
+def test_mqar_with_gap_keeps_the_recall_problem():
+  from k3jax.data import mqar_examples
+  same = evaluate.mqar_with_gap(np.random.default_rng(0), 3, 24, 24, vocab_size=64, num_kv_pairs=4)
+  ref = mqar_examples(np.random.default_rng(0), 3, 24, vocab_size=64, num_kv_pairs=4)
+  for k in ref:
+    np.testing.assert_array_equal(same[k], ref[k])
+  b = evaluate.mqar_with_gap(np.random.default_rng(0), 3, 24, 96, vocab_size=64, num_kv_pairs=4)
+  assert b["inputs"].shape == (3, 96)
+  np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+  np.testing.assert_array_equal(b["inputs"][:, 8:80], 0)  # the gap
+  assert b["mask"][:, :80].sum() == 0 and b["mask"].sum() == ref["mask"].sum()
+  for row in range(3):
+    pairs = dict(zip(b["inputs"][row, 0:8:2], b["inputs"][row, 1:8:2]))
+    for pos in np.flatnonzero(b["mask"][row]):
+      assert pairs[b["inputs"][row, pos]] == b["targets"][row, pos]  # a queried key -> its value
+  with pytest.raises(ValueError, match="train_len"):
+    evaluate.mqar_with_gap(np.random.default_rng(0), 1, 24, 16, vocab_size=64, num_kv_pairs=4)
+
+
 def test_eval_at_length_matches_a_direct_computation():
   model, config = _tiny_model(layers=1)
   config.seq_len, config.batch_size, config.eval_batches = 16, 4, 2
   config.data.update(kind="mqar", vocab_size=256, mqar_num_kv_pairs=3)
   rec = evaluate.eval_at_length(model, config, 2)
-  assert rec["seq_len"] == 32 and rec["mqar_pairs"] == 6 and rec["finite"] == 1.0
-  from k3jax.data import make_dataset
-  data = make_dataset(evaluate.length_data_config(config, 2), seed=config.seed)
+  assert rec["seq_len"] == 32 and rec["finite"] == 1.0
+  batches = evaluate.length_eval_batches(config, 2)
+  assert len(batches) == 2 and batches[0]["inputs"].shape == (2, 32)
   nll = correct = count = 0.0
   max_logit = 0.0
-  for b in data.eval_batches(2, 32, 2):
+  for b in batches:
     logits = np.asarray(model(jnp.asarray(b["inputs"]), deterministic=True)[0], np.float64)
-    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
-                                  keepdims=True)) - logits.max(-1, keepdims=True)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.sum(np.exp(logits - top), -1, keepdims=True))
     tgt = np.take_along_axis(logp, b["targets"][..., None], -1)[..., 0]
     nll -= np.sum(tgt * b["mask"])
     correct += np.sum((logits.argmax(-1) == b["targets"]) * b["mask"])

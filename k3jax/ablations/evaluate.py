@@ -1,7 +1,8 @@
 """Post-training evaluations of a run directory through the model API.
 
 * `eval_at_length`: held-out loss/accuracy at a multiple of the training
-  length (decay sweep), with finiteness and the largest logit;
+  length (decay sweep; MQAR asks the same recall after a longer gap), with
+  finiteness and the largest logit;
 * `routing_leak`: how many earlier-position outputs change when one sequence's
   future changes (router sweep), measured on the trained model;
 * `depth_profile`: per-layer RMS norm of the residual stream, cosine
@@ -51,40 +52,65 @@ def _loss_stats(graphdef, state, inputs_bt, targets_bt, mask_bt):
           "finite": jnp.all(jnp.isfinite(logits_btv))}
 
 
-def length_data_config(config, multiplier: int):
-  """The run's data config for held-out windows `multiplier` times longer.
+def mqar_with_gap(rng: np.random.Generator, batch_size: int, train_len: int, seq_len: int, *,
+                  vocab_size: int, num_kv_pairs: int) -> dict[str, np.ndarray]:
+  """MQAR batch of the training layout with `seq_len - train_len` pad tokens (id 0) between the
+  key-value pairs and the queries: the same recall problem, asked from further away.
 
-  MQAR scales the key-value pairs with the length (more to remember), capped by
-  the distinct keys the vocabulary offers; byte text just takes longer windows.
+  Returns inputs/targets/mask [batch_size, seq_len] (mask: query positions only).
   """
-  data = config.data.copy_and_resolve_references()
-  if data.kind == "mqar":
-    data.mqar_num_kv_pairs = min(data.mqar_num_kv_pairs * multiplier, data.vocab_size // 2 - 1)
-  return data
+  from k3jax.data import make_batch, mqar_examples  # pylint: disable=g-import-not-at-top
+  if seq_len < train_len:
+    raise ValueError(f"seq_len={seq_len} must be >= train_len={train_len}")
+  base = mqar_examples(rng, batch_size, train_len, vocab_size=vocab_size, num_kv_pairs=num_kv_pairs)
+  full = np.concatenate([base["inputs"], base["targets"][:, -1:]], axis=1)  # [B, train_len + 1]
+  start, gap = 2 * num_kv_pairs, seq_len - train_len  # first query key sits at `start`
+  full = np.concatenate([full[:, :start], np.zeros((batch_size, gap), full.dtype), full[:, start:]], axis=1)
+  mask = np.concatenate([base["mask"][:, :start], np.zeros((batch_size, gap), np.float32),
+                         base["mask"][:, start:]], axis=1)
+  return make_batch(full[:, :-1], full[:, 1:], mask)
 
 
-def eval_at_length(model, config, multiplier: int) -> dict[str, float]:
-  """Held-out metrics at `multiplier` x the training length.
+def length_eval_batches(config, multiplier: int) -> list[dict[str, np.ndarray]]:
+  """Held-out batches at `multiplier` x the training length.
 
-  Uses `config.eval_batches` batches of max(1, batch_size // multiplier)
-  sequences (about the same number of tokens at every length).
-
-  Returns:
-    {"seq_len", "loss" (nats per scored token), "accuracy", "bpb" (bytes only),
-     "max_abs_logit", "finite" (1.0 if every logit was finite), "mqar_pairs" (MQAR only)}.
+  Byte text: longer held-out windows. MQAR: the training layout with a pad gap
+  before the queries (`mqar_with_gap`), from a seed stream the trainer never uses.
+  `config.eval_batches` batches of max(1, batch_size // multiplier) sequences
+  (about the same number of tokens at every length).
   """
   from k3jax.data import make_dataset  # pylint: disable=g-import-not-at-top
   if multiplier < 1:
     raise ValueError(f"multiplier must be >= 1, got {multiplier}")
   seq_len = config.seq_len * multiplier
-  data = length_data_config(config, multiplier)
+  batch = max(1, config.batch_size // multiplier)
+  data = config.data
+  if data.kind == "mqar":
+    return [mqar_with_gap(np.random.default_rng([config.seed, _LENGTH_STREAM, multiplier, i]), batch,
+                          config.seq_len, seq_len, vocab_size=data.vocab_size,
+                          num_kv_pairs=data.mqar_num_kv_pairs)
+            for i in range(config.eval_batches)]
   dataset = make_dataset(data, seed=config.seed)
   dataset.check_seq_len(seq_len)
-  batch = max(1, config.batch_size // multiplier)
+  return dataset.eval_batches(batch, seq_len, config.eval_batches)
+
+
+_LENGTH_STREAM = 7  # MQAR seed stream of the length evaluations (training uses BatchIterator's, held-out 1)
+
+
+def eval_at_length(model, config, multiplier: int) -> dict[str, float]:
+  """Held-out metrics at `multiplier` x the training length (batches from `length_eval_batches`).
+
+  Returns:
+    {"seq_len", "loss" (nats per scored token), "accuracy", "bpb" (bytes only),
+     "max_abs_logit", "finite" (1.0 if every logit was finite)}.
+  """
+  from k3jax.data import ByteCorpus  # pylint: disable=g-import-not-at-top
+  batches = length_eval_batches(config, multiplier)
   graphdef, state = nnx.split(model)
   sums = {"nll_sum": 0.0, "correct_sum": 0.0, "count": 0.0}
   max_logit, finite = 0.0, True
-  for b in dataset.eval_batches(batch, seq_len, config.eval_batches):
+  for b in batches:
     out = jax.device_get(_loss_stats(graphdef, state, b["inputs"], b["targets"], b["mask"]))
     for k in sums:
       sums[k] += float(out[k])
@@ -92,11 +118,10 @@ def eval_at_length(model, config, multiplier: int) -> dict[str, float]:
     finite = finite and bool(out["finite"])
   count = max(sums["count"], 1.0)
   nats = sums["nll_sum"] / count
-  record = {"seq_len": seq_len, "loss": nats, "accuracy": sums["correct_sum"] / count,
+  record = {"seq_len": config.seq_len * multiplier, "loss": nats, "accuracy": sums["correct_sum"] / count,
             "max_abs_logit": max_logit, "finite": float(finite)}
-  record.update(dataset.metrics_from_loss(nats))
-  if data.kind == "mqar":
-    record["mqar_pairs"] = int(data.mqar_num_kv_pairs)
+  if config.data.kind == "bytes":
+    record.update(ByteCorpus.metrics_from_loss(nats))
   return record
 
 
