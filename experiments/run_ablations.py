@@ -21,6 +21,8 @@ Then, in the checkout: copy the summary to docs/results/ablations_summary.json a
       --results_page=docs/results.md
 
 (extract the archive into runs/ablations_full for the notebooks' curves in the "full" setting).
+If a call was cut off (the summary lists `missing` runs), a second call on a fresh machine with
+`--merge_summary=<first summary>` runs only the missing ones and writes one combined summary.
 """
 import os
 import shutil
@@ -57,6 +59,8 @@ flags.DEFINE_integer("stop_after_s", 0, "Send SIGTERM to runs still going after 
                      "a rerun resumes them.")
 flags.DEFINE_string("archive", None, "Also write a .tar.gz of every run's config.json, metrics.jsonl and "
                     "ablation_summary.json (no checkpoints) here, for the notebooks' curves elsewhere.")
+flags.DEFINE_string("merge_summary", None, "An earlier summary.json (e.g. from a cut-off call on another "
+                    "machine): its runs count as done and are neither launched again nor missing.")
 flags.DEFINE_string("summary", None, "Where to write summary.json (default: <out>/summary.json).")
 flags.DEFINE_string("results_page", None, "Markdown page whose tables are rendered from the summary "
                     "(e.g. docs/results.md).")
@@ -197,12 +201,16 @@ def main(argv):
     if name not in SWEEPS:
       raise app.UsageError(f"--sweeps: unknown sweep {name!r}; allowed: {SWEEPS}")
   specs = _specs()
+  earlier = {}
+  if FLAGS.merge_summary:
+    earlier = {r["key"]: r for r in summary_lib.read_summary(FLAGS.merge_summary)["runs"]
+               if r.get("setting") == FLAGS.setting}
   t0 = time.time()
-  codes = _launch_all(specs, out)
+  codes = _launch_all([s for s in specs if s.key not in earlier], out)
   wall = time.time() - t0
   records, missing = [], []
   for spec in specs:
-    rec = runs_lib.load_run_summary(runs_lib.workdir_of(spec, out))
+    rec = runs_lib.load_run_summary(runs_lib.workdir_of(spec, out)) or earlier.get(spec.key)
     (records if rec is not None else missing).append(rec if rec is not None else spec.key)
   summary = summary_lib.make_summary(records, setting=FLAGS.setting)
   summary.update(wall_s=round(wall, 1), jobs=FLAGS.jobs, num_gpus=_gpu_count(), missing=missing,
