@@ -10,6 +10,7 @@ import pytest
 from k3jax.train.config_files import load_config_file
 from k3jax.train.config_schema import validate
 from k3jax.train.defaults import base_config
+from tests.config_helpers import set_dotted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.py"),
@@ -91,23 +92,7 @@ def test_gpu_presets_have_their_advertised_sizes():
 
 
 def _cfg(**changes):
-  c = base_config()
-  for key, value in changes.items():
-    target = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      target = target[p]
-    with c.unlocked() if hasattr(c, "unlocked") else _null():
-      target[leaf] = value
-  return c
-
-
-class _null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
+  return set_dotted(base_config(), changes)
 
 
 @pytest.mark.parametrize("key,suggestion", [

@@ -16,6 +16,7 @@ from k3jax.train.metrics import MetricWriter, read_jsonl
 from k3jax.train.optimizer import make_optimizer
 from k3jax.train.step import flatten_scalars, masked_cross_entropy
 from k3jax.train.trainer import NonFiniteLossError, train_and_evaluate
+from tests.config_helpers import set_dotted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,13 +35,7 @@ def _shrunk_tiny(**overrides):
   c.model.update(num_layers=2, layer_pattern="KA", d_model=32, num_heads=2, head_dim=16,
                  num_kv_heads=2, kda_chunk_size=16, kda_sub_chunk=16, num_experts=4,
                  expert_hidden=32, dense_hidden=64, first_layer_dense=False)
-  for k, v in overrides.items():
-    target = c
-    *parents, leaf = k.split(".")
-    for p in parents:
-      target = target[p]
-    target[leaf] = v
-  return c
+  return set_dotted(c, overrides)
 
 
 class _Counter(nnx.Variable):

@@ -11,6 +11,7 @@ from k3jax.train.config_schema import parallel_config, validate
 from k3jax.train.defaults import base_config
 from k3jax.train.metrics import read_jsonl
 from k3jax.train.trainer import train_and_evaluate
+from tests.config_helpers import set_dotted
 from tests.test_train import _RESUME_OVERRIDES, _shrunk_tiny, _stop_at
 
 # Float32 runs that differ only in the order of reductions (sharded matmuls, the
@@ -77,14 +78,7 @@ def test_mesh_runs_match_one_device_and_resume_across_meshes(tmp_path):
 
 
 def _cfg(**changes):
-  c = base_config()
-  for key, value in changes.items():
-    target = c
-    *parents, leaf = key.split(".")
-    for p in parents:
-      target = target[p]
-    target[leaf] = value
-  return c
+  return set_dotted(base_config(), changes)
 
 
 @pytest.mark.parametrize("changes,message", [

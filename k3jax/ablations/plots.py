@@ -15,6 +15,16 @@ from k3jax.ablations import runs as runs_lib
 from k3jax.ablations.summary import get, group, mean_std, ordered
 
 
+def _finish(ax, *, title: str, xlabel: str, ylabel: str, logy: bool, legend: bool):
+  """Titles, optional log y axis and a small legend; returns `ax`."""
+  ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+  if logy:
+    ax.set_yscale("log")
+  if legend:
+    ax.legend(fontsize=7)
+  return ax
+
+
 def run_dir(record: dict, out_dir: str | None) -> str | None:
   """The record's run directory under `out_dir`, or None if it is not on this machine."""
   if out_dir is None:
@@ -59,12 +69,7 @@ def curves(ax, records: Iterable[dict], out_dir: str | None, pick: Callable[[dic
     steps, mean, std = _mean_band(series)
     line, = ax.plot(steps, mean, label=f"{name} (n={len(series)})")
     ax.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-  ax.set(title=title, xlabel="step", ylabel=ylabel)
-  if logy:
-    ax.set_yscale("log")
-  if by_label:
-    ax.legend(fontsize=7)
-  return ax
+  return _finish(ax, title=title, xlabel="step", ylabel=ylabel, logy=logy, legend=bool(by_label))
 
 
 def metric(split: str, name: str) -> Callable[[dict], runs_lib.Series | None]:
@@ -107,13 +112,8 @@ def profile(ax, records: Iterable[dict], path: str, *, label: Callable[[dict], s
     std = np.nanstd(arr, 0, ddof=1) if len(arrays) > 1 else np.zeros_like(mean)
     line, = ax.plot(x, mean, marker="o", ms=3, label=f"{name} (n={len(arrays)})")
     ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-  ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
   ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-  if logy:
-    ax.set_yscale("log")
-  if by_label:
-    ax.legend(fontsize=7)
-  return ax
+  return _finish(ax, title=title, xlabel=xlabel, ylabel=ylabel, logy=logy, legend=bool(by_label))
 
 
 def versus_length(ax, records: Iterable[dict], field: str, *, title: str = "", ylabel: str = "",
@@ -128,9 +128,5 @@ def versus_length(ax, records: Iterable[dict], field: str, *, title: str = "", y
     stats = [mean_std(per_m[m]) for m in ms]
     ax.errorbar(ms, [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o", capsize=3, label=name)
   ax.set_xscale("log", base=2)
-  ax.set(title=title, xlabel="eval length / train length", ylabel=ylabel)
-  if logy:
-    ax.set_yscale("log")
-  if by_variant:
-    ax.legend(fontsize=7)
-  return ax
+  return _finish(ax, title=title, xlabel="eval length / train length", ylabel=ylabel, logy=logy,
+                 legend=bool(by_variant))

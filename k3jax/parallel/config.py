@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from jax.sharding import Mesh
 
+from k3jax.configdict import to_plain as _to_plain
 from k3jax.parallel import mesh as mesh_lib
 from k3jax.parallel import rules as rules_lib
 
@@ -76,7 +77,7 @@ class ParallelConfig:
     `rules` maps logical names to mesh axes and overrides only the names it
     lists; see `parse_rule_overrides`.
     """
-    d = dict(_plain(section) or {})
+    d = dict(_to_plain(section) or {})
     allowed = (*mesh_lib.AXES, "capacity_factor", "rules")
     for key in d:
       if key not in allowed:
@@ -97,15 +98,6 @@ class ParallelConfig:
   def make_mesh(self, devices=None) -> Mesh:
     """The mesh over `devices` (default: all devices of all processes)."""
     return mesh_lib.make_mesh(self.mesh, devices=devices)
-
-
-def _plain(x: Any) -> Any:
-  """ConfigDicts and mappings -> plain nested dicts."""
-  if hasattr(x, "to_dict"):
-    x = x.to_dict()
-  if isinstance(x, Mapping):
-    return {k: _plain(v) for k, v in x.items()}
-  return x
 
 
 def _did_you_mean(word: str, choices) -> str:
@@ -147,7 +139,7 @@ def parse_rule_overrides(overrides: Mapping[str, Any] | None,
       typo and raises (with a suggestion).
     base: the rules to start from.
   """
-  overrides = dict(_plain(overrides) or {})
+  overrides = dict(_to_plain(overrides) or {})
   table = dict(base)
   for name, target in overrides.items():
     if name not in table:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from k3jax.data.corpus import BYTE_VOCAB_SIZE
 from k3jax.data.mqar import check_mqar
+from k3jax.configdict import to_plain as _to_plain
 from k3jax.data.token_file import TOKEN_DTYPES
 
 _NUM = (int, float)
@@ -43,15 +44,6 @@ RULE_TYPES = (str, list, tuple, type(None))
 DATA_KINDS = ("bytes", "token_file", "mqar")
 # Above this peak learning rate AdamW on these models diverges; a typo like 3e-1 for 3e-4 is caught here.
 MAX_LEARNING_RATE = 0.05
-
-
-def _plain(x: Any) -> Any:
-  """ConfigDict / FrozenConfigDict / mappings -> plain nested dicts."""
-  if hasattr(x, "to_dict"):
-    x = x.to_dict()
-  if isinstance(x, Mapping):
-    return {k: _plain(v) for k, v in x.items()}
-  return x
 
 
 def _check_keys(section: Mapping[str, Any], allowed, where: str, *, require_all: bool = True) -> None:
@@ -85,7 +77,7 @@ def _require(cond: bool, msg: str) -> None:
 def model_config_from(model_section: Mapping[str, Any]):
   """Builds the `ModelConfig` from the `config.model` section (router sentinels mapped to None)."""
   from k3jax.models.config import ModelConfig  # the model package is heavy; import on use
-  d = _plain(model_section)
+  d = _to_plain(model_section)
   router = dict(d.get("router", {}))
   if router.get("capacity_factor", None) == 0:
     router["capacity_factor"] = None  # 0 in the ConfigDict means dropless
@@ -108,7 +100,7 @@ def _check_model_keys(model_section: Mapping[str, Any]) -> None:
 
 def validate(config: Any):
   """Validates a full training config; returns the built `ModelConfig`. Raises ValueError."""
-  c = _plain(config)
+  c = _to_plain(config)
   _check_keys(c, [*TOP_LEVEL, "parallel"], "", require_all=False)
   _check_keys({k: v for k, v in c.items() if k != "parallel"}, TOP_LEVEL, "")
   _check_types(c, {**TOP_LEVEL, "parallel": dict}, "")
@@ -238,5 +230,5 @@ def parallel_config(config: Any, num_devices: int):
     (ModelConfig, ParallelConfig, {axis: resolved size}).
   """
   model_cfg = validate(config)
-  pconf, sizes = _check_parallel(_plain(config), model_cfg, num_devices=num_devices)
+  pconf, sizes = _check_parallel(_to_plain(config), model_cfg, num_devices=num_devices)
   return model_cfg, pconf, sizes
