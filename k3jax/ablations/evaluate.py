@@ -178,10 +178,7 @@ def routing_leak(model, inputs_bt: np.ndarray, *, position: int, seed: int = 0) 
 
 
 def trace_layers(model, tokens_bt: jax.Array) -> dict[str, Any]:
-  """Runs the model's forward step by step and records the residual stream per layer.
-
-  Walks the same public pieces as `HybridLM.__call__` (embedding, residual
-  strategy, per-layer norms, mixers, FFNs) in deterministic mode.
+  """The residual stream per layer (`HybridLM.trace`), with the logits in the same dict.
 
   Args:
     model: HybridLM.
@@ -194,27 +191,8 @@ def trace_layers(model, tokens_bt: jax.Array) -> dict[str, Any]:
       residual state held, "max_keys": most float32 key tensors it held,
       "logits": [B, T, V] float32}.
   """
-  cfg = model.config
-  x = jnp.take(model.embed[...], tokens_bt, axis=0).astype(cfg.compute_dtype)
-  res = model.residual
-  state = res.start(x)
-  stream, outs = [], []
-  max_stored, max_keys = state.num_stored, len(state.keys)
-  for i, layer in enumerate(model.layers):
-    h = res.read(state, 2 * i)
-    stream.append(h.astype(jnp.float32))
-    out, _ = layer.mixer(layer.mixer_norm(h))
-    outs.append(out.astype(jnp.float32))
-    state = res.write(state, 2 * i, out)
-    max_stored, max_keys = max(max_stored, state.num_stored), max(max_keys, len(state.keys))
-    out, _ = layer.ffn(layer.ffn_norm(res.read(state, 2 * i + 1)), deterministic=True)
-    outs.append(out.astype(jnp.float32))
-    state = res.write(state, 2 * i + 1, out)
-    max_stored, max_keys = max(max_stored, state.num_stored), max(max_keys, len(state.keys))
-  final = res.finish(state)
-  stream.append(final.astype(jnp.float32))
-  return {"stream": stream, "sublayer_out": outs, "max_stored": max_stored, "max_keys": max_keys,
-          "logits": model._logits(final)}  # pylint: disable=protected-access
+  logits, trace = model.trace(tokens_bt)
+  return {**trace, "logits": logits}
 
 
 def _rms(x):

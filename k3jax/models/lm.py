@@ -122,8 +122,11 @@ class HybridLM(nnx.Module):
     return jnp.einsum("btd,dv->btv", h, w.astype(self.config.compute_dtype),
                       preferred_element_type=jnp.float32)
 
-  def _run(self, tokens_bt, mixer_fn, *, deterministic):
-    """Runs every layer; mixer_fn(layer, mixer, h) -> (out, stats, cache)."""
+  def _run(self, tokens_bt, mixer_fn, *, deterministic, trace=None):
+    """Runs every layer; mixer_fn(layer, mixer, h) -> (out, stats, cache).
+
+    `trace`, if a dict, collects the intermediates `HybridLM.trace` returns.
+    """
     cfg = self.config
     if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
       raise ValueError(f"tokens must be an int array [B, T], got {tokens_bt.dtype}{tokens_bt.shape}")
@@ -132,10 +135,20 @@ class HybridLM(nnx.Module):
     aux = {}
     aux_loss = jnp.zeros((), jnp.float32)
     caches = []
+
+    def record(name, value):
+      if trace is not None:
+        trace.setdefault(name, []).append(value.astype(jnp.float32))
+        trace["max_stored"] = max(trace.get("max_stored", 0), state.num_stored)
+        trace["max_keys"] = max(trace.get("max_keys", 0), len(state.keys))
+
     for i, layer in enumerate(self.layers):
-      h = layer.mixer_norm(self.residual.read(state, 2 * i))
+      stream = self.residual.read(state, 2 * i)
+      record("stream", stream)
+      h = layer.mixer_norm(stream)
       out, stats, cache = mixer_fn(i, layer.mixer, h)
       out = _shard_btd(out)
+      record("sublayer_out", out)
       caches.append(cache)
       if layer.kind == "K" and stats:
         aux[f"gate/{i}/mean"] = stats["g_mean"]
@@ -144,6 +157,7 @@ class HybridLM(nnx.Module):
       h = layer.ffn_norm(self.residual.read(state, 2 * i + 1))
       out, ffn_aux = layer.ffn(h, deterministic=deterministic)
       out = _shard_btd(out)
+      record("sublayer_out", out)
       for name, value in ffn_aux.items():
         if name == "aux_loss":
           aux_loss = aux_loss + jnp.asarray(value, jnp.float32)
@@ -151,7 +165,9 @@ class HybridLM(nnx.Module):
           aux[f"router/{i}/{name}"] = value
       state = self.residual.write(state, 2 * i + 1, out)
     aux["aux_loss"] = aux_loss
-    return self._logits(self.residual.finish(state)), aux, caches
+    final = self.residual.finish(state)
+    record("stream", final)
+    return self._logits(final), aux, caches
 
   # -- public entry points ---------------------------------------------------
 
@@ -163,6 +179,29 @@ class HybridLM(nnx.Module):
       return out, stats, None
     logits, aux, _ = self._run(tokens_bt, mixer_fn, deterministic=deterministic)
     return logits, aux
+
+  def trace(self, tokens_bt: jax.Array) -> tuple[jax.Array, dict]:
+    """The deterministic forward with its residual-stream intermediates.
+
+    Args:
+      tokens_bt: [B, T] int.
+
+    Returns:
+      (logits [B, T, V] float32, {"stream": L + 1 [B, T, D] float32 tensors,
+      the stream each layer's mixer reads (stream[0] is the embedding) and the
+      final read; "sublayer_out": 2L [B, T, D] float32 mixer / FFN outputs;
+      "max_stored" / "max_keys": most [B, T, D] tensors / keys the residual
+      state held at once}).
+    """
+    trace = {}
+
+    def mixer_fn(i, mixer, h):
+      del i
+      out, stats = mixer(h)
+      return out, stats, None
+
+    logits, _, _ = self._run(tokens_bt, mixer_fn, deterministic=True, trace=trace)
+    return logits, trace
 
   def prefill(self, tokens_bt: jax.Array, max_len: int):
     """Full pass over prompts that also builds the decoding cache.
