@@ -200,3 +200,22 @@ def test_buffered_local_capacity_drops_overflow_in_token_order_and_counts_it():
   np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="local_impl='grouped'"):
     expert_parallel.routed_experts(x, idx, w, wg, wu, wo, mesh=mesh, local_impl="grouped")
+
+
+def test_layer_reports_dispatch_drops():
+  mesh = make_mesh(MeshConfig(data=1, expert=8))
+  x = jax.random.normal(jax.random.key(7), (8, 8, 32), jnp.float32)
+  plain_aux = nnx.jit(lambda layer, x: layer(x, deterministic=True)[1])(_layer(impl="buffered"), x)
+  assert float(plain_aux["dispatch_drop_fraction"]) == 0.0
+
+  def drops(capacity_factor):
+    ep = layers.parallelize(_layer(impl="buffered"), capacity_factor=capacity_factor)
+    graphdef, state = nnx.split(ep)
+    state = rules.shard_tree(state, mesh)
+    with jax.set_mesh(mesh):
+      aux = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, deterministic=True)[1])(state, x)
+    return float(aux["dispatch_drop_fraction"])
+
+  assert drops(None) == 0.0
+  # 8 tokens x 2 choices per device, 1 slot per destination: most are dropped.
+  assert 0.3 < drops(0.25) < 1.0

@@ -124,7 +124,9 @@ class MoE(nnx.Module):
     Returns:
       y_btd: [B, T, d] in x's dtype.
       aux: dict of float32 scalars max_vio, max_vio_routed, drop_fraction,
-        reassigned_fraction, load_cv, aux_loss (0 for routers without one), and load [E].
+        reassigned_fraction, load_cv, aux_loss (0 for routers without one),
+        dispatch_drop_fraction (expert-parallel dispatch drops; 0 on one device),
+        and load [E].
     """
     c = self.config
     if x_btd.ndim != 3 or x_btd.shape[-1] != c.d_model:
@@ -138,19 +140,22 @@ class MoE(nnx.Module):
         scores_ne, k=c.top_k, config=c.router, state=state)
     if self.router_state is not None and not deterministic:
       self.router_state.set_value(new_state)
-    if c.impl == "ragged":
-      y_nd = self._routed_ragged(x_nd, idx_nk, w_nk)
-    elif c.impl == "buffered":
-      y_nd = self._routed_buffered(x_nd, idx_nk, w_nk)
-    else:
-      y_nd = self._routed_dense(x_nd, idx_nk, w_nk)
+    y_nd, dispatch_drop = self._experts(x_nd, idx_nk, w_nk)
     if self.shared_gate is not None:
       y_nd = y_nd + _swiglu(x_nd, self.shared_gate[...], self.shared_up[...],
                             self.shared_out[...], c.dtype)
     aux = {key: stats[key] for key in
            ("max_vio", "max_vio_routed", "drop_fraction", "reassigned_fraction", "load_cv",
             "aux_loss", "load")}
+    aux["dispatch_drop_fraction"] = dispatch_drop
     return y_nd.reshape(b, t, d).astype(x_btd.dtype), aux
+
+  def _experts(self, x_nd, idx_nk, w_nk):
+    """Routed experts by `impl`: ([N, d] f32, fraction of router-kept assignments the
+    expert dispatch dropped; always 0 on one device, see `ExpertParallelMoE`)."""
+    impl = {"ragged": self._routed_ragged, "buffered": self._routed_buffered,
+            "dense": self._routed_dense}[self.config.impl]
+    return impl(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
 
   def _routed_ragged(self, x_nd, idx_nk, w_nk):
     """Sorts (token, expert) pairs by expert and runs grouped matmuls. [N, d] f32."""

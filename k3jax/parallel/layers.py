@@ -42,7 +42,8 @@ class ExpertParallelMoE(MoE):
   """MoE whose routed experts are expert-parallel under a mesh with expert > 1.
 
   Both grouped paths ("ragged", "buffered") dispatch through
-  `expert_parallel.routed_experts` then; "dense" stays the reference.
+  `expert_parallel.routed_experts` then, and the layer's aux reports the
+  dispatch's drops as `dispatch_drop_fraction`; "dense" stays the reference.
 
   `ep_capacity_factor` (instance attribute, default None = lossless) sets the
   dispatch capacity; see `expert_parallel.routed_experts`. The "buffered"
@@ -53,20 +54,16 @@ class ExpertParallelMoE(MoE):
 
   ep_capacity_factor: float | None = None
 
-  def _routed_ragged(self, x_nd, idx_nk, w_nk):
-    if _axis(mesh_lib.EXPERT) == 1:
-      return super()._routed_ragged(x_nd, idx_nk, w_nk)
+  def _experts(self, x_nd, idx_nk, w_nk):
+    c = self.config
+    if _axis(mesh_lib.EXPERT) == 1 or c.impl == "dense":
+      return super()._experts(x_nd, idx_nk, w_nk)
+    buffered = c.impl == "buffered"
     return expert_parallel.routed_experts(
         x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
-        capacity_factor=self.ep_capacity_factor, dtype=self.config.dtype)
-
-  def _routed_buffered(self, x_nd, idx_nk, w_nk):
-    if _axis(mesh_lib.EXPERT) == 1:
-      return super()._routed_buffered(x_nd, idx_nk, w_nk)
-    return expert_parallel.routed_experts(
-        x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
-        capacity_factor=self.ep_capacity_factor, dtype=self.config.dtype,
-        local_impl="buffered", local_capacity_factor=self.config.router.capacity_factor)
+        capacity_factor=self.ep_capacity_factor, dtype=c.dtype, return_dropped=True,
+        local_impl="buffered" if buffered else "ragged",
+        local_capacity_factor=c.router.capacity_factor if buffered else None)
 
 
 _SWAPS = ((MoE, ExpertParallelMoE), (KDA, ContextParallelKDA))
