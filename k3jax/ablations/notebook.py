@@ -20,7 +20,7 @@ def repo_root() -> str:
 
 
 def default_summary_path() -> str:
-  """Where the integrator keeps the full sweep's summary.json."""
+  """Where the repository keeps the full sweep's summary.json."""
   return os.environ.get("ABLATION_SUMMARY",
                         os.path.join(repo_root(), "docs", "results", "ablations_summary.json"))
 
