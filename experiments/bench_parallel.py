@@ -157,7 +157,14 @@ def main(argv):
     print(" | ".join(header))
     base = None
     for m in meshes:
-      r = _run(m, config)
+      try:
+        r = _run(m, config)
+      except Exception as e:  # pylint: disable=broad-except
+        # One failing mesh (memory, a compiler error) must not lose the others' rows.
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(" | ".join([",".join(map(str, m)), "failed", f"{type(e).__name__}: {first_line[:300]}"]),
+              flush=True)
+        continue
       per_dev = r["tok_s"] / r["n"]
       base = per_dev if base is None else base
       print(" | ".join([",".join(map(str, m)), str(r["n"]), f"{r['b']}x{r['t']}",
