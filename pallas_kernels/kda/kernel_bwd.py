@@ -15,8 +15,8 @@ recomputed; `KernelConfig.save_residuals`), then runs:
   reverse cumsum). The anchored score gradients use the same row sub-tiles
   and anchors as the forward; `pairwise` handles diagonal tiles with the
   explicit position-pair decay, one column at a time. Two bodies:
-  `_intra_bwd_rows_kernel` (row blocks; GPU and CPU default) and
-  `_intra_bwd_kernel` (masked whole-chunk tiles; TPU default).
+  `_intra_bwd_rows_kernel` (row blocks; the interpret-mode default, opt-in on GPU) and
+  `_intra_bwd_kernel` (masked whole-chunk tiles; the GPU and TPU default); see `use_row_blocks`.
 """
 from __future__ import annotations
 

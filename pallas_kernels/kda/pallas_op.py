@@ -47,15 +47,22 @@ def _chunk_cumsum(g_btf, chunk_size, reverse=False):
   return g.reshape(b, tp, f)
 
 
+def _kernel_layout(q, k, v, beta):
+  """The kernels' layouts of the inputs: q2, k2 [B, Tp, H*K], v2 [B, Tp, H*V], beta_t [B, H, Tp, 1] f32."""
+  b, tp, h, dk = q.shape
+  return dict(q2=q.reshape(b, tp, h * dk), k2=k.reshape(b, tp, h * dk),
+              v2=v.reshape(b, tp, h * v.shape[-1]),
+              beta_t=jnp.transpose(beta.astype(_F32), (0, 2, 1))[..., None])
+
+
 def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   """Kernel forward on the chunk grid. Shapes as in `_core`."""
   b, tp, h, dk = q.shape
   dv = v.shape[-1]
   cfg = st.cfg
-  q2, k2 = q.reshape(b, tp, h * dk), k.reshape(b, tp, h * dk)
-  v2 = v.reshape(b, tp, h * dv)
+  lay = _kernel_layout(q, k, v, beta)
+  q2, k2, v2, beta_t = lay["q2"], lay["k2"], lay["v2"], lay["beta_t"]
   g_cum = _chunk_cumsum(g.reshape(b, tp, h * dk).astype(_F32), st.chunk_size)
-  beta_t = jnp.transpose(beta.astype(_F32), (0, 2, 1))[..., None]
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
                                diagonal=st.diagonal, save_m=save, **kw)
@@ -65,8 +72,8 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   o = outs[0].reshape(b, tp, h, dv)
   if not save:
     return o, outs[1]
-  return o, outs[1], dict(q2=q2, k2=k2, v2=v2, g_cum=g_cum, beta_t=beta_t, w=w,
-                          a_qk=a_qk, m=intra[3], hs=outs[2], v_new=outs[3])
+  return o, outs[1], dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=outs[2],
+                          v_new=outs[3])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -113,16 +120,6 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
   return (o, ht), (q, k, v, None, beta, h0, meta, saved)
 
 
-def _saved_intermediates(st, q, k, v, beta, saved):
-  """The dict `_forward(save=True)` returns, rebuilt from kept residuals."""
-  b, tp, h, dk = q.shape
-  r = dict(saved)
-  r.update(q2=q.reshape(b, tp, h * dk), k2=k.reshape(b, tp, h * dk),
-           v2=v.reshape(b, tp, h * v.shape[-1]),
-           beta_t=jnp.transpose(beta.astype(_F32), (0, 2, 1))[..., None])
-  return r
-
-
 def _core_bwd(st, res, cts):
   q, k, v, g, beta, h0, meta, saved = res
   first_n, _, seq_n = meta
@@ -134,7 +131,7 @@ def _core_bwd(st, res, cts):
     # Recompute the forward's intermediates (M, entry states, V').
     _, _, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
   else:
-    r = _saved_intermediates(st, q, k, v, beta, saved)
+    r = dict(saved, **_kernel_layout(q, k, v, beta))  # what _forward(save=True) returns
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   do2 = do.reshape(b, tp, h * dv).astype(cfg.mm_dtype)
   dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, r["q2"], r["k2"], r["g_cum"], r["w"],
