@@ -161,59 +161,25 @@ class MoE(nnx.Module):
     """Sorts (token, expert) pairs by expert and runs grouped matmuls. [N, d] f32."""
     c = self.config
     n, k = idx_nk.shape
-    kept_a = (w_nk > 0).reshape(-1)
-    # Dropped pairs sort after every expert and fall outside all groups.
-    key_a = jnp.where(kept_a, idx_nk.reshape(-1), c.num_experts)
-    order = jnp.argsort(key_a, stable=True)
-    group_sizes = jnp.bincount(key_a, length=c.num_experts + 1)[: c.num_experts]
-    group_sizes = group_sizes.astype(jnp.int32)
-    token_sorted = order // k
-    xs = x_nd[token_sorted].astype(c.dtype)
-    gate = jax.lax.ragged_dot(xs, self.wi_gate[...].astype(c.dtype), group_sizes,
-                              preferred_element_type=jnp.float32)
-    up = jax.lax.ragged_dot(xs, self.wi_up[...].astype(c.dtype), group_sizes,
-                            preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(c.dtype)
-    ys = jax.lax.ragged_dot(h, self.wo[...].astype(c.dtype), group_sizes,
-                            preferred_element_type=jnp.float32)
-    w_sorted = w_nk.reshape(-1)[order]
-    # Rows past the last group are unspecified by ragged_dot: mask, don't multiply.
-    ys = jnp.where(kept_a[order][:, None], ys * w_sorted[:, None], 0.0)
-    inverse = jnp.argsort(order)
-    return jnp.sum(ys[inverse].reshape(n, k, -1), axis=1)
+    # Dropped pairs are empty rows: they sort after every expert, outside all groups.
+    expert_a = jnp.where((w_nk > 0).reshape(-1), idx_nk.reshape(-1), c.num_experts)
+    token_a = jnp.arange(n * k, dtype=jnp.int32) // k
+    y_a = ragged_swiglu(x_nd, token_a, expert_a, c.num_experts, self.wi_gate[...],
+                        self.wi_up[...], self.wo[...], c.dtype)
+    return jnp.sum((y_a * w_nk.reshape(-1)[:, None]).reshape(n, k, -1), axis=1)
 
   def _routed_buffered(self, x_nd, idx_nk, w_nk):
     """Per-expert buffers of the router's capacity, one batched matmul. [N, d] f32."""
     c = self.config
     n, k = idx_nk.shape
     cap = capacity_lib.expert_capacity(n, c.num_experts, k, c.router.capacity_factor)
-    kept_a = (w_nk > 0).reshape(-1)
-    key_a = jnp.where(kept_a, idx_nk.reshape(-1), c.num_experts)
-    order = jnp.argsort(key_a, stable=True)
-    key_sorted = key_a[order]
-    group_sizes = jnp.bincount(key_a, length=c.num_experts + 1)
-    group_start = jnp.cumsum(group_sizes) - group_sizes
-    pos = jnp.arange(n * k, dtype=jnp.int32) - group_start[key_sorted]
-    # The router keeps at most `cap` per expert, so kept rows always fit; the
-    # rest (and dropped pairs) point past the buffer and are not written.
-    slot = jnp.where((key_sorted < c.num_experts) & (pos < cap),
-                     key_sorted * cap + pos, c.num_experts * cap)
-    buf = jnp.zeros((c.num_experts * cap, x_nd.shape[1]), c.dtype).at[slot].set(
-        x_nd[order // k].astype(c.dtype), mode="drop")
-    buf = buf.reshape(c.num_experts, cap, -1)
-    gate = jnp.einsum("ecd,edh->ech", buf, self.wi_gate[...].astype(c.dtype),
-                      preferred_element_type=jnp.float32)
-    up = jnp.einsum("ecd,edh->ech", buf, self.wi_up[...].astype(c.dtype),
-                    preferred_element_type=jnp.float32)
-    h = (jax.nn.silu(gate) * up).astype(c.dtype)
-    out = jnp.einsum("ech,ehd->ecd", h, self.wo[...].astype(c.dtype),
-                     preferred_element_type=jnp.float32).reshape(c.num_experts * cap, -1)
-    valid = slot < c.num_experts * cap
-    ys = jnp.where(valid[:, None],
-                   out[jnp.minimum(slot, c.num_experts * cap - 1)]
-                   * w_nk.reshape(-1)[order][:, None], 0.0)
-    inverse = jnp.argsort(order)
-    return jnp.sum(ys[inverse].reshape(n, k, -1), axis=1)
+    # Dropped pairs are empty rows. The router keeps at most `cap` per expert,
+    # so kept rows always fit.
+    expert_a = jnp.where((w_nk > 0).reshape(-1), idx_nk.reshape(-1), c.num_experts)
+    token_a = jnp.arange(n * k, dtype=jnp.int32) // k
+    y_a, _ = buffered_swiglu(x_nd, token_a, expert_a, c.num_experts, cap, self.wi_gate[...],
+                             self.wi_up[...], self.wo[...], c.dtype)
+    return jnp.sum((y_a * w_nk.reshape(-1)[:, None]).reshape(n, k, -1), axis=1)
 
   def _routed_dense(self, x_nd, idx_nk, w_nk):
     """Every expert on every token, combined by dense weights. [N, d] f32 (reference)."""
@@ -229,6 +195,66 @@ class MoE(nnx.Module):
     h = rnd(jax.nn.silu(gate) * up)
     y_ned = jnp.einsum("neh,ehd->ned", h, rnd(self.wo[...]))
     return jnp.einsum("ned,ne->nd", y_ned, combine_ne)
+
+
+def ragged_swiglu(x_nd, src_r, expert_r, num_experts: int, wi_gate_edh, wi_up_edh, wo_ehd, dtype):
+  """SwiGLU experts on rows sorted by expert, through `jax.lax.ragged_dot`.
+
+  Row r is x_nd[src_r[r]] for expert expert_r[r] (num_experts = an empty row).
+
+  Args:
+    x_nd: [N, d]; src_r, expert_r: [R] int32.
+    wi_gate_edh, wi_up_edh: [E, d, h]; wo_ehd: [E, h, d]; dtype: operand dtype.
+
+  Returns:
+    [R, d] f32 expert outputs in row order, zero on empty rows.
+  """
+  order = jnp.argsort(expert_r, stable=True)
+  sizes = jnp.bincount(expert_r, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  xs = x_nd[src_r[order]].astype(dtype)
+  gate = jax.lax.ragged_dot(xs, wi_gate_edh.astype(dtype), sizes, preferred_element_type=jnp.float32)
+  up = jax.lax.ragged_dot(xs, wi_up_edh.astype(dtype), sizes, preferred_element_type=jnp.float32)
+  h = (jax.nn.silu(gate) * up).astype(dtype)
+  ys = jax.lax.ragged_dot(h, wo_ehd.astype(dtype), sizes, preferred_element_type=jnp.float32)
+  # Rows past the last group are unspecified by ragged_dot: mask them.
+  ys = jnp.where((expert_r[order] < num_experts)[:, None], ys, 0.0)
+  return jnp.zeros_like(ys).at[order].set(ys)
+
+
+def buffered_swiglu(x_nd, src_r, expert_r, num_experts: int, cap: int, wi_gate_edh, wi_up_edh,
+                    wo_ehd, dtype):
+  """SwiGLU experts on rows grouped into per-expert buffers, one batched matmul.
+
+  Row r is x_nd[src_r[r]] for expert expert_r[r] (num_experts = an empty row).
+  Each expert's rows fill its `cap` slots in row order; rows past them overflow.
+
+  Args:
+    x_nd: [N, d]; src_r, expert_r: [R] int32.
+    wi_gate_edh, wi_up_edh: [E, d, h]; wo_ehd: [E, h, d]; dtype: operand dtype.
+
+  Returns:
+    ([R, d] f32 expert outputs in row order, zero on empty and overflowing rows;
+    [R] bool, the row overflowed its expert's buffer).
+  """
+  rows = expert_r.shape[0]
+  order = jnp.argsort(expert_r, stable=True)
+  e_sorted = expert_r[order]
+  sizes = jnp.bincount(expert_r, length=num_experts + 1)
+  starts = jnp.cumsum(sizes) - sizes
+  pos = jnp.arange(rows, dtype=jnp.int32) - starts[e_sorted]
+  real = e_sorted < num_experts
+  fits = real & (pos < cap)
+  slot = jnp.where(fits, e_sorted * cap + pos, num_experts * cap)
+  buf = jnp.zeros((num_experts * cap, x_nd.shape[1]), dtype).at[slot].set(
+      x_nd[src_r[order]].astype(dtype), mode="drop").reshape(num_experts, cap, -1)
+  gate = jnp.einsum("ecd,edh->ech", buf, wi_gate_edh.astype(dtype), preferred_element_type=jnp.float32)
+  up = jnp.einsum("ecd,edh->ech", buf, wi_up_edh.astype(dtype), preferred_element_type=jnp.float32)
+  h = (jax.nn.silu(gate) * up).astype(dtype)
+  out = jnp.einsum("ech,ehd->ecd", h, wo_ehd.astype(dtype),
+                   preferred_element_type=jnp.float32).reshape(num_experts * cap, -1)
+  ys = jnp.where(fits[:, None], out[jnp.minimum(slot, num_experts * cap - 1)], 0.0)
+  overflow = jnp.zeros((rows,), bool).at[order].set(real & ~fits)
+  return jnp.zeros_like(ys).at[order].set(ys), overflow
 
 
 def _swiglu(x_nd, w_gate, w_up, w_out, dtype):

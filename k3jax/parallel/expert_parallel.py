@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from k3jax.layers import moe as moe_lib
 from k3jax.parallel import mesh as mesh_lib
 
 TOKEN_AXES = mesh_lib.AXES
@@ -70,52 +71,6 @@ def capacity(n_local: int, top_k: int, n_shards: int, capacity_factor: float | N
   if not capacity_factor > 0:
     raise ValueError(f"capacity_factor={capacity_factor!r}; must be > 0 or None (lossless)")
   return max(1, min(worst, math.ceil(capacity_factor * worst / n_shards)))
-
-
-def _swiglu_grouped(x_rd, e_r, num_local, wi_gate, wi_up, wo, dtype):
-  """Grouped SwiGLU over rows tagged with local expert ids (num_local = empty row).
-
-  x_rd [R, d] dtype, e_r [R] int32; weights [E_l, d, h], [E_l, h, d] -> [R, d] f32,
-  zero on empty rows.
-  """
-  order = jnp.argsort(e_r, stable=True)
-  sizes = jnp.bincount(e_r, length=num_local + 1)[:num_local].astype(jnp.int32)
-  xs = x_rd[order]
-  gate = jax.lax.ragged_dot(xs, wi_gate.astype(dtype), sizes, preferred_element_type=jnp.float32)
-  up = jax.lax.ragged_dot(xs, wi_up.astype(dtype), sizes, preferred_element_type=jnp.float32)
-  h = (jax.nn.silu(gate) * up).astype(dtype)
-  ys = jax.lax.ragged_dot(h, wo.astype(dtype), sizes, preferred_element_type=jnp.float32)
-  # Rows past the last group are unspecified by ragged_dot: mask them.
-  ys = jnp.where((e_r[order] < num_local)[:, None], ys, 0.0)
-  return jnp.zeros_like(ys).at[order].set(ys)
-
-
-def _swiglu_buffered(x_rd, e_r, num_local, local_cap, wi_gate, wi_up, wo, dtype):
-  """SwiGLU over rows grouped into [E_l, local_cap, d] buffers (num_local = empty row).
-
-  x_rd [R, d] dtype, e_r [R] int32; weights [E_l, d, h], [E_l, h, d].
-  Returns ([R, d] f32, zero on empty and overflowing rows; [R] bool, row
-  overflowed its expert's buffer).
-  """
-  r_rows, d = x_rd.shape
-  order = jnp.argsort(e_r, stable=True)
-  e_sorted = e_r[order]
-  sizes = jnp.bincount(e_r, length=num_local + 1)
-  starts = jnp.cumsum(sizes) - sizes
-  pos = jnp.arange(r_rows, dtype=jnp.int32) - starts[e_sorted]
-  real = e_sorted < num_local
-  fits = real & (pos < local_cap)
-  slot = jnp.where(fits, e_sorted * local_cap + pos, num_local * local_cap)
-  buf = jnp.zeros((num_local * local_cap, d), dtype).at[slot].set(x_rd[order], mode="drop")
-  buf = buf.reshape(num_local, local_cap, d)
-  gate = jnp.einsum("ecd,edh->ech", buf, wi_gate.astype(dtype), preferred_element_type=jnp.float32)
-  up = jnp.einsum("ecd,edh->ech", buf, wi_up.astype(dtype), preferred_element_type=jnp.float32)
-  h = (jax.nn.silu(gate) * up).astype(dtype)
-  out = jnp.einsum("ech,ehd->ecd", h, wo.astype(dtype),
-                   preferred_element_type=jnp.float32).reshape(num_local * local_cap, d)
-  ys = jnp.where(fits[:, None], out[jnp.minimum(slot, num_local * local_cap - 1)], 0.0)
-  overflow = jnp.zeros((r_rows,), bool).at[order].set(real & ~fits)
-  return jnp.zeros_like(ys).at[order].set(ys), overflow
 
 
 def local_capacity(rows: int, num_local: int, local_capacity_factor: float) -> int:
@@ -208,13 +163,14 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
         key_s % e_local, mode="drop")
     recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=True)
     recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=True)
+    rows = n_shards * cap
+    row_args = (recv_x.reshape(rows, d), jnp.arange(rows, dtype=jnp.int32), recv_e.reshape(-1),
+                e_local)
     if local_impl == "ragged":
-      y_r = _swiglu_grouped(recv_x.reshape(n_shards * cap, d), recv_e.reshape(-1), e_local,
-                            wi_gate, wi_up, wo, dtype)
+      y_r = moe_lib.ragged_swiglu(*row_args, wi_gate, wi_up, wo, dtype)
       local_dropped = jnp.float32(0.0)
     else:
-      y_r, overflow = _swiglu_buffered(recv_x.reshape(n_shards * cap, d), recv_e.reshape(-1),
-                                       e_local, lcap, wi_gate, wi_up, wo, dtype)
+      y_r, overflow = moe_lib.buffered_swiglu(*row_args, lcap, wi_gate, wi_up, wo, dtype)
       local_dropped = jnp.sum(overflow.astype(jnp.float32))
     back = jax.lax.all_to_all(y_r.reshape(n_shards, cap, d), expert_axis, 0, 0, tiled=True)
     y_s = back[jnp.minimum(row_s, n_shards - 1), jnp.minimum(pos_s, cap - 1)]
