@@ -27,15 +27,9 @@ from k3jax.ablations.sweeps import RunSpec
 
 def restore(workdir: str):
   """(model, model_config, trainer config, step) of a finished run directory."""
-  import json  # pylint: disable=g-import-not-at-top
-
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
-  from k3jax.models.generate import restore_model  # pylint: disable=g-import-not-at-top
+  from k3jax.models.generate import load_run_config, restore_model  # pylint: disable=g-import-not-at-top
   model, model_cfg, step = restore_model(workdir)
-  with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  return model, model_cfg, config, step
+  return model, model_cfg, load_run_config(workdir), step
 
 
 # -- held-out evaluation at other lengths ------------------------------------------

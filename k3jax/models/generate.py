@@ -101,6 +101,23 @@ def _decode(model, tokens_b1, cache):
   return model.decode(tokens_b1, cache)
 
 
+def load_run_config(workdir: str):
+  """The trainer config (ml_collections.ConfigDict) a run directory was trained with.
+
+  Raises ValueError if `<workdir>/config.json` (written by the trainer) is missing.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{path} does not exist; is {workdir!r} a training run directory?")
+  with open(path, encoding="utf-8") as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
 def restore_model(workdir: str, step: int | None = None):
   """Rebuilds the HybridLM of a training run directory from its checkpoint.
 
@@ -111,10 +128,7 @@ def restore_model(workdir: str, step: int | None = None):
   Returns:
     (model, model_config, restored step).
   """
-  import json  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
-
-  import ml_collections  # pylint: disable=g-import-not-at-top
 
   from k3jax.models import lm  # pylint: disable=g-import-not-at-top
   from k3jax.train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
@@ -122,11 +136,7 @@ def restore_model(workdir: str, step: int | None = None):
   from k3jax.train.optimizer import make_optimizer  # pylint: disable=g-import-not-at-top
   from k3jax.train.state import create_train_state  # pylint: disable=g-import-not-at-top
 
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{path} does not exist; is {workdir!r} a training run directory?")
-  with open(path, encoding="utf-8") as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = load_run_config(workdir)
   model_cfg = model_config_from(config.model)
   tx, _ = make_optimizer(config.optim, config.num_steps)
   graphdef, template = create_train_state(lambda rngs: lm.HybridLM(model_cfg, rngs=rngs), tx,
