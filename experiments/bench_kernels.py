@@ -8,6 +8,7 @@ the ratios. Optionally per-stage times of the Pallas kernels.
 
   python experiments/bench_kernels.py --shapes=16x2048x16x128,4x8192x16x128
   python experiments/bench_kernels.py --mode=fla --shapes=...   # peer only (torch)
+  CUDA_VISIBLE_DEVICES=0 python experiments/bench_kernels.py --peer_gpu=1   # peer on GPU 1, concurrently
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ _IMPLS = flags.DEFINE_list("impls", ["pallas:dense", "pallas:pairwise", "xla:den
 _PEER = flags.DEFINE_bool("peer", True, "Also time fla chunk_kda in a subprocess.")
 _PEER_TIMEOUT = flags.DEFINE_integer("peer_timeout", 900, "Seconds allowed to the fla "
                                      "subprocess (its first calls autotune).")
+_PEER_GPU = flags.DEFINE_integer("peer_gpu", -1, "Run the peer concurrently on this other GPU "
+                                 "(CUDA_VISIBLE_DEVICES of the subprocess; start this process "
+                                 "with CUDA_VISIBLE_DEVICES set to a different one). -1: run it "
+                                 "on the same GPU after our timings.")
 _STAGES = flags.DEFINE_list("stages", ["dense", "pairwise"], "Diagonal strategies whose "
                             "per-kernel pallas times are printed (empty: none).")
 _PEER_MODES = flags.DEFINE_list("peer_modes", ["safe", "unsafe"], "fla safe_gate modes to time.")
@@ -82,17 +87,26 @@ def _run_fla(shapes, iters, lower_bound):
       print(json.dumps(dict(shape=shape, safe=safe, fwd=t_fwd, fwdbwd=t_fb)), flush=True)
 
 
-def _peer_times(shapes):
-  """Runs this script with --mode=fla in a subprocess; {(shape, safe): (fwd, fb)}."""
+def _start_peer(shapes):
+  """Starts this script with --mode=fla as a subprocess (on --peer_gpu if set)."""
   cmd = [sys.executable, os.path.abspath(__file__), "--mode=fla",
          "--shapes=" + ",".join(shapes), f"--iters={_ITERS.value}",
          f"--lower_bound={_LOWER_BOUND.value}", "--peer_modes=" + ",".join(_PEER_MODES.value)]
+  env = dict(os.environ)
+  if _PEER_GPU.value >= 0:
+    env["CUDA_VISIBLE_DEVICES"] = str(_PEER_GPU.value)
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _collect_peer(proc, started):
+  """Waits for the peer (up to --peer_timeout after its start); {(shape, safe): (fwd, fb)}."""
+  import time  # pylint: disable=g-import-not-at-top
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          timeout=_PEER_TIMEOUT.value)
-    stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
-  except subprocess.TimeoutExpired as e:
-    stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    stdout, stderr = proc.communicate(timeout=max(1.0, _PEER_TIMEOUT.value - (time.time() - started)))
+    rc = proc.returncode
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    stdout, _ = proc.communicate()
     stderr, rc = f"timed out after {_PEER_TIMEOUT.value} s", 1
   out = {}
   for line in stdout.splitlines():
@@ -145,7 +159,10 @@ def _run_jax(shapes):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
 
+  import time  # pylint: disable=g-import-not-at-top
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+  # On another GPU the peer's autotuning cannot disturb our timings, so it starts now.
+  early_peer = (_start_peer(shapes), time.time()) if _PEER.value and _PEER_GPU.value >= 0 else None
   overrides = parse_overrides(_OVERRIDES.value)
   if overrides:
     print(f"pallas KernelConfig overrides: {overrides}", flush=True)
@@ -187,8 +204,13 @@ def _run_jax(shapes):
         except Exception as e:  # pylint: disable=broad-except
           print(f"{shape} stages {diag} failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
-  # The peer runs after our timings so that its autotuning cannot eat them.
-  peer = _peer_times(shapes) if _PEER.value else {}
+  # On the same GPU the peer runs after our timings so that its autotuning cannot eat them.
+  if early_peer is not None:
+    peer = _collect_peer(*early_peer)
+  elif _PEER.value:
+    peer = _collect_peer(_start_peer(shapes), time.time())
+  else:
+    peer = {}
   print("\n| shape (B,T,H,D) | impl | fwd ms | fwd+bwd ms | fla safe fwd / fwd+bwd | "
         "fla unsafe fwd / fwd+bwd | ratio vs fla safe (fwd, fwd+bwd; <1 = faster) | "
         "roofline floor fwd / fwd+bwd | x floor (fwd, fwd+bwd) |")

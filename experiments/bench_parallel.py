@@ -18,7 +18,9 @@ backward + optimizer + gradient reduction). `--profile_dir` writes a
 (collectives vs compute).
 """
 import statistics
+import sys
 import time
+import traceback
 
 from absl import app
 from absl import flags
@@ -162,6 +164,7 @@ def main(argv):
       except Exception as e:  # pylint: disable=broad-except
         # One failing mesh (memory, a compiler error) must not lose the others' rows.
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        traceback.print_exc(file=sys.stderr)  # the whole message, for a log file
         print(" | ".join([",".join(map(str, m)), "failed", f"{type(e).__name__}: {first_line[:300]}"]),
               flush=True)
         continue

@@ -52,6 +52,8 @@ flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; one run per seed, variant an
 flags.DEFINE_integer("jobs", 8, "Runs at a time (separate processes).")
 flags.DEFINE_integer("num_gpus", -1, "GPUs to spread runs over round-robin; -1 counts them with "
                      "nvidia-smi, 0 runs on the CPU.")
+flags.DEFINE_list("gpu_ids", [], "Physical GPU ids to spread runs over instead of the first "
+                  "--num_gpus (e.g. 1 keeps GPU 0 free for another job).")
 flags.DEFINE_integer("max_wall_s", 0, "Launch no new run after this many seconds (0: no limit); "
                      "the summary then lists the runs left out, and a rerun continues.")
 flags.DEFINE_integer("stop_after_s", 0, "Send SIGTERM to runs still going after this many seconds "
@@ -76,7 +78,16 @@ def _specs():
   return specs
 
 
+def _gpu_ids() -> list[int]:
+  """Physical GPU ids the runs are spread over ([] = CPU)."""
+  if FLAGS.gpu_ids:
+    return [int(g) for g in FLAGS.gpu_ids]
+  return list(range(_gpu_count()))
+
+
 def _gpu_count() -> int:
+  if FLAGS.gpu_ids:
+    return len(FLAGS.gpu_ids)
   if FLAGS.num_gpus >= 0:
     return FLAGS.num_gpus
   if shutil.which("nvidia-smi") is None:
@@ -111,7 +122,8 @@ def _env(gpu: int | None, cache_dir: str) -> dict:
 
 def _launch_all(specs, out: str):
   """Runs every spec in its own process; returns {key: return code} of the launched ones."""
-  ngpu = _gpu_count()
+  gpus = _gpu_ids()
+  ngpu = len(gpus)
   cache_dir = os.path.join(out, "jax_cache")
   log_dir = os.path.join(out, "logs")
   os.makedirs(log_dir, exist_ok=True)
@@ -122,7 +134,7 @@ def _launch_all(specs, out: str):
   launched = 0
   stopped: set[str] = set()
   print(f"{len(pending)} runs, {FLAGS.jobs} at a time, "
-        f"{'CPU' if ngpu == 0 else f'{ngpu} GPU(s)'}; logs in {log_dir}", flush=True)
+        f"{'CPU' if ngpu == 0 else f'GPU(s) {gpus}'}; logs in {log_dir}", flush=True)
   while pending or running:
     while pending and len(running) < FLAGS.jobs:
       if FLAGS.max_wall_s and time.time() - start > FLAGS.max_wall_s:
@@ -130,7 +142,7 @@ def _launch_all(specs, out: str):
         pending = []
         break
       spec = pending.pop(0)
-      gpu = None if ngpu == 0 else launched % ngpu
+      gpu = None if ngpu == 0 else gpus[launched % ngpu]
       launched += 1
       log = open(os.path.join(log_dir, spec.key.replace("/", "__") + ".log"), "w", encoding="utf-8")
       cmd = [sys.executable, os.path.abspath(__file__), f"--worker={spec.key}", f"--out={out}",

@@ -189,6 +189,12 @@ class TestKdaPallasInterpret(KdaPallasChecks):
     with pytest.raises(ValueError, match="K must be a power of two"):
       chunk_kda_pallas(q, k, v, g, beta, scale=0.2, chunk_size=16, interpret=True)
 
+  def test_config_overrides_are_pallas_only(self):
+    q, k, v, g, beta, _ = _inputs(8, 1, 16, 1, 16, 16)
+    with pytest.raises(ValueError, match="config_overrides"):
+      api.chunk_kda(q, k, v, g, beta, implementation="xla", chunk_size=16,
+                    config_overrides={"intra_bwd_impl": "rows"})
+
   def test_dense_rejects_unsafe_lower_bound(self):
     q, k, v, g, beta, _ = _inputs(8, 1, 16, 1, 16, 16)
     with pytest.raises(ValueError, match="unsafe"):
@@ -276,3 +282,15 @@ def test_lowers_for_tpu(diagonal):
   exported = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, v, g, beta)
   text = exported.mlir_module()
   assert "tpu_custom_call" in text
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuRowBlocks(TestKdaPallasGpu):
+  """The GPU checks, gradients included, with the row-block intra backward forced.
+
+  Triton compiles "rows" and "tiles" into different kernels; each is checked
+  on the GPU before `intra_bwd_impl="auto"` may pick it there.
+  """
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"intra_bwd_impl": "rows"}, **kw)

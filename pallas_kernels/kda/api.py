@@ -21,7 +21,7 @@ IMPLEMENTATIONS = ("pallas", "xla", "naive")
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
               output_final_state=False, cu_seqlens=None, chunk_size=64,
               lower_bound=None, diagonal="dense", sub_chunk=16,
-              implementation="xla", interpret=False):
+              implementation="xla", interpret=False, config_overrides=None):
   """Chunked KDA: o_t = S_t^T (scale q_t) with the gated delta-rule state.
 
   Args:
@@ -42,12 +42,17 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     implementation: "pallas" (Pallas kernels, custom VJP), "xla" (chunked
       jnp), or "naive" (token loop; chunk arguments are ignored).
     interpret: run Pallas kernels in interpret mode (CPU tests).
+    config_overrides: dict of `kernel_config.KernelConfig` fields forced on
+      the pallas path (e.g. {"intra_bwd_impl": "rows"}) for A/B runs.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] float32 or None).
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if config_overrides and implementation != "pallas":
+    raise ValueError(f"config_overrides apply to implementation='pallas' only, got "
+                     f"implementation={implementation!r}")
   if implementation == "naive":
     return reference.naive_recurrent_kda(
         q, k, v, g, beta, scale=scale, initial_state=initial_state,
@@ -63,7 +68,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
       "lower_bound", "sub_chunk")})
   pallas_fn = _pallas_entry()
   kwargs["scale"] = args.scale
-  return pallas_fn(q, k, v, args.g, beta, interpret=interpret, **kwargs)
+  return pallas_fn(q, k, v, args.g, beta, interpret=interpret,
+                   config_overrides=config_overrides, **kwargs)
 
 
 @functools.cache

@@ -1,0 +1,33 @@
+"""The ablation launcher's GPU assignment (no runs are launched here)."""
+import sys
+from pathlib import Path
+
+import pytest
+from absl import flags
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import run_ablations  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture
+def parsed_flags():
+  def parse(*argv):
+    flags.FLAGS.unparse_flags()
+    flags.FLAGS(["run_ablations", *argv])
+  yield parse
+  flags.FLAGS.unparse_flags()
+
+
+def test_gpu_ids_pick_physical_gpus(parsed_flags):
+  parsed_flags("--gpu_ids=1,3", "--num_gpus=8")
+  assert run_ablations._gpu_ids() == [1, 3]  # pylint: disable=protected-access
+  env = run_ablations._env(3, "/tmp/cache")  # pylint: disable=protected-access
+  assert env["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def test_num_gpus_counts_from_zero_and_cpu(parsed_flags):
+  parsed_flags("--num_gpus=2")
+  assert run_ablations._gpu_ids() == [0, 1]  # pylint: disable=protected-access
+  parsed_flags("--num_gpus=0")
+  assert run_ablations._gpu_ids() == []  # pylint: disable=protected-access
+  assert run_ablations._env(None, "/tmp/cache")["JAX_PLATFORMS"] == "cpu"  # pylint: disable=protected-access
