@@ -24,6 +24,7 @@ Then, in the checkout: copy the summary to docs/results/ablations_summary.json a
 If a call was cut off (the summary lists `missing` runs), a second call on a fresh machine with
 `--merge_summary=<first summary>` runs only the missing ones and writes one combined summary.
 """
+import dataclasses
 import os
 import shutil
 import signal
@@ -67,14 +68,45 @@ flags.DEFINE_string("summary", None, "Where to write summary.json (default: <out
 flags.DEFINE_string("results_page", None, "Markdown page whose tables are rendered from the summary "
                     "(e.g. docs/results.md).")
 flags.DEFINE_bool("render_only", False, "Only render --results_page from --summary.")
+flags.DEFINE_list("set", [], "Config overrides added to every run's base overrides (a variant's "
+                  "own overrides still win), as dotted=value (e.g. model.moe_impl=buffered); recorded "
+                  "in each run's config.json. Use a fresh --out: run keys do not change.")
+flags.DEFINE_bool("deterministic", True, "Bitwise-repeatable GPU ops (the router sweep's causality "
+                  "probe compares two forwards exactly); false only as a workaround.")
 flags.DEFINE_string("worker", None, "Internal: run the one run with this key and exit.")
+
+
+def parse_set(items) -> tuple:
+  """`--set` items -> ((dotted name, value), ...); values are bools, ints, floats or strings."""
+  out = []
+  for item in items:
+    name, sep, raw = item.partition("=")
+    if not sep or not name:
+      raise app.UsageError(f"--set item {item!r} is not dotted.name=value")
+    value = raw
+    if raw.lower() in ("true", "false"):
+      value = raw.lower() == "true"
+    else:
+      for cast in (int, float):
+        try:
+          value = cast(raw)
+          break
+        except ValueError:
+          pass
+    out.append((name, value))
+  return tuple(out)
+
+
+def _with_set(spec):
+  extra = parse_set(FLAGS.set)
+  return dataclasses.replace(spec, base=spec.base + extra) if extra else spec
 
 
 def _specs():
   seeds = tuple(int(s) for s in FLAGS.seeds)
   specs = []
   for name in FLAGS.sweeps:
-    specs += make_sweep(name, FLAGS.setting, seeds).runs()
+    specs += [_with_set(s) for s in make_sweep(name, FLAGS.setting, seeds).runs()]
   return specs
 
 
@@ -115,8 +147,9 @@ def _env(gpu: int | None, cache_dir: str) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
   else:
     env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    # Bitwise-repeatable GPU reductions: the causality probe compares two forwards exactly.
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    if FLAGS.deterministic:
+      # Bitwise-repeatable GPU reductions: the causality probe compares two forwards exactly.
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
   return env
 
 
@@ -146,7 +179,7 @@ def _launch_all(specs, out: str):
       launched += 1
       log = open(os.path.join(log_dir, spec.key.replace("/", "__") + ".log"), "w", encoding="utf-8")
       cmd = [sys.executable, os.path.abspath(__file__), f"--worker={spec.key}", f"--out={out}",
-             f"--setting={FLAGS.setting}"]
+             f"--setting={FLAGS.setting}", "--set=" + ",".join(FLAGS.set)]
       running[spec.key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                             env=_env(gpu, cache_dir)), time.time(), log)
     time.sleep(0.5)
@@ -172,6 +205,7 @@ def _worker(key: str, out: str):
   sweep_name = key.split("/")[0]
   seed = int(key.rsplit("seed", 1)[1])
   for spec in make_sweep(sweep_name, FLAGS.setting, (seed,)).runs():
+    spec = _with_set(spec)
     if spec.key == key:
       import jax  # pylint: disable=g-import-not-at-top
       jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))

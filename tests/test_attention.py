@@ -27,7 +27,7 @@ def _reference(layer, x):
   q = np.einsum("btd,dhk->bthk", x, p["wq"])
   k = np.einsum("btd,dhk->bthk", x, p["wk"])
   v = np.einsum("btd,dhk->bthk", x, p["wv"])
-  group = H // KVH
+  group = layer.num_heads // layer.num_kv_heads
   k = np.repeat(k, group, axis=2)
   v = np.repeat(v, group, axis=2)
   t = x.shape[1]
@@ -101,3 +101,41 @@ def test_parameters_carry_logical_axes():
   layer = _layer()
   assert layer.wq.get_metadata()["out_sharding"] == ("embed", "heads", "kv")
   assert layer.wo.get_metadata()["out_sharding"] == ("heads", "kv", "embed")
+
+
+@pytest.mark.parametrize("context, kv_heads, heads_split", [(2, KVH, True), (4, 1, False)])
+def test_sequence_split_attention_sees_whole_sequences(context, kv_heads, heads_split,
+                                                       monkeypatch):
+  """On a context axis the attention op gets whole sequences, its heads split over the axis.
+
+  cuDNN's attention refuses a split sequence, so this layout is what lets the
+  GPU path run under context parallelism. A head count the axis does not
+  divide falls back to gathering the sequence; the result equals the float64
+  reference either way.
+  """
+  from k3jax.layers import attention  # pylint: disable=g-import-not-at-top
+  from k3jax.parallel.mesh import MeshConfig, make_mesh  # pylint: disable=g-import-not-at-top
+  from k3jax.parallel import rules  # pylint: disable=g-import-not-at-top
+  seen = []
+  real = jax.nn.dot_product_attention
+
+  def spy(q, *args, **kwargs):
+    jax.debug.inspect_array_sharding(q, callback=lambda s: seen.append(s.shard_shape(q.shape)))
+    return real(q, *args, **kwargs)
+
+  monkeypatch.setattr(attention.jax.nn, "dot_product_attention", spy)
+  layer = CausalSelfAttention(D, H, kv_heads, HD, rngs=nnx.Rngs(0))
+  x = _x(2, 16)
+  mesh = make_mesh(MeshConfig(data=2, context=context), devices=jax.devices()[:2 * context])
+  graphdef, state = nnx.split(layer)
+
+  @jax.jit
+  def fwd(state, x):
+    x = rules.constrain(x, ("batch", "length", "embed"))
+    return nnx.merge(graphdef, state)(x)[0]
+
+  with jax.set_mesh(mesh):
+    y = fwd(state, x)
+  # q [B=2, T=16, H=4, hd]: batch over data (2), whole sequence, heads over context or whole.
+  assert seen[-1] == (1, 16, H // context if heads_split else H, HD), seen
+  np.testing.assert_allclose(np.asarray(y, np.float64), _reference(layer, x), rtol=2e-5, atol=2e-5)

@@ -31,3 +31,18 @@ def test_num_gpus_counts_from_zero_and_cpu(parsed_flags):
   parsed_flags("--num_gpus=0")
   assert run_ablations._gpu_ids() == []  # pylint: disable=protected-access
   assert run_ablations._env(None, "/tmp/cache")["JAX_PLATFORMS"] == "cpu"  # pylint: disable=protected-access
+
+
+def test_set_overrides_reach_every_run_and_determinism_is_a_flag(parsed_flags):
+  parsed_flags("--sweeps=residual", "--setting=full", "--seeds=0",
+               "--set=model.moe_impl=buffered,optim.learning_rate=1e-3,progress_bar=true",
+               "--deterministic=false")
+  assert run_ablations.parse_set(["a.b=3", "c=x", "d=False", "e=0.5"]) == (
+      ("a.b", 3), ("c", "x"), ("d", False), ("e", 0.5))
+  specs = run_ablations._specs()  # pylint: disable=protected-access
+  assert specs and all(s.config().model.moe_impl == "buffered" for s in specs)
+  assert all(s.config().optim.learning_rate == 1e-3 for s in specs)
+  env = run_ablations._env(0, "/tmp/cache")  # pylint: disable=protected-access
+  assert "deterministic" not in env.get("XLA_FLAGS", "")
+  with pytest.raises(Exception, match="not dotted.name=value"):
+    run_ablations.parse_set(["nonsense"])

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.params import fan_in_init, logical_param
+from k3jax.parallel import rules as rules_lib
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 
@@ -95,6 +96,20 @@ class CausalSelfAttention(nnx.Module):
   def _out(self, o_bthk):
     return jnp.einsum("bthk,hkd->btd", o_bthk.astype(self.dtype), self.wo[...].astype(self.dtype))
 
+  def _attend(self, q, k, v):
+    """Causal attention of [B, T, H|KVH, hd] q, k, v -> [B, T, H, hd].
+
+    On a mesh whose sequence is split (context axis), the operands are
+    re-laid out with the whole sequence on each device and the heads split over
+    the context axis instead ("attn_heads"): one all-to-all in and one out,
+    and cuDNN's fused kernel, which refuses a split sequence, still runs.
+    Head counts the axis does not divide fall back to gathering the sequence.
+    """
+    split = all(rules_lib.divides("attn_heads", n) for n in (self.num_heads, self.num_kv_heads))
+    axes = ("batch", None, "attn_heads" if split else None, "kv")
+    q, k, v = (rules_lib.constrain(x, axes, skip_indivisible=True) for x in (q, k, v))
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+
   def _check(self, x_btd):
     if x_btd.ndim != 3 or x_btd.shape[-1] != self.d_model:
       raise ValueError(f"attention expects [B, T, {self.d_model}], got {x_btd.shape}")
@@ -103,8 +118,7 @@ class CausalSelfAttention(nnx.Module):
     """x_btd: [B, T, D] -> ([B, T, D] compute dtype, stats {})."""
     self._check(x_btd)
     q, k, v = self._qkv(x_btd)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
-    return self._out(o), {}
+    return self._out(self._attend(q, k, v)), {}
 
   def prefill(self, x_btd: jax.Array, max_len: int) -> tuple[jax.Array, dict, dict]:
     """Full causal pass over a prompt that also fills a cache of `max_len` slots.
@@ -116,7 +130,7 @@ class CausalSelfAttention(nnx.Module):
     if t > max_len:
       raise ValueError(f"prompt length {t} exceeds cache length {max_len}")
     q, k, v = self._qkv(x_btd)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+    o = self._attend(q, k, v)
     cache = init_kv_cache(b, max_len, self.num_kv_heads, self.head_dim, self.dtype)
     cache["k"] = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, 0))
     cache["v"] = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, 0, 0))

@@ -32,6 +32,9 @@ Rules = tuple[tuple[str, Any], ...]
 DEFAULT_RULES: Rules = (
     ("batch", (mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT)),
     ("length", mesh_lib.CONTEXT),
+    # Softmax attention sees whole sequences: its heads move to the context axis
+    # (one all-to-all each way) instead of its keys being gathered.
+    ("attn_heads", mesh_lib.CONTEXT),
     ("embed", mesh_lib.FSDP),
     ("expert", mesh_lib.EXPERT),
     ("vocab", None),
@@ -199,6 +202,14 @@ def constrain(x: jax.Array, axes: Sequence[str | None], rules: Rules | None = No
   spec = logical_to_spec(axes, mesh, rules, x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec) if isinstance(mesh, Mesh)
                                           else spec)
+
+
+def divides(name: str, dim: int) -> bool:
+  """Whether logical `name`'s mesh axes (current mesh and rules) divide `dim`; True off-mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return True
+  return _divides(name, dim, mesh, current_rules())
 
 
 def _divides(name: str | None, dim: int, mesh, rules: Rules) -> bool:

@@ -65,6 +65,7 @@ def parallel_config(**overrides) -> ml_collections.ConfigDict:
   c.rules = ml_collections.ConfigDict()  # logical axis -> comma-separated mesh axes ("" = replicated); defaults below
   c.rules.batch = "data,fsdp,expert"  # sequences of a batch (must cover every axis but context for full use of the devices)
   c.rules.length = "context"    # positions of a sequence
+  c.rules.attn_heads = "context"  # softmax-attention heads while it sees whole sequences (all-to-all)
   c.rules.embed = "fsdp"        # model width of weights (ZeRO-3 sharding when fsdp > 1)
   c.rules.expert = "expert"     # routed-expert index of expert weights and their optimizer moments
   c.rules.vocab = ""            # vocabulary dim of embedding / head

@@ -70,7 +70,33 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
                               opt_state=opt_state, rng=jax.random.split(state.rng)[0])
     return new_state, metrics
 
-  return jax.jit(train_step, donate_argnums=(0,))
+  return _layout_preserving_jit(train_step)
+
+
+def _layout_preserving_jit(train_step):
+  """jit of `train_step(state, batch)`, donating the state, whose new state keeps its shardings.
+
+  Without pinned output shardings, the compiler may hand back parameters in a
+  layout that an activation constraint inside the model propagated into them
+  (e.g. attention heads split over the context axis), so the state would drift
+  away from the rules' layout from one step to the next. The first call with a
+  given layout compiles a version whose output state has exactly the input's.
+  """
+  unpinned = jax.jit(train_step, donate_argnums=(0,))
+  by_layout = {}
+
+  def step(state, batch):
+    leaves, treedef = jax.tree.flatten(state)
+    shardings = tuple(getattr(x, "sharding", None) for x in leaves)
+    if any(s is None for s in shardings):  # host arrays: nothing to keep
+      return unpinned(state, batch)
+    key = (treedef, shardings)
+    if key not in by_layout:
+      by_layout[key] = jax.jit(train_step, donate_argnums=(0,),
+                               out_shardings=(jax.tree.unflatten(treedef, shardings), None))
+    return by_layout[key](state, batch)
+
+  return step
 
 
 def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[TrainState, dict], dict]:
