@@ -68,11 +68,15 @@ flags.DEFINE_string("summary", None, "Where to write summary.json (default: <out
 flags.DEFINE_string("results_page", None, "Markdown page whose tables are rendered from the summary "
                     "(e.g. docs/results.md).")
 flags.DEFINE_bool("render_only", False, "Only render --results_page from --summary.")
+flags.DEFINE_list("combine", [], "Summaries of earlier calls (e.g. a sweep finished in parts) to "
+                  "combine into --summary (later files win per run); then render --results_page.")
 flags.DEFINE_list("set", [], "Config overrides added to every run's base overrides (a variant's "
                   "own overrides still win), as dotted=value (e.g. model.moe_impl=buffered); recorded "
                   "in each run's config.json. Use a fresh --out: run keys do not change.")
-flags.DEFINE_bool("deterministic", True, "Bitwise-repeatable GPU ops (the router sweep's causality "
-                  "probe compares two forwards exactly); false only as a workaround.")
+flags.DEFINE_bool("deterministic", True, "Bitwise-repeatable GPU ops for the router sweep, whose "
+                  "causality probe compares two forwards exactly. The other sweeps never ask for them: "
+                  "with them, XLA (jax 0.11.2, H200) fails to compile the 8-layer residual models "
+                  "(IndexError from raw_hash_map::at).")
 flags.DEFINE_string("worker", None, "Internal: run the one run with this key and exit.")
 
 
@@ -139,7 +143,7 @@ def _order(specs):
   return sorted(specs, key=rank)
 
 
-def _env(gpu: int | None, cache_dir: str) -> dict:
+def _env(gpu: int | None, cache_dir: str, deterministic: bool = False) -> dict:
   env = dict(os.environ)
   env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1",
              JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1")
@@ -147,7 +151,7 @@ def _env(gpu: int | None, cache_dir: str) -> dict:
     env["JAX_PLATFORMS"] = "cpu"
   else:
     env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    if FLAGS.deterministic:
+    if deterministic:
       # Bitwise-repeatable GPU reductions: the causality probe compares two forwards exactly.
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
   return env
@@ -180,8 +184,9 @@ def _launch_all(specs, out: str):
       log = open(os.path.join(log_dir, spec.key.replace("/", "__") + ".log"), "w", encoding="utf-8")
       cmd = [sys.executable, os.path.abspath(__file__), f"--worker={spec.key}", f"--out={out}",
              f"--setting={FLAGS.setting}", "--set=" + ",".join(FLAGS.set)]
-      running[spec.key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                            env=_env(gpu, cache_dir)), time.time(), log)
+      env = _env(gpu, cache_dir, FLAGS.deterministic and spec.sweep == "router")
+      running[spec.key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env),
+                           time.time(), log)
     time.sleep(0.5)
     if FLAGS.stop_after_s and time.time() - start > FLAGS.stop_after_s:
       for key, (proc, _, _) in running.items():
@@ -231,6 +236,17 @@ def _archive(specs, out: str, path: str) -> None:
 def main(argv):
   del argv
   summary_path = FLAGS.summary
+  if FLAGS.combine:
+    if not summary_path:
+      raise app.UsageError("--combine needs --summary (the combined file to write)")
+    combined = summary_lib.combine_summaries(summary_lib.read_summary(p) for p in FLAGS.combine)
+    summary_lib.write_summary(combined, summary_path)
+    print(f"{len(combined['runs'])} runs from {len(FLAGS.combine)} summaries in {summary_path}; "
+          f"missing: {combined['missing'] or 'none'}")
+    if FLAGS.results_page:
+      summary_lib.update_results_page(FLAGS.results_page, summary_path)
+      print(f"rendered {FLAGS.results_page}")
+    return
   if FLAGS.render_only:
     if not (summary_path and FLAGS.results_page):
       raise app.UsageError("--render_only needs --summary and --results_page")

@@ -280,3 +280,27 @@ def test_render_tables_and_summary_file(tmp_path):
   (tmp_path / "other.json").write_text(json.dumps({"runs": []}))
   with pytest.raises(ValueError, match="not an ablation summary"):
     summary.read_summary(str(tmp_path / "other.json"))
+
+
+def test_combine_summaries_fills_missing_runs():
+  recs = _records()
+  first = summary.make_summary(recs[:4], setting="full")
+  first.update(missing=[r["key"] for r in recs[4:]] + ["router/x/bytes/seed9"], wall_s=10.0, jobs=8)
+  second = summary.make_summary(recs[3:], setting="full")
+  second.update(missing=[], wall_s=5.0, jobs=4)
+  both = summary.combine_summaries([first, second])
+  assert [r["key"] for r in both["runs"]] == sorted(r["key"] for r in recs)
+  assert both["missing"] == ["router/x/bytes/seed9"]
+  assert both["wall_s"] == 15.0 and len(both["parts"]) == 2
+  with pytest.raises(ValueError, match="different settings"):
+    summary.combine_summaries([first, summary.make_summary([], setting="quick")])
+
+
+def test_committed_results_page_matches_its_summary():
+  """docs/results.md's tables are exactly those rendered from docs/results/ablations_summary.json."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  data = summary.read_summary(os.path.join(root, "docs", "results", "ablations_summary.json"))
+  with open(os.path.join(root, "docs", "results.md"), encoding="utf-8") as f:
+    page = f.read()
+  assert summary.render_tables(page, data) == page
+  assert not data.get("missing") and len(data["runs"]) == 54

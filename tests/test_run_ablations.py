@@ -23,6 +23,8 @@ def test_gpu_ids_pick_physical_gpus(parsed_flags):
   assert run_ablations._gpu_ids() == [1, 3]  # pylint: disable=protected-access
   env = run_ablations._env(3, "/tmp/cache")  # pylint: disable=protected-access
   assert env["CUDA_VISIBLE_DEVICES"] == "3"
+  assert "deterministic" not in env.get("XLA_FLAGS", "")
+  assert "--xla_gpu_deterministic_ops=true" in run_ablations._env(3, "/tmp/c", True)["XLA_FLAGS"]  # pylint: disable=protected-access
 
 
 def test_num_gpus_counts_from_zero_and_cpu(parsed_flags):
@@ -33,16 +35,14 @@ def test_num_gpus_counts_from_zero_and_cpu(parsed_flags):
   assert run_ablations._env(None, "/tmp/cache")["JAX_PLATFORMS"] == "cpu"  # pylint: disable=protected-access
 
 
-def test_set_overrides_reach_every_run_and_determinism_is_a_flag(parsed_flags):
+def test_set_overrides_reach_every_run(parsed_flags):
   parsed_flags("--sweeps=residual", "--setting=full", "--seeds=0",
                "--set=model.moe_impl=buffered,optim.learning_rate=1e-3,progress_bar=true",
-               "--deterministic=false")
+               )
   assert run_ablations.parse_set(["a.b=3", "c=x", "d=False", "e=0.5"]) == (
       ("a.b", 3), ("c", "x"), ("d", False), ("e", 0.5))
   specs = run_ablations._specs()  # pylint: disable=protected-access
   assert specs and all(s.config().model.moe_impl == "buffered" for s in specs)
   assert all(s.config().optim.learning_rate == 1e-3 for s in specs)
-  env = run_ablations._env(0, "/tmp/cache")  # pylint: disable=protected-access
-  assert "deterministic" not in env.get("XLA_FLAGS", "")
   with pytest.raises(Exception, match="not dotted.name=value"):
     run_ablations.parse_set(["nonsense"])

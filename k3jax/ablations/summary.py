@@ -41,6 +41,31 @@ def write_summary(summary: dict, path: str) -> None:
     json.dump(summary, f, indent=1, sort_keys=True, allow_nan=False)
 
 
+def combine_summaries(summaries: Iterable[dict]) -> dict:
+  """One summary from several calls' summaries of the same setting (e.g. a sweep finished in parts).
+
+  A run present in a later summary replaces the earlier record; `missing`
+  keeps only keys no summary holds; wall times add up; `parts` records each
+  call's creation time, wall time and concurrency.
+  """
+  summaries = list(summaries)
+  if not summaries:
+    raise ValueError("combine_summaries needs at least one summary")
+  settings = {s["setting"] for s in summaries}
+  if len(settings) != 1:
+    raise ValueError(f"cannot combine summaries of different settings: {sorted(settings)}")
+  runs = {}
+  for summary in summaries:
+    runs.update({r["key"]: r for r in summary["runs"]})
+  missing = sorted({k for s in summaries for k in s.get("missing", ())} - set(runs))
+  out = make_summary(runs.values(), setting=settings.pop())
+  walls = [s["wall_s"] for s in summaries if s.get("wall_s") is not None]
+  out.update(missing=missing, wall_s=sum(walls) if walls else None,
+             jobs=max((s.get("jobs") or 0) for s in summaries) or None,
+             parts=[{k: s.get(k) for k in ("created", "wall_s", "jobs", "num_gpus")} for s in summaries])
+  return out
+
+
 def read_summary(path: str) -> dict:
   """Reads a summary.json written by `write_summary`; raises ValueError if it is not one."""
   if not os.path.isfile(path):
@@ -216,6 +241,8 @@ def render_tables(markdown: str, summary: dict) -> str:
               f"seeds {seeds}, summary created {summary['created']}")
       if summary.get("wall_s") is not None:
         text += f"; sweep wall time {summary['wall_s']:.0f} s with {summary.get('jobs')} concurrent runs"
+        if len(summary.get("parts", ())) > 1:
+          text += f" (in {len(summary['parts'])} calls)"
       text += "."
       if summary.get("missing"):
         text += f" **Missing runs** (not in the tables): {', '.join(summary['missing'])}."
