@@ -105,3 +105,27 @@ def test_naive_local_recurrence_composes():
   o_ref, s_ref = chunk_kda(*x.args(), initial_state=x.h0, output_final_state=True, **KW)
   assert_close(o, o_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "output")
   assert_close(s, s_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "final state")
+
+
+def test_pallas_runs_each_devices_batch_on_a_data_mesh(monkeypatch):
+  """Context 1, batch over 4 devices: each Pallas call sees B / 4 sequences; values unchanged."""
+  from k3jax.parallel import context_parallel  # pylint: disable=g-import-not-at-top
+  seen = []
+  real = context_parallel.kda_api.chunk_kda
+
+  def spy(q, *args, **kwargs):
+    seen.append(q.shape[0])
+    return real(q, *args, **kwargs)
+
+  monkeypatch.setattr(context_parallel.kda_api, "chunk_kda", spy)
+  mesh = make_mesh(MeshConfig(data=4, context=1), devices=jax.devices()[:4])
+  x = make_inputs(11, batch=8, seq_len=40, heads=1, dk=16, dv=16)
+  o, s = jax.jit(lambda *a: chunk_kda_context_parallel(
+      *a, mesh=mesh, initial_state=x.h0, output_final_state=True, implementation="pallas",
+      interpret=True, **KW))(x.q, x.k, x.v, x.g, x.beta)
+  assert seen == [2]
+  assert o.addressable_shards[0].data.shape[0] == 2
+  o_ref, s_ref = chunk_kda(x.q, x.k, x.v, x.g, x.beta, initial_state=x.h0,
+                           output_final_state=True, **KW)
+  assert_close(o, o_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "output")
+  assert_close(s, s_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "final state")

@@ -73,6 +73,28 @@ def _local_summary(q, k, v, g, beta, kernel_kwargs):
   return o0, qa, a, b
 
 
+def _batch_sharded(q, k, v, g, beta, initial_state, output_final_state, mesh, b_axes,
+                   kernel_kwargs):
+  """`chunk_kda` on each device's own sequences (batch over `b_axes`, whole time axis).
+
+  The compiler cannot split a Pallas kernel call by itself: left to it, every
+  device would gather the whole batch and run all of it. Inside `shard_map`
+  each device runs only its B / n sequences.
+  """
+  spec = P(b_axes)
+  h0 = (jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+        if initial_state is None else initial_state.astype(jnp.float32))
+
+  def local(q, k, v, g, beta, h0):
+    o, s = kda_api.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                             **kernel_kwargs)
+    return o, s
+
+  o, final = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec),
+                           check_vma=False)(q, k, v, g, beta, h0)
+  return o, (final if output_final_state else None)
+
+
 def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                                context_axis: str = mesh_lib.CONTEXT,
                                batch_axes: Sequence[str] = (mesh_lib.DATA, mesh_lib.FSDP,
@@ -86,7 +108,9 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
   q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H]; beta
   [B, T, H]; initial_state [B, H, K, V]), except packed sequences
   (cu_seqlens), which are not supported here. The batch is sharded over
-  those of `batch_axes` present in the mesh.
+  those of `batch_axes` present in the mesh. With a context axis of 1 this is
+  plain `chunk_kda`, except that the Pallas kernels run inside `shard_map` on
+  each device's own sequences.
 
   Requirements: T divisible by the context size (each device's T / n need
   not be a multiple of chunk_size: the local call pads), B divisible by the
@@ -117,6 +141,9 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
     raise ValueError(f"initial_state must be [B, H, K, V] = {(bsz, h, dk, dv)}, got "
                      f"{initial_state.shape}")
   if n_ctx == 1:
+    if implementation == "pallas" and n_batch > 1:
+      return _batch_sharded(q, k, v, g, beta, initial_state, output_final_state, mesh,
+                            b_axes, kernel_kwargs)
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
                              output_final_state=output_final_state, **kernel_kwargs)
   h0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None

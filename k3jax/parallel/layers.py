@@ -23,11 +23,26 @@ def _axis(name: str) -> int:
   return 1 if mesh is None else mesh_lib.axis_size(mesh, name)
 
 
+def _batch_devices() -> int:
+  n = 1
+  for name in (mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT):
+    n *= _axis(name)
+  return n
+
+
 class ContextParallelKDA(KDA):
-  """KDA whose kernel call is context-parallel under a mesh with context > 1."""
+  """KDA whose kernel call is mesh-aware.
+
+  Under a mesh with context > 1 the chunked scan is context-parallel. The
+  Pallas kernels also run inside `shard_map` when only the batch is split
+  (the compiler would otherwise run a kernel call on the whole batch on every
+  device); a batch the devices do not divide runs unsplit.
+  """
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
-    if _axis(mesh_lib.CONTEXT) == 1:
+    n_batch = _batch_devices()
+    batch_split = self.implementation == "pallas" and n_batch > 1 and q.shape[0] % n_batch == 0
+    if _axis(mesh_lib.CONTEXT) == 1 and not batch_split:
       return super()._kernel(q, k, v, g, beta, initial_state, output_final_state)
     lower = self.g_min if self.gate == "bounded" else None
     return context_parallel.chunk_kda_context_parallel(
