@@ -103,6 +103,13 @@ def _needs_sharded_state(abstract_model: nnx.Module, mesh: Mesh, pconf, sizes: d
   return any(s.spec != P() for s in jax.tree.leaves(shardings))
 
 
+def _splits_kernel_calls(config: Any, sizes: dict) -> bool:
+  """Whether a batch-only mesh still needs the mesh-aware layers: the compiler cannot split a
+  Pallas kernel call over the batch, so the KDA layers must call it inside `shard_map`."""
+  batch_devices = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  return config.model.kda_implementation == "pallas" and batch_devices > 1
+
+
 class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
@@ -170,7 +177,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
-  if sharded:
+  if sharded or _splits_kernel_calls(config, sizes):
     model_fn = training.parallel_model_fn(model_fn, capacity_factor=pconf.capacity_factor)
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
