@@ -88,33 +88,62 @@ def _run_fla(shapes, iters, lower_bound):
 
 
 def _start_peer(shapes):
-  """Starts this script with --mode=fla as a subprocess (on --peer_gpu if set)."""
+  """Starts this script with --mode=fla as a subprocess (on --peer_gpu if set).
+
+  Its result lines are echoed as they arrive (prefixed "peer:"), so a command
+  cut off by an outer time limit still shows the shapes the peer finished.
+  Returns (process, stdout lines, stderr lines, reader threads).
+  """
   cmd = [sys.executable, os.path.abspath(__file__), "--mode=fla",
          "--shapes=" + ",".join(shapes), f"--iters={_ITERS.value}",
          f"--lower_bound={_LOWER_BOUND.value}", "--peer_modes=" + ",".join(_PEER_MODES.value)]
   env = dict(os.environ)
   if _PEER_GPU.value >= 0:
     env["CUDA_VISIBLE_DEVICES"] = str(_PEER_GPU.value)
-  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  return spawn_echoing(cmd, env)
 
 
-def _collect_peer(proc, started):
+def spawn_echoing(cmd, env=None):
+  """Popen of `cmd` whose stdout lines are echoed ("peer: ...") and kept, stderr only kept."""
+  import threading  # pylint: disable=g-import-not-at-top
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  out_lines, err_lines = [], []
+
+  def pump(stream, sink, echo):
+    for line in stream:
+      sink.append(line)
+      if echo:
+        print("peer: " + line.rstrip(), flush=True)
+
+  threads = [threading.Thread(target=pump, args=(proc.stdout, out_lines, True), daemon=True),
+             threading.Thread(target=pump, args=(proc.stderr, err_lines, False), daemon=True)]
+  for t in threads:
+    t.start()
+  return proc, out_lines, err_lines, threads
+
+
+def collect_peer(peer, started):
   """Waits for the peer (up to --peer_timeout after its start); {(shape, safe): (fwd, fb)}."""
   import time  # pylint: disable=g-import-not-at-top
+  proc, out_lines, err_lines, threads = peer
   try:
-    stdout, stderr = proc.communicate(timeout=max(1.0, _PEER_TIMEOUT.value - (time.time() - started)))
-    rc = proc.returncode
+    rc = proc.wait(timeout=max(1.0, _PEER_TIMEOUT.value - (time.time() - started)))
   except subprocess.TimeoutExpired:
     proc.kill()
-    stdout, _ = proc.communicate()
-    stderr, rc = f"timed out after {_PEER_TIMEOUT.value} s", 1
+    proc.wait()
+    rc = None
+  for t in threads:
+    t.join(timeout=10)
   out = {}
-  for line in stdout.splitlines():
+  for line in out_lines:
     if line.startswith("{"):
       r = json.loads(line)
       out[(r["shape"], r["safe"])] = (r["fwd"], r["fwdbwd"])
-  if rc != 0:
-    print("fla peer failed:\n" + stderr[-3000:], flush=True)
+  if rc is None:
+    print(f"fla peer stopped after --peer_timeout={_PEER_TIMEOUT.value} s; "
+          f"{len(out)} results kept", flush=True)
+  elif rc != 0:
+    print("fla peer failed:\n" + "".join(err_lines)[-3000:], flush=True)
   return out
 
 
@@ -206,9 +235,9 @@ def _run_jax(shapes):
 
   # On the same GPU the peer runs after our timings so that its autotuning cannot eat them.
   if early_peer is not None:
-    peer = _collect_peer(*early_peer)
+    peer = collect_peer(*early_peer)
   elif _PEER.value:
-    peer = _collect_peer(_start_peer(shapes), time.time())
+    peer = collect_peer(_start_peer(shapes), time.time())
   else:
     peer = {}
   print("\n| shape (B,T,H,D) | impl | fwd ms | fwd+bwd ms | fla safe fwd / fwd+bwd | "

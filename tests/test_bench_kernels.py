@@ -31,3 +31,23 @@ def test_overrides_parse_to_kernel_config_fields():
 def test_bad_overrides_are_named(item, match):
   with pytest.raises(ValueError, match=match):
     bench_kernels.parse_overrides([item])
+
+
+def test_peer_results_survive_its_timeout(capsys):
+  """Lines the peer printed before --peer_timeout are echoed at once and kept."""
+  import time  # pylint: disable=g-import-not-at-top
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["bench_kernels", "--peer_timeout=3"])
+  try:
+    line = '{"shape": "1x8x1x16", "safe": true, "fwd": 1.5, "fwdbwd": 4.0}'
+    code = f"import time; print({line!r}, flush=True); time.sleep(60)"
+    peer = bench_kernels.spawn_echoing([sys.executable, "-c", code])
+    t0 = time.time()
+    got = bench_kernels.collect_peer(peer, t0)
+    assert time.time() - t0 < 20
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert got == {("1x8x1x16", True): (1.5, 4.0)}
+  out = capsys.readouterr().out
+  assert "peer: {" in out and "1 results kept" in out
