@@ -433,10 +433,11 @@ def use_row_blocks(cfg: KernelConfig, sub_chunk: int) -> bool:
   cfg.intra_bwd_impl "auto" picks row blocks in interpret mode only. TPU
   keeps the full-tile kernel (its Mosaic lowering wants lane-dim column
   slices of M), and so does Triton for now: on the H200 the row-block kernel
-  has passed the f32 dense gradient test (and ran intra_bwd in 13.0 ms
-  against 16.7 ms at B16 T2048 H16 D128 bf16), but its bf16, pairwise and
-  varlen gradients have not been checked on the GPU yet, and this image's
-  Triton is known to miscompile some Hopper backward kernels. Select it with
+  has passed the f32 gradient checks for dense KDA gates and pairwise GDN
+  gates (and made forward+backward 1.24x faster at B16 T2048 H16 D128 bf16),
+  but its bf16, varlen and benchmark-shape gradients have not been checked on
+  the GPU yet (`TestKdaPallasGpuRowBlocks`), and this image's Triton is known
+  to miscompile some Hopper backward kernels. Select it with
   intra_bwd_impl="rows" (Triton needs L >= 16: every dot dim is >= 16).
   """
   impl = cfg.intra_bwd_impl
