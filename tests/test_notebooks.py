@@ -63,3 +63,21 @@ def _execute(book, name):
   images = sum(1 for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
                if "image/png" in o.get("data", {}))
   assert images >= FIGURES[name], f"{name}: expected {FIGURES[name]} figures, got {images}"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_renders_the_committed_gpu_results(name, tmp_path, monkeypatch):
+  """SETTING = "full" on docs/results' summary and run archive: tables and curves, no training."""
+  import tarfile  # pylint: disable=g-import-not-at-top
+  with tarfile.open(os.path.join(ROOT, "docs", "results", "ablation_runs.tar.gz")) as tar:
+    tar.extractall(tmp_path / "runs", filter="data")
+  monkeypatch.setenv("ABLATION_RUNS", str(tmp_path / "runs"))
+  monkeypatch.setenv("ABLATION_OUT", str(tmp_path / "must_not_train"))
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.delenv("ABLATION_SUMMARY", raising=False)  # the committed summary
+  monkeypatch.delenv("MPLBACKEND", raising=False)
+  book = nbformat.read(path_of(name), as_version=4)
+  for cell in book.cells:
+    cell.source = cell.source.replace('SETTING = "quick"', 'SETTING = "full"')
+  _execute(book, name)
+  assert not os.path.exists(tmp_path / "must_not_train")
