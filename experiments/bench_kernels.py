@@ -148,39 +148,9 @@ def collect_peer(peer, started):
 
 
 def parse_overrides(items):
-  """`--overrides` items -> KernelConfig fields.
-
-  `name=value` sets a field: dtype fields take a dtype name, `true`/`false`
-  are booleans, integers are ints, anything else a string (e.g.
-  `inverse=blocked`). `warps.<stage>=N` sets one stage's Triton warps.
-  """
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import kernel_config  # pylint: disable=g-import-not-at-top
-  overrides, warps = {}, {}
-  for item in items:
-    name, sep, value = item.partition("=")
-    if not sep:
-      raise ValueError(f"--overrides item {item!r} is not name=value")
-    if name.startswith("warps."):
-      stage = name[len("warps."):]
-      if stage not in kernel_config.STAGES:
-        raise ValueError(f"--overrides {item!r}: stage must be one of {kernel_config.STAGES}")
-      warps[stage] = int(value)
-    elif name.endswith("dtype"):
-      overrides[name] = jnp.dtype(value)
-    elif value.lower() in ("true", "false"):
-      overrides[name] = value.lower() == "true"
-    else:
-      try:
-        overrides[name] = int(value)
-      except ValueError:
-        overrides[name] = value
-  if warps:
-    default = next(f.default for f in dataclasses.fields(kernel_config.KernelConfig)
-                   if f.name == "num_warps")
-    overrides["num_warps"] = tuple((st, warps.get(st, n)) for st, n in default)
-  return overrides
+  """`--overrides` items -> KernelConfig fields (see `pallas_kernels.kda.bench.parse_overrides`)."""
+  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  return bench.parse_overrides(items)
 
 
 def _run_jax(shapes):

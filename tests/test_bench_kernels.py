@@ -51,3 +51,32 @@ def test_peer_results_survive_its_timeout(capsys):
   assert got == {("1x8x1x16", True): (1.5, 4.0)}
   out = capsys.readouterr().out
   assert "peer: {" in out and "1 results kept" in out
+
+
+def test_tuning_grid_and_table():
+  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  assert bench.parse_grid("block_v=32,64; warps.state_fwd=4,8") == [
+      ["block_v=32", "warps.state_fwd=4"], ["block_v=32", "warps.state_fwd=8"],
+      ["block_v=64", "warps.state_fwd=4"], ["block_v=64", "warps.state_fwd=8"]]
+  for bad in ("", "block_v", "block_v=", ";"):
+    with pytest.raises(ValueError):
+      bench.parse_grid(bad)
+  times = lambda f, s: {"cumsum": 0.5, "intra_fwd": f, "state_fwd": 1.0, "state_bwd": 2.0,
+                        "intra_bwd": s}
+  text = bench.stage_table([("a", times(4.0, 13.0)), ("b", times(5.0, 12.0)),
+                            ("c", "ValueError: block_v must be a power of two")])
+  rows = {line.split(" | ")[0][2:]: line for line in text.splitlines()[2:]}
+  assert "| 4.000* |" in rows["a"] and "| 5.500* |" in rows["a"]   # intra_fwd and fwd sum
+  assert "| 12.000* |" in rows["b"] and "| 14.000* |" in rows["b"]  # intra_bwd and bwd sum
+  assert "failed: ValueError" in rows["c"]
+
+
+@pytest.mark.parametrize("block_v", [12, 128, 0])
+def test_block_v_override_is_validated(block_v):
+  """An override meets the same tile rule as the argument (power of two dividing V)."""
+  with pytest.raises(ValueError, match="block_v must be a power of two dividing V=64"):
+    kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=64, head_v=64,
+                              chunk_size=64, sub_chunk=16, overrides={"block_v": block_v})
+  with pytest.raises(ValueError, match="block_v must be"):
+    kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=64, head_v=64,
+                              chunk_size=64, sub_chunk=16, block_v=block_v)

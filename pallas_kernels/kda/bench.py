@@ -1,10 +1,12 @@
 """Benchmark helpers for the KDA kernels: inputs, timing, roofline, stages.
 
-Used by `experiments/bench_kernels.py`; no timing happens at import.
+Used by `experiments/bench_kernels.py` and `experiments/tune_kda.py`; no
+timing happens at import.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 
@@ -121,16 +123,17 @@ def roofline_ms(cost, ceil: Ceilings):
 
 
 def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, iters=10,
-                   config_overrides=None):
+                   config_overrides=None, interpret=False):
   """Per-kernel times (ms) of the Pallas path on the current backend.
 
   Stages: the g cumsum (XLA), intra_fwd, state_fwd, the backward's
   recompute (intra_fwd with M + state_fwd saving states), state_bwd, intra_bwd.
+  `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
   """
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   c = chunk_size
-  cfg = kernel_config.make_config(backend=kernel_config.default_backend(False), dtype=q.dtype,
+  cfg = kernel_config.make_config(backend=kernel_config.default_backend(interpret), dtype=q.dtype,
                                   head_k=dk, head_v=dv, chunk_size=c, sub_chunk=sub_chunk,
                                   overrides=config_overrides)
   t_pad = -(-t // c) * c
@@ -171,3 +174,82 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
       "intra_bwd": time_ms(ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m,
                            iters=iters),
   }
+def parse_overrides(items):
+  """`name=value` strings -> KernelConfig fields (benchmark and tuning flags).
+
+  `name=value` sets a field: dtype fields take a dtype name, `true`/`false`
+  are booleans, integers are ints, anything else a string (e.g.
+  `inverse=blocked`). `warps.<stage>=N` sets one stage's Triton warps.
+  """
+  overrides, warps = {}, {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep:
+      raise ValueError(f"override {item!r} is not name=value")
+    if name.startswith("warps."):
+      stage = name[len("warps."):]
+      if stage not in kernel_config.STAGES:
+        raise ValueError(f"override {item!r}: stage must be one of {kernel_config.STAGES}")
+      warps[stage] = int(value)
+    elif name.endswith("dtype"):
+      overrides[name] = jnp.dtype(value)
+    elif value.lower() in ("true", "false"):
+      overrides[name] = value.lower() == "true"
+    else:
+      try:
+        overrides[name] = int(value)
+      except ValueError:
+        overrides[name] = value
+  if warps:
+    default = next(f.default for f in dataclasses.fields(kernel_config.KernelConfig)
+                   if f.name == "num_warps")
+    overrides["num_warps"] = tuple((st, warps.get(st, n)) for st, n in default)
+  return overrides
+
+
+# Stages of the default path (saved residuals): the recompute stages are not run there.
+FWD_STAGES = ("cumsum", "intra_fwd", "state_fwd")
+BWD_STAGES = ("state_bwd", "intra_bwd")
+
+
+def parse_grid(text: str) -> list[list[str]]:
+  """Grid text -> one override list per combination, in order.
+
+  `"a=1,2;b=x"` -> `[["a=1", "b=x"], ["a=2", "b=x"]]`; items as `parse_overrides` takes.
+  """
+  fields = []
+  for part in text.split(";"):
+    part = part.strip()
+    if not part:
+      continue
+    name, sep, values = part.partition("=")
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not name.strip() or not vals:
+      raise ValueError(f"grid field {part!r} is not name=v1,v2,...")
+    fields.append([f"{name.strip()}={v}" for v in vals])
+  if not fields:
+    raise ValueError("the grid is empty")
+  return [list(combo) for combo in itertools.product(*fields)]
+
+
+def stage_table(rows: list[tuple[str, dict | str]]) -> str:
+  """Markdown table of (label, `stage_times_ms` dict or error text) rows; best per column starred."""
+  stages = next((list(r) for _, r in rows if isinstance(r, dict)), [])
+  cols = stages + ["fwd sum", "bwd sum"]
+  values = []
+  for label, r in rows:
+    if isinstance(r, dict):
+      sums = {"fwd sum": sum(r[s] for s in FWD_STAGES if s in r),
+              "bwd sum": sum(r[s] for s in BWD_STAGES if s in r)}
+      values.append((label, {**r, **sums}))
+    else:
+      values.append((label, r))
+  best = {c: min((v[c] for _, v in values if isinstance(v, dict)), default=None) for c in cols}
+  lines = ["| config | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+  for label, v in values:
+    if isinstance(v, dict):
+      cells = [f"{v[c]:.3f}{'*' if v[c] == best[c] else ''}" for c in cols]
+    else:
+      cells = [f"failed: {v}"] + [""] * (len(cols) - 1)
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)

@@ -203,8 +203,6 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   if block_v is None:
     # Mosaic needs the lane dim to be a multiple of 128 or the whole array.
     block_v = head_v if backend in ("tpu", "tpu_interpret") else min(head_v, 64)
-  if not _is_pow2(block_v) or head_v % block_v:
-    raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {block_v}")
   mm_dtype = jnp.float32 if dtype == jnp.float32 else dtype
   intra_bwd = jnp.float32
   if backend == "triton" and head_k * head_v >= 128 * 128:
@@ -216,6 +214,9 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     if unknown:
       raise ValueError(f"unknown KernelConfig fields in overrides: {sorted(unknown)}")
     cfg = dataclasses.replace(cfg, **overrides)
+  # After the overrides: a benchmark's block_v must meet the same rule.
+  if not _is_pow2(cfg.block_v) or head_v % cfg.block_v:
+    raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
   if cfg.inverse == "blocked" and sub_chunk < 16 and backend == "triton":
     raise ValueError(f"inverse='blocked' needs sub_chunk >= 16 on the GPU (tensor-core "
                      f"tiles), got {sub_chunk}")
