@@ -294,3 +294,11 @@ class TestKdaPallasGpuRowBlocks(TestKdaPallasGpu):
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"intra_bwd_impl": "rows"}, **kw)
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuBlockedInverse(TestKdaPallasGpu):
+  """The GPU checks, gradients included, with the blocked intra-chunk inverse forced."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"inverse": "blocked"}, **kw)
