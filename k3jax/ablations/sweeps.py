@@ -130,19 +130,20 @@ class Sweep:
 
 # -- shared pieces -------------------------------------------------------------
 
-_RUN_QUICK: Overrides = (
-    ("num_devices", 1), ("batch_size", 8), ("seq_len", 32), ("num_steps", 40),
-    ("log_every", 5), ("eval_every", 20), ("eval_batches", 2), ("checkpoint_every", 0),
-    ("keep_checkpoints", 1), ("async_checkpoints", False), ("progress_bar", False),
-    ("optim.warmup_steps", 4), ("optim.learning_rate", 3e-3),
+# Every ablation run: one device, the final checkpoint only, no progress bar.
+_RUN_COMMON: Overrides = (
+    ("num_devices", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1),
+    ("async_checkpoints", False), ("progress_bar", False),
+)
+_RUN_QUICK: Overrides = _RUN_COMMON + (
+    ("batch_size", 8), ("seq_len", 32), ("num_steps", 40), ("log_every", 5), ("eval_every", 20),
+    ("eval_batches", 2), ("optim.warmup_steps", 4), ("optim.learning_rate", 3e-3),
     ("data.max_bytes", 300_000),
 )
-_RUN_FULL: Overrides = (
-    ("num_devices", 1), ("batch_size", 16), ("seq_len", 256), ("num_steps", 250),
-    ("log_every", 10), ("eval_every", 125), ("eval_batches", 4), ("checkpoint_every", 0),
-    ("keep_checkpoints", 1), ("async_checkpoints", False), ("progress_bar", False),
-    ("optim.warmup_steps", 25), ("optim.learning_rate", 2e-3),
-    ("data.max_bytes", 8_000_000),
+_RUN_FULL: Overrides = _RUN_COMMON + (
+    ("batch_size", 16), ("seq_len", 256), ("num_steps", 250), ("log_every", 10),
+    ("eval_every", 125), ("eval_batches", 4), ("optim.warmup_steps", 25),
+    ("optim.learning_rate", 2e-3), ("data.max_bytes", 8_000_000),
 )
 # Tiny CPU model: every sweep starts here and changes the layer stack it studies.
 _MODEL_QUICK: Overrides = (

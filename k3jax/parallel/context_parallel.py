@@ -73,22 +73,18 @@ def _local_summary(q, k, v, g, beta, kernel_kwargs):
   return o0, qa, a, b
 
 
-def _batch_sharded(q, k, v, g, beta, initial_state, output_final_state, mesh, b_axes,
-                   kernel_kwargs):
+def _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes, kernel_kwargs):
   """`chunk_kda` on each device's own sequences (batch over `b_axes`, whole time axis).
 
   The compiler cannot split a Pallas kernel call by itself: left to it, every
   device would gather the whole batch and run all of it. Inside `shard_map`
-  each device runs only its B / n sequences.
+  each device runs only its B / n sequences. h0: [B, H, K, V] float32.
   """
   spec = P(b_axes)
-  h0 = (jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
-        if initial_state is None else initial_state.astype(jnp.float32))
 
   def local(q, k, v, g, beta, h0):
-    o, s = kda_api.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+    return kda_api.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                              **kernel_kwargs)
-    return o, s
 
   o, final = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec),
                            check_vma=False)(q, k, v, g, beta, h0)
@@ -140,14 +136,14 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
   if initial_state is not None and initial_state.shape != (bsz, h, dk, dv):
     raise ValueError(f"initial_state must be [B, H, K, V] = {(bsz, h, dk, dv)}, got "
                      f"{initial_state.shape}")
-  if n_ctx == 1:
-    if implementation == "pallas" and n_batch > 1:
-      return _batch_sharded(q, k, v, g, beta, initial_state, output_final_state, mesh,
-                            b_axes, kernel_kwargs)
-    return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
-                             output_final_state=output_final_state, **kernel_kwargs)
   h0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
+  if n_ctx == 1:
+    if implementation == "pallas" and n_batch > 1:
+      return _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes,
+                            kernel_kwargs)
+    return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
+                             output_final_state=output_final_state, **kernel_kwargs)
   bspec = b_axes if b_axes else None
   seq = P(bspec, context_axis)
   # Per-device copies of the start state and of the final state, laid out
