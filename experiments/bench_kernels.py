@@ -41,8 +41,8 @@ _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min."
 _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Chunk length C.")
 _SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
 _OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields of the pallas path "
-                               "(see parse_overrides), e.g. score_mm_dtype=float32,"
-                               "inverse=blocked,warps.intra_fwd=8.")
+                               "(see pallas_kernels.kda.bench.parse_overrides), e.g. "
+                               "score_mm_dtype=float32,inverse=blocked,warps.intra_fwd=8.")
 _CEIL_BYTES = flags.DEFINE_integer("ceiling_bytes", 2 ** 32, "Array size of the bandwidth "
                                    "measurement.")
 _CEIL_MM = flags.DEFINE_integer("ceiling_matmul", 8192, "Size of the square bf16 matmul.")
@@ -147,12 +147,6 @@ def collect_peer(peer, started):
   return out
 
 
-def parse_overrides(items):
-  """`--overrides` items -> KernelConfig fields (see `pallas_kernels.kda.bench.parse_overrides`)."""
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
-  return bench.parse_overrides(items)
-
-
 def _run_jax(shapes):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -162,7 +156,7 @@ def _run_jax(shapes):
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
   # On another GPU the peer's autotuning cannot disturb our timings, so it starts now.
   early_peer = (_start_peer(shapes), time.time()) if _PEER.value and _PEER_GPU.value >= 0 else None
-  overrides = parse_overrides(_OVERRIDES.value)
+  overrides = bench.parse_overrides(_OVERRIDES.value)
   if overrides:
     print(f"pallas KernelConfig overrides: {overrides}", flush=True)
   ceil = bench.measure_ceilings(_CEIL_BYTES.value, _CEIL_MM.value)

@@ -1,4 +1,4 @@
-"""The kernel benchmark's `--overrides` parsing (no timing here)."""
+"""The kernel benchmark and tuning helpers: override parsing, grids, tables, the peer (no timing)."""
 import sys
 from pathlib import Path
 
@@ -8,11 +8,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import bench_kernels  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from pallas_kernels.kda import bench  # pylint: disable=wrong-import-position
 from pallas_kernels.kda import kernel_config  # pylint: disable=wrong-import-position
 
 
 def test_overrides_parse_to_kernel_config_fields():
-  got = bench_kernels.parse_overrides(
+  got = bench.parse_overrides(
       ["inverse=blocked", "score_mm_dtype=bfloat16", "save_residuals=false", "block_v=32",
        "warps.intra_fwd=8"])
   assert got["inverse"] == "blocked"
@@ -30,7 +31,7 @@ def test_overrides_parse_to_kernel_config_fields():
                                          ("warps.nope=4", "stage must be one of")])
 def test_bad_overrides_are_named(item, match):
   with pytest.raises(ValueError, match=match):
-    bench_kernels.parse_overrides([item])
+    bench.parse_overrides([item])
 
 
 def test_peer_results_survive_its_timeout(capsys):
@@ -54,7 +55,6 @@ def test_peer_results_survive_its_timeout(capsys):
 
 
 def test_tuning_grid_and_table():
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
   assert bench.parse_grid("block_v=32,64; warps.state_fwd=4,8") == [
       ["block_v=32", "warps.state_fwd=4"], ["block_v=32", "warps.state_fwd=8"],
       ["block_v=64", "warps.state_fwd=4"], ["block_v=64", "warps.state_fwd=8"]]
