@@ -80,3 +80,20 @@ def test_block_v_override_is_validated(block_v):
   with pytest.raises(ValueError, match="block_v must be"):
     kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=64, head_v=64,
                               chunk_size=64, sub_chunk=16, block_v=block_v)
+
+
+@pytest.mark.parametrize("backend,block_k", [("interpret", 24), ("interpret", 128),
+                                             ("triton", 8)])
+def test_block_k_override_is_validated(backend, block_k):
+  """The intra kernels' K slice divides K and, on the GPU, is a legal dot dim."""
+  with pytest.raises(ValueError, match="block_k must be a power of two dividing K=64"):
+    kernel_config.make_config(backend=backend, dtype=jnp.float32, head_k=64, head_v=64,
+                              chunk_size=64, sub_chunk=16, overrides={"block_k": block_k})
+
+
+def test_block_k_defaults():
+  make = lambda backend, dk: kernel_config.make_config(
+      backend=backend, dtype=jnp.bfloat16, head_k=dk, head_v=64, chunk_size=64, sub_chunk=16)
+  assert make("triton", 128).block_k == 32
+  assert make("interpret", 16).block_k == 16
+  assert make("tpu_interpret", 128).block_k == 128

@@ -39,6 +39,13 @@ class KernelConfig:
       emulation) or "tpu_interpret" (CPU emulation with TPU semantics:
       SMEM metadata, TPU compiler parameters, `pltpu.InterpretParams`).
     block_v: V-tile of the state kernels (their grid is B x H x V/block_v).
+    block_k: K-slice width of the intra-chunk kernels' element-wise work.
+      Per-channel gate factors are separable across K, so the kernels walk K
+      in slices of block_k and accumulate the [C, C] score products: live
+      [C, block_k] f32 tiles instead of [C, K] ones keep the Triton kernels'
+      operands in registers (a [64, 128] f32 tile alone is 64 registers per
+      thread at 4 warps). Default min(K, 32) on the GPU and in interpret
+      mode, K on TPU (lane-dim slices).
     num_warps: Triton warps per stage, as ((stage, warps), ...).
     num_stages: Triton software-pipelining stages of the state kernels' loop.
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
@@ -83,6 +90,7 @@ class KernelConfig:
   """
   backend: str
   block_v: int
+  block_k: int = 32
   num_warps: tuple[tuple[str, int], ...] = (
       ("intra_fwd", 4), ("state_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8))
   num_stages: int = 2
@@ -186,6 +194,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     head_k, head_v: K and V head dims.
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V-tile of the state kernels; default min(V, 64) (V on TPU).
+      block_k (the intra kernels' K slice; default min(K, 32), K on TPU) is
+      set through `overrides`.
     overrides: KernelConfig fields to set explicitly (benchmarks, ablations).
   """
   if backend not in BACKENDS:
@@ -207,7 +217,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   intra_bwd = jnp.float32
   if backend == "triton" and head_k * head_v >= 128 * 128:
     intra_bwd = mm_dtype
-  cfg = KernelConfig(backend=backend, block_v=block_v, mm_dtype=mm_dtype,
+  block_k = head_k if backend in ("tpu", "tpu_interpret") else min(head_k, 32)
+  cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k, mm_dtype=mm_dtype,
                      intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
   if overrides:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
@@ -217,6 +228,10 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   # After the overrides: a benchmark's block_v must meet the same rule.
   if not _is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
+  if not _is_pow2(cfg.block_k) or head_k % cfg.block_k or (
+      backend == "triton" and cfg.block_k < 16):
+    raise ValueError(f"block_k must be a power of two dividing K={head_k} (>= 16 on the GPU: "
+                     f"a dot dim), got {cfg.block_k}")
   if cfg.inverse == "blocked" and sub_chunk < 16 and backend == "triton":
     raise ValueError(f"inverse='blocked' needs sub_chunk >= 16 on the GPU (tensor-core "
                      f"tiles), got {sub_chunk}")
