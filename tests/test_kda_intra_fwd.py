@@ -137,13 +137,28 @@ def test_intra_matches_float64_reference(diagonal, inverse, seed):
     assert err < TOL[("interpret", "float32")], f"{name}: {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype,inverse_mm", [(jnp.float32, jnp.float32),
-                                              (jnp.bfloat16, jnp.bfloat16)])
-def test_blocked_forward_matches_naive(dtype, inverse_mm):
+@pytest.mark.parametrize("diagonal,seed", [("dense", 14), ("pairwise", 15)])
+def test_blocked_k_sliced_matches_float64_reference(diagonal, seed):
+  """block_k = 16 < K = 64: four K slices of scores and W, two V slices of U.
+
+  Gates at / near g_min make every slice's factors differ, so a slice read or
+  written at the wrong offset, or a slice's products not summed, fails.
+  """
+  errs = _check_intra("interpret", (1, 100, 1, 64, 32, 64), jnp.float32, diagonal, "blocked",
+                      seed=seed, block_k=16)
+  for name, err in errs.items():
+    assert err < TOL[("interpret", "float32")], f"{name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype,inverse_mm,block_k", [(jnp.float32, jnp.float32, 32),
+                                                      (jnp.bfloat16, jnp.bfloat16, 32),
+                                                      (jnp.float32, jnp.float32, 16)])
+def test_blocked_forward_matches_naive(dtype, inverse_mm, block_k):
   """End to end (o and final state) with the blocked inverse vs the f32 recurrence.
 
-  bf16 inputs with f32 inverse operands (the default) are covered, with
-  gradients, by tests/test_kda_pallas.py.
+  block_k = 16 < K = 32 runs the K-sliced scores and W/U. bf16 inputs with
+  f32 inverse operands (the default) are covered, with gradients, by
+  tests/test_kda_pallas.py.
   """
   b, t, h, d = 2, 100, 1, 32
   q, k, v, g, beta = _inputs(21, b, t, h, d, d, dtype)
@@ -151,7 +166,8 @@ def test_blocked_forward_matches_naive(dtype, inverse_mm):
   fn = jax.jit(functools.partial(
       chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16, interpret=True,
       output_final_state=True,
-      config_overrides=dict(inverse="blocked", inverse_mm_dtype=inverse_mm)))
+      config_overrides=dict(inverse="blocked", inverse_mm_dtype=inverse_mm,
+                            block_k=block_k)))
   o, ht = fn(q, k, v, g, beta, initial_state=h0)
   f32 = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
   o_ref, ht_ref = reference.naive_recurrent_kda(*f32, initial_state=h0,

@@ -8,9 +8,10 @@ Two kernels, chunk length C, sub-tile (diagonal tile) length L:
   W = M (beta k e^G), U = M (beta v), A_qk (and M when the backward asks).
   `KernelConfig.inverse` selects the body: "substitution" (scores per
   [L, C] row block; substitution over the whole [C, C] tile, row by row) or
-  "blocked" (whole-tile score products; diagonal L x L blocks of M by an
-  L-step substitution on their [C, L] stack, the rest by block products,
-  every step a tensor-core product).
+  "blocked" (whole-tile score products summed over K slices of
+  `KernelConfig.block_k` channels; diagonal L x L blocks of M by an L-step
+  substitution on their [C, L] stack, the rest by block products, every step
+  a tensor-core product).
 * `state_fwd`: grid (B, H, V/BV) (GPU; on TPU (B, H, V/BV, chunks) with a
   sequential chunk axis). Carries the f32 state S [K, BV] through the
   chunks: V' = U - W S; O = (q e^G) S + A_qk V';
@@ -304,9 +305,65 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
     m_ref[0][...] = m
 
 
+def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell,
+                          diagonal, cfg):
+  """Adds one K slice's anchored score products to the [C, C] accumulators.
+
+  The decay e^{G_i - G_j} is a per-channel product, so the scores
+  sum_d x_id k_jd e^{G_id - G_jd} split into per-slice sums; every factor
+  below is formed on [C, BK] tiles only.
+
+  Args:
+    p_qk, p_kk: [C, C] f32 partial sums of A_qk and A_kk (unmasked above the
+      diagonal; the caller masks).
+    ks: static `pl.ds` of the slice's BK channels.
+
+  Returns:
+    (p_qk, p_kk) plus this slice's diagonal-tile (dense only) and
+    off-diagonal-tile products.
+  """
+  c = q_ref.shape[0]
+  nt = c // ell
+  sdt = cfg.score_mm_dtype
+  row, col = iota((c, 1), 0), iota((1, c), 1)
+  in_tile = [(row >= r * ell) & (row < (r + 1) * ell) for r in range(nt)]
+  anchors = [g_ref[pl.ds(r * ell, 1), ks] for r in range(nt)]    # [1, BK]
+  g = g_ref[:, ks]
+  a_own = jnp.broadcast_to(anchors[0], g.shape)                  # a_t(i)
+  a_next = jnp.broadcast_to(anchors[nt - 1], g.shape)            # a_t(i)+1; own on the last
+  for r in range(nt):
+    if r > 0:
+      a_own = jnp.where(in_tile[r], anchors[r], a_own)
+    if r + 1 < nt:
+      a_next = jnp.where(in_tile[r], anchors[r + 1], a_next)
+  k = k_ref[:, ks].astype(_F32)
+  row_f = jnp.exp(g - a_own)                                     # <= 1
+  xq = q_ref[:, ks].astype(_F32) * scale * row_f
+  xk = beta_ref[...] * k * row_f
+  k_next = k * jnp.exp(a_next - g)                               # <= 1 off the last tile
+  if diagonal == "dense":
+    same = jnp.zeros((c, c), jnp.bool_)
+    for r in range(nt):
+      same = same | (in_tile[r] & (col >= r * ell) & (col < (r + 1) * ell))
+    k_own = k * jnp.exp(a_own - g)                               # <= e^{|g_min| (L-1)}
+    p_qk = p_qk + jnp.where(same, dot(xq, k_own, cfg, tb=True, dtype=sdt), 0.0)
+    p_kk = p_kk + jnp.where(same, dot(xk, k_own, cfg, tb=True, dtype=sdt), 0.0)
+  for s in range(nt - 1):
+    ratio = jnp.ones_like(g)                                     # e^{a_t(i) - a_{s+1}}
+    for r in range(s + 2, nt):
+      ratio = jnp.where(in_tile[r], jnp.exp(anchors[r] - anchors[s + 1]), ratio)
+    later = row >= (s + 1) * ell
+    col_s = jnp.where(in_tile[s], k_next, 0.0)
+    # Rows before tile s + 1 and columns outside tile s are zero operands, so
+    # the product lands only in its (later rows, tile s) block.
+    p_qk = p_qk + dot(jnp.where(later, xq * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
+    p_kk = p_kk + dot(jnp.where(later, xk * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
+  return p_qk, p_kk
+
+
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
                               *m_ref, scale, ell, diagonal, cfg):
-  """Whole-tile scores and the blocked inverse (`inverse="blocked"`).
+  """K-sliced scores and the blocked inverse (`inverse="blocked"`).
 
   Scores, with a_r = G[r L] the first row of tile r and t(i) the tile of row i:
   * diagonal tiles (dense), all at once: (x e^{G - a_t(i)}) (k e^{a_t(j) - G})^T
@@ -315,43 +372,31 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
   * column tile s against all later rows, anchored at a_{s+1} (between every
     such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
     all factors <= 1.
-  So each score matrix takes C/L products of [C, K] x [K, C], and e^x runs on
-  4 C K entries per chunk plus [1, K] anchor ratios (the substitution body:
-  6 C K). Anchors are first rows of tiles at or before every row using them.
+  Anchors are first rows of tiles at or before every row using them. Both
+  are summed over K slices of cfg.block_k channels (`_blocked_slice_scores`),
+  so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
+  each score matrix takes C/L products of [C, BK] x [BK, C]. The pairwise
+  diagonal (`pair_tile_scores`) stays over the full K. Then
+  M = (I + A_kk)^-1 on [C, C], and W = M (beta k e^G) per K slice,
+  U = M (beta v) per V slice (of block_k channels when K is sliced, else the
+  whole V: one slice, as on TPU, keeps one product each).
   """
   cfg = cfg.intra()
-  c = q_ref.shape[0]
-  nt = c // ell
-  sdt = cfg.score_mm_dtype
+  c, dk = q_ref.shape
+  dv = v_ref.shape[1]
+  bk = cfg.block_k
+  if bk > dk or dk % bk:
+    raise ValueError(f"block_k must divide K={dk}, got {bk}")
+  bv = min(bk, dv) if bk < dk else dv
   row, col = iota((c, 1), 0), iota((1, c), 1)
-  in_tile = [(row >= r * ell) & (row < (r + 1) * ell) for r in range(nt)]
-  anchors = [g_ref[pl.ds(r * ell, 1), :] for r in range(nt)]     # [1, K]
-  g = g_ref[...]
-  a_own = jnp.broadcast_to(anchors[0], g.shape)                  # a_t(i)
-  a_next = jnp.broadcast_to(anchors[nt - 1], g.shape)            # a_t(i)+1; own on the last
-  for r in range(nt):
-    if r > 0:
-      a_own = jnp.where(in_tile[r], anchors[r], a_own)
-    if r + 1 < nt:
-      a_next = jnp.where(in_tile[r], anchors[r + 1], a_next)
-  k = k_ref[...].astype(_F32)
-  beta = beta_ref[...]
-  row_f = jnp.exp(g - a_own)                                     # <= 1
-  xq = q_ref[...].astype(_F32) * scale * row_f
-  xk = beta * k * row_f
-  k_next = k * jnp.exp(a_next - g)                               # <= 1 off the last tile
-  same = jnp.zeros((c, c), jnp.bool_)
-  for r in range(nt):
-    same = same | (in_tile[r] & (col >= r * ell) & (col < (r + 1) * ell))
-
-  if diagonal == "dense":
-    k_own = k * jnp.exp(a_own - g)                               # <= e^{|g_min| (L-1)}
-    p_qk = jnp.where(same, dot(xq, k_own, cfg, tb=True, dtype=sdt), 0.0)
-    p_kk = jnp.where(same, dot(xk, k_own, cfg, tb=True, dtype=sdt), 0.0)
-  else:
-    p_qk = p_kk = jnp.zeros((c, c), _F32)
+  p_qk = p_kk = jnp.zeros((c, c), _F32)
+  for kb in range(dk // bk):
+    p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref,
+                                       pl.ds(kb * bk, bk), scale=scale, ell=ell,
+                                       diagonal=diagonal, cfg=cfg)
+  if diagonal == "pairwise":
     zero = jnp.zeros((ell, c), _F32)
-    for r in range(nt):
+    for r in range(c // ell):
       rows = pl.ds(r * ell, ell)
       q_l = q_ref[rows, :].astype(_F32) * scale
       bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
@@ -359,22 +404,17 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
       e_cl = onehot_rows(c, ell, r)                              # exact embedding
       p_qk = p_qk + dot(e_cl, t_qk, cfg, dtype=_F32)
       p_kk = p_kk + dot(e_cl, t_kk, cfg, dtype=_F32)
-  for s in range(nt - 1):
-    ratio = jnp.ones_like(g)                                     # e^{a_t(i) - a_{s+1}}
-    for r in range(s + 2, nt):
-      ratio = jnp.where(in_tile[r], jnp.exp(anchors[r] - anchors[s + 1]), ratio)
-    later = row >= (s + 1) * ell
-    col_s = jnp.where(in_tile[s], k_next, 0.0)
-    p_qk = p_qk + dot(jnp.where(later, xq * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
-    p_kk = p_kk + dot(jnp.where(later, xk * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
   aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
   m = blocked_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
                                  dtype=cfg.inverse_mm_dtype)
-  # Reloaded rather than kept: [C, K] f32 values live across the inverse
-  # would spill registers.
-  x_w = beta_ref[...] * k_ref[...].astype(_F32) * jnp.exp(g_ref[...])
-  w_ref[...] = dot(m, x_w, cfg).astype(w_ref.dtype)
-  u_ref[...] = dot(m, beta_ref[...] * v_ref[...].astype(_F32), cfg).astype(u_ref.dtype)
+  # Operands reloaded per slice: nothing [C, K]-sized is live across the inverse.
+  for kb in range(dk // bk):
+    ks = pl.ds(kb * bk, bk)
+    x_w = beta_ref[...] * k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[:, ks])
+    w_ref[:, ks] = dot(m, x_w, cfg).astype(w_ref.dtype)
+  for vb in range(dv // bv):
+    vs = pl.ds(vb * bv, bv)
+    u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
   if m_ref:
     m_ref[0][...] = m
 
