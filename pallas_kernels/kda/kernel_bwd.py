@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import (dot, iota, onehot_rows, state_grid,
-                                           state_launch_options, tile_factors)
+                                           state_k_slices, state_launch_options,
+                                           tile_factors)
 
 _F32 = jnp.float32
 
@@ -43,23 +44,38 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
                     *, scale, cfg: KernelConfig):
   """One chunk of the reverse state recurrence (shared by the GPU and TPU kernels).
 
-  Writes dV' = A_qk^T dO + (k e^{G_last - G}) dS into dvn_ref's `rows`.
+  Writes dV' = A_qk^T dO + sum_kb (k e^{G_last - G})_kb dS_kb into dvn_ref's
+  `rows`. Every element-wise factor is formed on a [C, BK] column slice
+  (BK = cfg.block_k; see `kernel_fwd.state_k_slices`) so only [C, BK] f32
+  tiles are live at once.
 
   Args:
-    ds: [K, BV] f32 gradient of the state leaving the chunk.
+    ds: tuple of K/BK f32 [BK, BV] slices of dS [K, BV], the gradient of the
+      state leaving the chunk.
 
   Returns:
-    dS entering the chunk: e^{G_last} dS + (q e^G)^T dO - W^T dV'.
+    dS entering the chunk as a tuple of [BK, BV] slices:
+    dS_kb <- e^{G_last,kb} dS_kb + (q e^G)_kb^T dO - W_kb^T dV'.
   """
-  g = g_ref[rows, :]
-  g_last = g_ref[last_row, :]
-  q = q_ref[rows, :].astype(_F32) * scale
-  k = k_ref[rows, :].astype(_F32)
+  slices = state_k_slices(cfg, q_ref.shape[-1])
+  if len(ds) != len(slices):
+    raise ValueError(f"dS has {len(ds)} K slices, expected {len(slices)}")
   do = do_ref[rows, :]
-  dvn = dot(aqk_ref[rows, :], do, cfg, ta=True) + dot(k * jnp.exp(g_last - g), ds, cfg)
+  dvn = dot(aqk_ref[rows, :], do, cfg, ta=True)
+  for ks, ds_kb in zip(slices, ds):
+    g = g_ref[rows, ks]
+    g_last = g_ref[last_row, ks]
+    k = k_ref[rows, ks].astype(_F32)
+    dvn = dvn + dot(k * jnp.exp(g_last - g), ds_kb, cfg)
   dvn_ref[rows, :] = dvn
-  return (jnp.transpose(jnp.exp(g_last)) * ds + dot(q * jnp.exp(g), do, cfg, ta=True)
-          - dot(w_ref[rows, :], dvn, cfg, ta=True))
+  ds_prev = []
+  for ks, ds_kb in zip(slices, ds):
+    g = g_ref[rows, ks]
+    g_last = g_ref[last_row, ks]
+    q = q_ref[rows, ks].astype(_F32) * scale
+    ds_prev.append(jnp.transpose(jnp.exp(g_last)) * ds_kb + dot(q * jnp.exp(g), do, cfg, ta=True)
+                   - dot(w_ref[rows, ks], dvn, cfg, ta=True))
+  return tuple(ds_prev)
 
 
 def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
@@ -68,51 +84,68 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
   tp, dk = q_ref.shape
   nc = tp // c
   bv = do_ref.shape[-1]
+  slices = state_k_slices(cfg, dk)
 
   def body(j, ds):
     i = nc - 1 - j
     seq = seq_ref[i]
-    ds = jnp.where(last_ref[i] != 0, dht_ref[seq].astype(_F32), ds)
-    dhs_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :] = ds
+    end_seq = last_ref[i] != 0
+    ds = tuple(jnp.where(end_seq, dht_ref[seq, ks, :].astype(_F32), ds_kb)
+               for ks, ds_kb in zip(slices, ds))
+    base = pl.multiple_of(i * dk, dk)
+    for ks, ds_kb in zip(slices, ds):
+      dhs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = ds_kb
     start = pl.multiple_of(i * c, c)
     ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
                          w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, cfg=cfg)
 
     @pl.when(first_ref[i] != 0)
     def _():
-      dh0_ref[seq] = ds
+      for ks, ds_kb in zip(slices, ds):
+        dh0_ref[seq, ks, :] = ds_kb
 
     return ds
 
-  lax.fori_loop(0, nc, body, jnp.zeros((dk, bv), _F32))
+  lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
 
 
 def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
                           do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, ds_ref, *, scale, cfg):
-  """One chunk per grid step, last chunk first; dS in VMEM scratch."""
+  """One chunk per grid step, last chunk first; dS in VMEM scratch.
+
+  The scratch holds the whole [K, BV] dS; it is read and written in the same
+  K slices as on the GPU (one slice with the TPU default block_k = K).
+  """
   nc = pl.num_programs(3)
   i = nc - 1 - pl.program_id(3)
   c = q_ref.shape[0]
   seq = seq_ref[i]
+  slices = state_k_slices(cfg, q_ref.shape[-1])
 
   @pl.when(last_ref[i] != 0)
   def _():
     ds_ref[...] = dht_ref[seq].astype(_F32)
 
-  ds = ds_ref[...]
-  dhs_ref[...] = ds
+  ds = tuple(ds_ref[ks, :] for ks in slices)
+  for ks, ds_kb in zip(slices, ds):
+    dhs_ref[ks, :] = ds_kb
   ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref, aqk_ref,
                        do_ref, dvn_ref, scale=scale, cfg=cfg)
-  ds_ref[...] = ds
+  for ks, ds_kb in zip(slices, ds):
+    ds_ref[ks, :] = ds_kb
 
   @pl.when(first_ref[i] != 0)
   def _():
-    dh0_ref[seq] = ds
+    for ks, ds_kb in zip(slices, ds):
+      dh0_ref[seq, ks, :] = ds_kb
 
 
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool):
   """Runs the reverse state kernel.
+
+  Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
+  does the per-channel work on [C, block_k] tiles (`kernel_fwd.state_k_slices`).
 
   Args:
     meta: (first_n, last_n, seq_n) int32 [NC], as for `state_fwd`.

@@ -463,29 +463,56 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
 # ---------------------------------------------------------------------------
 
 
+def state_k_slices(cfg: KernelConfig, dk: int) -> list:
+  """Static `pl.ds` K slices of cfg.block_k channels covering K = dk.
+
+  The state kernels do every per-channel (K) element-wise operation on
+  [C, block_k] tiles and keep the state as [block_k, BV] slices: one whole
+  [C, K] f32 tile is 64 registers per thread on the GPU at C = 64, K = 128
+  and 4 warps, so whole-K tiles spill. The gate factors are per channel and
+  every K contraction is a sum over slices, so slicing changes no algebra.
+  """
+  bk = min(cfg.block_k, dk)
+  if dk % bk:
+    raise ValueError(f"block_k must divide K={dk}, got {cfg.block_k}")
+  return [pl.ds(kb * bk, bk) for kb in range(dk // bk)]
+
+
 def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_ref, o_ref, *,
                     scale, cfg: KernelConfig):
   """One chunk of the forward state recurrence (shared by the GPU and TPU kernels).
 
   Reads the chunk's `rows` ([C] rows; `last_row` is its last one) and writes
-  O = (q e^G) S + A_qk V' into o_ref.
+  O = sum_kb (q e^G)_kb S_kb + A_qk V' into o_ref. Every element-wise factor
+  is formed on a [C, BK] column slice (BK = cfg.block_k; see `state_k_slices`)
+  so only [C, BK] f32 tiles are live at once.
 
   Args:
-    s: [K, BV] f32 state entering the chunk.
+    s: tuple of K/BK f32 [BK, BV] slices of the state S [K, BV] entering the
+      chunk (slice kb holds rows kb*BK ... (kb+1)*BK - 1).
 
   Returns:
-    (V' = U - W S [C, BV] f32, S <- e^{G_last} S + (k e^{G_last - G})^T V').
+    (V' = U - sum_kb W_kb S_kb [C, BV] f32, the state leaving the chunk as a
+    tuple of [BK, BV] slices S_kb <- e^{G_last,kb} S_kb + (k e^{G_last - G})_kb^T V').
   """
-  g = g_ref[rows, :]
-  g_last = g_ref[last_row, :]
-  q = q_ref[rows, :].astype(_F32) * scale
-  k = k_ref[rows, :].astype(_F32)
-  s_mm = s.astype(cfg.mm_dtype)
-  v_new = u_ref[rows, :].astype(_F32) - dot(w_ref[rows, :], s_mm, cfg)
-  o = dot(q * jnp.exp(g), s_mm, cfg) + dot(aqk_ref[rows, :], v_new, cfg)
+  slices = state_k_slices(cfg, q_ref.shape[-1])
+  if len(s) != len(slices):
+    raise ValueError(f"state has {len(s)} K slices, expected {len(slices)}")
+  v_new = u_ref[rows, :].astype(_F32)
+  for ks, s_kb in zip(slices, s):
+    v_new = v_new - dot(w_ref[rows, ks], s_kb, cfg)
+  o = dot(aqk_ref[rows, :], v_new, cfg)
+  s_next = []
+  for ks, s_kb in zip(slices, s):
+    g = g_ref[rows, ks]
+    g_last = g_ref[last_row, ks]
+    q = q_ref[rows, ks].astype(_F32) * scale
+    o = o + dot(q * jnp.exp(g), s_kb, cfg)
+    k = k_ref[rows, ks].astype(_F32)
+    s_next.append(jnp.transpose(jnp.exp(g_last)) * s_kb
+                  + dot(k * jnp.exp(g_last - g), v_new, cfg, ta=True))
   o_ref[rows, :] = o.astype(o_ref.dtype)
-  s_next = jnp.transpose(jnp.exp(g_last)) * s + dot(k * jnp.exp(g_last - g), v_new, cfg, ta=True)
-  return v_new, s_next
+  return v_new, tuple(s_next)
 
 
 def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
@@ -495,59 +522,76 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
   tp, dk = q_ref.shape
   nc = tp // c
   bv = u_ref.shape[-1]
+  slices = state_k_slices(cfg, dk)
 
   def body(i, s):
     seq = seq_ref[i]
-    s = jnp.where(first_ref[i] != 0, h0_ref[seq].astype(_F32), s)
+    start_seq = first_ref[i] != 0
+    s = tuple(jnp.where(start_seq, h0_ref[seq, ks, :].astype(_F32), s_kb)
+              for ks, s_kb in zip(slices, s))
     start = pl.multiple_of(i * c, c)
     rows = pl.ds(start, c)
     v_new, s_next = state_fwd_chunk(s, rows, pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
                                     w_ref, u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
     if save_refs:
       hs_ref, vn_ref = save_refs
-      hs_ref[pl.ds(pl.multiple_of(i * dk, dk), dk), :] = s.astype(hs_ref.dtype)
+      base = pl.multiple_of(i * dk, dk)
+      for ks, s_kb in zip(slices, s):
+        at = pl.multiple_of(base + ks.start, ks.size)
+        hs_ref[pl.ds(at, ks.size), :] = s_kb.astype(hs_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
     s = s_next
 
     @pl.when(last_ref[i] != 0)
     def _():
-      ht_ref[seq] = s
+      for ks, s_kb in zip(slices, s):
+        ht_ref[seq, ks, :] = s_kb
 
     return s
 
-  lax.fori_loop(0, nc, body, jnp.zeros((dk, bv), _F32))
+  lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
 
 
 def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
                           aqk_ref, h0_ref, o_ref, ht_ref, *rest, scale, cfg, save):
-  """One chunk per grid step (last grid axis, sequential); state in VMEM scratch."""
+  """One chunk per grid step (last grid axis, sequential); state in VMEM scratch.
+
+  The scratch holds the whole [K, BV] state; it is read and written in the
+  same K slices as on the GPU (one slice with the TPU default block_k = K).
+  """
   save_refs, s_ref = rest[:-1], rest[-1]
   i = pl.program_id(3)
   c = q_ref.shape[0]
   seq = seq_ref[i]
+  slices = state_k_slices(cfg, q_ref.shape[-1])
 
   @pl.when(first_ref[i] != 0)
   def _():
     s_ref[...] = h0_ref[seq].astype(_F32)
 
-  s = s_ref[...]
+  s = tuple(s_ref[ks, :] for ks in slices)
   v_new, s_next = state_fwd_chunk(s, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref,
                                   u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
   if save:
     hs_ref, vn_ref = save_refs
-    hs_ref[...] = s.astype(hs_ref.dtype)
+    for ks, s_kb in zip(slices, s):
+      hs_ref[ks, :] = s_kb.astype(hs_ref.dtype)
     vn_ref[...] = v_new.astype(vn_ref.dtype)
-  s = s_next
-  s_ref[...] = s
+  for ks, s_kb in zip(slices, s_next):
+    s_ref[ks, :] = s_kb
 
   @pl.when(last_ref[i] != 0)
   def _():
-    ht_ref[seq] = s
+    for ks, s_kb in zip(slices, s_next):
+      ht_ref[seq, ks, :] = s_kb
 
 
 def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool, save: bool = False, out_dtype=None):
   """Runs the state kernel over all chunks.
+
+  Each program carries S [K, BV] as K/block_k slices of [block_k, BV] and
+  does the per-channel work on [C, block_k] tiles (`state_k_slices`).
 
   Args:
     meta: (first_n, last_n, seq_n), int32 [NC] each: chunk starts / ends a

@@ -1,0 +1,98 @@
+"""KDA Pallas state kernels walking K in slices of block_k channels.
+
+`state_fwd` / `state_bwd` carry the state (and its gradient) as K/block_k
+slices of [block_k, BV] and form every per-channel factor on [C, block_k]
+tiles. Here K = 32 with block_k = 8 (four slices) and block_v = 8 < V, so
+each program owns one V tile of four state slices; the forward and the whole
+VJP go through `chunk_kda_pallas` in interpret mode and are compared with the
+float32 naive recurrence. Interpret mode fills kernel outputs with NaN first,
+so an unwritten state slice (final state, per-chunk states, d initial_state)
+fails the finiteness check.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import reference
+from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+
+LOWER_BOUND = -5.0
+# max|x - ref| / max|ref|, float32 operands, exact (HIGHEST) matmuls on the CPU.
+F32_TOL = 2e-5
+DK, DV, BLOCK_K, BLOCK_V, CHUNK, SUB = 32, 16, 8, 8, 16, 8
+
+
+def _rel_max(x, ref):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  assert np.all(np.isfinite(x)), "non-finite values (unwritten output?)"
+  return np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30)
+
+
+def _inputs(seed, b, t, h, n_states):
+  """Unit-norm q/k, per-channel gates in (g_min, 0), beta in (0, 1), h0, cotangents."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, DK)))
+  k = unit(jax.random.normal(ks[1], (b, t, h, DK)))
+  v = jax.random.normal(ks[2], (b, t, h, DV))
+  # Per-channel gates spread over (g_min, 0): every K slice decays differently.
+  g = LOWER_BOUND * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, DK)))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+  h0 = jax.random.normal(ks[5], (n_states, h, DK, DV))
+  do = jax.random.normal(ks[6], (b, t, h, DV))
+  dht = jax.random.normal(ks[7], (n_states, h, DK, DV))
+  return (q, k, v, g, beta, h0), do, dht
+
+
+def _check_against_naive(xs, do, dht, *, save, cu_seqlens=None):
+  def run(fn):
+    def loss(*xs):
+      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True,
+                 cu_seqlens=cu_seqlens)
+      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(*xs)
+
+  (_, (o_r, ht_r)), want = run(functools.partial(reference.naive_recurrent_kda,
+                                                 scale=DK ** -0.5))
+  (_, (o, ht)), got = run(functools.partial(
+      chunk_kda_pallas, scale=DK ** -0.5, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
+      interpret=True, block_v=BLOCK_V,
+      config_overrides=dict(block_k=BLOCK_K, save_residuals=save)))
+  for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+                        (o, ht, *got), (o_r, ht_r, *want)):
+    assert a.shape == r.shape, name
+    err = _rel_max(a, r)
+    assert err < F32_TOL, f"save_residuals={save} {name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_sliced_state_forward_and_vjp_match_naive(save):
+  """o, final state and all six gradients; T = 40 is not a multiple of C = 16."""
+  xs, do, dht = _inputs(0, 2, 40, 1, n_states=2)
+  _check_against_naive(xs, do, dht, save=save)
+
+
+def test_sliced_state_varlen_matches_naive():
+  """Packed sequences (one shorter than a chunk): per-sequence h0 / ht / dh0 slices."""
+  cu = jnp.asarray([0, 5, 23, 40], jnp.int32)
+  xs, do, dht = _inputs(1, 1, 40, 1, n_states=3)
+  _check_against_naive(xs, do, dht, save=True, cu_seqlens=cu)
+
+
+def test_state_k_slices():
+  cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=DK,
+                                  head_v=DV, chunk_size=CHUNK, sub_chunk=SUB,
+                                  overrides=dict(block_k=BLOCK_K))
+  slices = kernel_fwd.state_k_slices(cfg, DK)
+  assert [(s.start, s.size) for s in slices] == [(0, 8), (8, 8), (16, 8), (24, 8)]
+  # block_k wider than K: one slice of all of K.
+  assert [(s.start, s.size) for s in kernel_fwd.state_k_slices(cfg, 4)] == [(0, 4)]
+  with pytest.raises(ValueError, match="block_k must divide K=12"):
+    kernel_fwd.state_k_slices(cfg, 12)
