@@ -38,15 +38,13 @@ def _gates(key, shape, at_bound):
   return LOWER_BOUND * jax.nn.sigmoid(6.0 + z if at_bound else 2.0 * z)
 
 
-@pytest.mark.parametrize("dk,block_k", [(16, 16), (64, 16)])
-def test_row_block_kernel_matches_full_tile_kernel(dk, block_k, diagonal="dense"):
+def test_row_block_kernel_matches_full_tile_kernel(diagonal="dense"):
   """intra_bwd "rows" == "tiles" on random chunk operands (all five outputs).
 
-  "tiles" walks K in slices of block_k (one slice, then four). The pairwise
-  row-block path is checked end to end by the pairwise VJP test of
-  tests/test_kda_pallas.py (the interpret backend runs "rows").
+  The pairwise row-block path is checked end to end by the pairwise VJP test
+  of tests/test_kda_pallas.py (the interpret backend runs "rows").
   """
-  b, h, nc, c, ell, dv = 1, 1, 1, 64, 16, 32
+  b, h, nc, c, ell, dk, dv = 1, 1, 1, 64, 16, 16, 32
   tp = nc * c
   ks = jax.random.split(jax.random.PRNGKey(0), 12)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
@@ -72,7 +70,7 @@ def test_row_block_kernel_matches_full_tile_kernel(dk, block_k, diagonal="dense"
   for impl in ("rows", "tiles"):
     cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=dk,
                                     head_v=dv, chunk_size=c, sub_chunk=ell,
-                                    overrides=dict(intra_bwd_impl=impl, block_k=block_k))
+                                    overrides=dict(intra_bwd_impl=impl))
     fn = jax.jit(functools.partial(kernel_bwd.intra_bwd, heads=h, chunk_size=c, sub_chunk=ell,
                                    diagonal=diagonal, scale=dk ** -0.5, cfg=cfg))
     outs[impl] = fn(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
@@ -178,37 +176,3 @@ def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
   # (q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
   assert dtypes is not None and [dtypes[i] for i in (6, 8, 10)] == [want] * 3, dtypes
   assert dtypes[7] == dtypes[9] == "float32"  # gradients stay f32
-
-
-@pytest.mark.parametrize("diagonal,gdn", [("dense", False), ("pairwise", True)])
-def test_tiles_kernel_k_slices_vjp_matches_naive(diagonal, gdn):
-  """The full-tile backward ("tiles", the GPU default) with K = 32 in four
-  slices of 8: all six gradients vs the naive recurrence, T = 40 (not a
-  multiple of C = 32), KDA gates at the bound (dense) or GDN gates (pairwise)."""
-  b, t, h, dk, dv = 1, 40, 1, 32, 16
-  ks = jax.random.split(jax.random.PRNGKey(2), 8)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, dk)))
-  k = unit(jax.random.normal(ks[1], (b, t, h, dk)))
-  v = jax.random.normal(ks[2], (b, t, h, dv))
-  g = _gates(ks[3], (b, t, h, 1 if gdn else dk), at_bound=not gdn)
-  g = jnp.broadcast_to(g, (b, t, h, dk))  # GDN: one gate per head, shared by K
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
-  h0 = jax.random.normal(ks[5], (b, h, dk, dv))
-  do = jax.random.normal(ks[6], (b, t, h, dv))
-  dht = jax.random.normal(ks[7], (b, h, dk, dv))
-
-  def grads(fn):
-    def loss(*xs):
-      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
-      return jnp.sum(o * do) + jnp.sum(ht * dht)
-    return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(q, k, v, g, beta, h0)
-
-  want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
-  got = grads(functools.partial(
-      chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal=diagonal,
-      interpret=True, config_overrides=dict(intra_bwd_impl="tiles", block_k=8)))
-  for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
-    assert a.shape == r.shape, name
-    err = _rel_max(a, r)
-    assert err < F32_TOL, f"{diagonal} {name}: {err:.2e}"

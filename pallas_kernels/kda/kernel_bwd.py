@@ -182,32 +182,29 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
 # ---------------------------------------------------------------------------
 
 
-def _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale, cols=None):
+def _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
   """Gradients through one diagonal tile's explicit pair decay (`pairwise`).
 
   For rows/columns i, j of the tile (L of them, from `start`):
     A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
     A_kk[i, j] = beta_i sum_d k_id k_jd e^{G_id - G_jd} (j < i).
   One column j per loop step, as [L, K] work: no [L, L, K] tensor is formed.
-  `cols` (a pl.ds over K, default all of K) restricts the work to a K slice:
-  every term is separable across channels.
 
-  Returns [L, K'] each (K' the slice width): dq (from dA_qk), dk (column side
-  of dA_qk), R = sum_j dA_ij k_j e^{G_i - G_j}, and dk (column side of dA_kk).
+  Returns [L, K] each: dq (from dA_qk), dk (column side of dA_qk),
+  R = sum_j dA_ij k_j e^{G_i - G_j}, and dk (column side of dA_kk).
   """
   ell = daq_l.shape[0]
-  cols = pl.ds(0, q_ref.shape[1]) if cols is None else cols
   rows = pl.ds(start, ell)
-  q_l = q_ref[rows, cols].astype(_F32) * scale
-  g_l = g_ref[rows, cols]
-  bk_l = beta_ref[rows, :] * k_ref[rows, cols].astype(_F32)
+  q_l = q_ref[rows, :].astype(_F32) * scale
+  g_l = g_ref[rows, :]
+  bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
   row_l = iota((ell, 1), 0)
   col_l = iota((1, ell), 1)
 
   def body(j, carry):
     dq_l, dk_l, r_l, dkc_l = carry
-    k_j = k_ref[pl.ds(start + j, 1), cols].astype(_F32)
-    g_j = g_ref[pl.ds(start + j, 1), cols]
+    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
+    g_j = g_ref[pl.ds(start + j, 1), :]
     aq_j = jnp.sum(jnp.where(col_l == j, daq_l, 0.0), axis=1, keepdims=True)
     a_j = jnp.sum(jnp.where(col_l == j, da_l, 0.0), axis=1, keepdims=True)
     seen = row_l >= j
@@ -226,120 +223,104 @@ def _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale, c
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref,
                       vn_ref, dvn_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
                       *, scale, ell, diagonal, cfg):
-  """Intra-chunk backward on masked whole-chunk tiles, K in slices of cfg.block_k.
-
-  First the [C, C] and [C, V] quantities (no per-channel gate factor):
-    dM = dV' (beta v - (beta k e^G) S)^T, dA = -M^T dM M^T (strictly lower),
-    dA_qk = dO V'^T (lower), dU~ = M^T dV' (so dv = beta dU~).
-  Then, per K slice, every per-channel gradient of that slice: the state
-  terms, d(beta k e^G) = -dU~ S^T, and the anchored score gradients of each
-  row tile (its rows masked in, the same anchors as the forward). Only
-  [C, block_k] f32 tiles are live in the slice loop, so the Triton kernel
-  keeps them in registers; dbeta accumulates over the slices.
-  """
   cfg = cfg.intra(backward=True)  # operand dtype of this kernel's matmuls
-  c, dk_all = q_ref.shape
-  bk_w = cfg.block_k
-  mdt = cfg.mm_dtype
-  sdt = cfg.score_mm_dtype
-  rnd = lambda x: x.astype(sdt).astype(_F32)
+  c = q_ref.shape[0]
+  q = q_ref[...].astype(_F32) * scale
+  k = k_ref[...].astype(_F32)
+  v = v_ref[...].astype(_F32)
+  g = g_ref[...]
   beta = beta_ref[...]
+  do = do_ref[...].astype(_F32)
+  s = hs_ref[...]          # [K, V] state entering the chunk
+  ds = dhs_ref[...]        # [K, V] gradient of the state leaving it
+  vn = vn_ref[...]
+  dvn = dvn_ref[...]
   m = m_ref[...]
   row_c = iota((c, 1), 0)
-  row, col = iota((c, c), 0), iota((c, c), 1)
-  slices = [pl.ds(j * bk_w, bk_w) for j in range(dk_all // bk_w)]
+  eg = jnp.exp(g)
+  g_last = g_ref[pl.ds(c - 1, 1), :]
+  kdec = jnp.exp(g_last - g)
 
-  # V' = U - W S with U = M (beta v), W = M (beta k e^G):
-  # dM = dV' U^T + dW (beta k e^G)^T = dV' (beta v - (beta k e^G) S)^T.
-  z = beta * v_ref[...].astype(_F32)
-  for ks in slices:
-    bkg = beta * k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[:, ks])
-    z = z - dot(bkg, hs_ref[ks, :], cfg)
-  dvn = dvn_ref[...]
-  dm = dot(dvn, z, cfg, tb=True)
-  dbv = dot(m, dvn, cfg, ta=True)                       # dU~ = M^T dV'
-  dv_ref[...] = (beta * dbv).astype(dv_ref.dtype)
-  dbeta = jnp.sum(dbv * v_ref[...].astype(_F32), axis=1, keepdims=True)
-  dbv = dbv.astype(mdt)                                 # only a matmul operand from here
+  # O += (q e^G) S.
+  dqt = dot(do, s, cfg, tb=True)
+  dq = eg * dqt
+  dgc = q * eg * dqt
+  # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
+  dkt = dot(vn, ds, cfg, tb=True)
+  kk = k * kdec
+  dk = kdec * dkt
+  dgc = dgc - kk * dkt
+  dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
+            + jnp.transpose(jnp.sum(ds * s, axis=1, keepdims=True)) * jnp.exp(g_last))
+  # V' = U - W S with U = M (beta v), W = M (beta k e^G).
+  dw = -dot(dvn, s, cfg, tb=True)
+  bkg = beta * k * eg
+  bv = beta * v
+  dm = dot(dvn, bv, cfg, tb=True) + dot(dw, bkg, cfg, tb=True)
+  dbkg = dot(m, dw, cfg, ta=True)
+  dbv = dot(m, dvn, cfg, ta=True)
+  dv = beta * dbv
+  dbeta = jnp.sum(dbv * v, axis=1, keepdims=True) + jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
+  dk = dk + beta * eg * dbkg
+  dgc = dgc + bkg * dbkg
   # M = (I + A_kk)^-1  =>  dA = -M^T dM M^T on the strictly lower part.
+  row, col = iota((c, c), 0), iota((c, c), 1)
   da = jnp.where(row > col, -dot(dot(m, dm, cfg, ta=True), m, cfg, tb=True), 0.0)
-  daq = jnp.where(row >= col, dot(do_ref[...], vn_ref[...], cfg, tb=True), 0.0)
-  da_s, daq_s = rnd(da), rnd(daq)
-  nt = c // ell
-  pair_l = []
-  if diagonal == "pairwise":
-    # The diagonal [L, L] blocks, for the explicit pair-decay gradients.
-    for r in range(nt):
+  daq = jnp.where(row >= col, dot(do, vn, cfg, tb=True), 0.0)
+
+  # Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T.
+  # The gate gradient of a score is (row operand) * (row-side product) minus
+  # (column operand) * (column-side product); both sides must use the same
+  # rounded operands, or the reverse cumsum of dG stops cancelling (with bf16
+  # score operands, dg's relative L2 error at B1 T512 H2 D64 was 3.6e-2
+  # without this and 3.1e-3 with it).
+  sdt = cfg.score_mm_dtype
+  rnd = lambda x: x.astype(sdt).astype(_F32)
+  dq_a = jnp.zeros_like(q)
+  dk_a = jnp.zeros_like(q)
+  r_acc = jnp.zeros_like(q)   # sum_j dA_ij k_j e^{G_i - G_j}
+  dk_col = jnp.zeros_like(q)
+  dg_sc = jnp.zeros_like(q)
+  bk = beta * k
+  for r in range(c // ell):
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
+    daq_r = rnd(jnp.where(in_r, daq, 0.0))
+    da_r = rnd(jnp.where(in_r, da, 0.0))
+    yk = rnd(k * col_f)
+    xq = rnd(q * row_f)
+    xk = rnd(bk * row_f)
+    t_q = dot(daq_r, yk, cfg, dtype=sdt)
+    t_qc = dot(daq_r, xq, cfg, ta=True, dtype=sdt)
+    t_k = dot(da_r, yk, cfg, dtype=sdt)
+    t_kc = dot(da_r, xk, cfg, ta=True, dtype=sdt)
+    dq_a += row_f * t_q
+    dk_a += col_f * t_qc
+    r_acc += row_f * t_k
+    dk_col += col_f * t_kc
+    dg_sc += xq * t_q - yk * t_qc + xk * t_k - yk * t_kc
+    if diagonal == "pairwise":
       e_cl = onehot_rows(c, ell, r)
-      pair_l.append((dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32),
-                     dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)))
+      daq_l = dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
+      da_l = dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
+      parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
+      p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
+      dq_a += p_q
+      dk_a += p_qc
+      r_acc += p_k
+      dk_col += p_kc
+      dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
+  dq = dq + dq_a
+  dk = dk + dk_a + beta * r_acc + dk_col
+  dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
+  dgc = dgc + dg_sc
+  dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
-  for ks in slices:
-    q = q_ref[:, ks].astype(_F32) * scale
-    k = k_ref[:, ks].astype(_F32)
-    g = g_ref[:, ks]
-    eg = jnp.exp(g)
-    g_last = g_ref[pl.ds(c - 1, 1), ks]
-    kdec = jnp.exp(g_last - g)
-    s_ks, ds_ks = hs_ref[ks, :], dhs_ref[ks, :]
-    # O += (q e^G) S.
-    dqt = dot(do_ref[...], s_ks, cfg, tb=True)
-    dq = eg * dqt
-    dgc = q * eg * dqt
-    # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
-    dkt = dot(vn_ref[...], ds_ks, cfg, tb=True)
-    kk = k * kdec
-    dk = kdec * dkt
-    dgc = dgc - kk * dkt
-    dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
-              + jnp.transpose(jnp.sum(ds_ks.astype(_F32) * s_ks.astype(_F32), axis=1,
-                                      keepdims=True)) * jnp.exp(g_last))
-    # W = M (beta k e^G): d(beta k e^G) = M^T dW = -dU~ S^T.
-    dbkg = -dot(dbv, s_ks, cfg, tb=True)
-    dbeta = dbeta + jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
-    dk = dk + beta * eg * dbkg
-    dgc = dgc + beta * k * eg * dbkg
-
-    # Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T.
-    # The gate gradient of a score is (row operand) * (row-side product) minus
-    # (column operand) * (column-side product); both sides must use the same
-    # rounded operands, or the reverse cumsum of dG stops cancelling (with bf16
-    # score operands, dg's relative L2 error at B1 T512 H2 D64 was 3.6e-2
-    # without this and 3.1e-3 with it).
-    bk = beta * k
-    r_acc = jnp.zeros_like(q)   # sum_j dA_ij k_j e^{G_i - G_j}
-    for r in range(nt):
-      anchor = g_ref[pl.ds(r * ell, 1), ks]
-      row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
-      in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
-      daq_r = jnp.where(in_r, daq_s, 0.0)
-      da_r = jnp.where(in_r, da_s, 0.0)
-      yk = rnd(k * col_f)
-      xq = rnd(q * row_f)
-      xk = rnd(bk * row_f)
-      t_q = dot(daq_r, yk, cfg, dtype=sdt)
-      t_qc = dot(daq_r, xq, cfg, ta=True, dtype=sdt)
-      t_k = dot(da_r, yk, cfg, dtype=sdt)
-      t_kc = dot(da_r, xk, cfg, ta=True, dtype=sdt)
-      dq = dq + row_f * t_q
-      dk = dk + col_f * (t_qc + t_kc)
-      r_acc = r_acc + row_f * t_k
-      dgc = dgc + xq * t_q + xk * t_k - yk * (t_qc + t_kc)
-      if diagonal == "pairwise":
-        e_cl = onehot_rows(c, ell, r)
-        parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, *pair_l[r], r * ell, scale,
-                                 cols=ks)
-        p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
-        dq = dq + p_q
-        dk = dk + p_qc + p_kc
-        r_acc = r_acc + p_k
-        dgc = dgc + q * p_q - k * p_qc + bk * p_k - k * p_kc
-    dk = dk + beta * r_acc
-    dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
-    dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
-    dq_ref[:, ks] = (dq * scale).astype(dq_ref.dtype)
-    dk_ref[:, ks] = dk.astype(dk_ref.dtype)
-    dg_ref[:, ks] = dgc
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+  dg_ref[...] = dgc
   dbeta_ref[...] = dbeta
 
 
