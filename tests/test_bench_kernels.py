@@ -94,6 +94,13 @@ def test_block_k_override_is_validated(backend, block_k):
 def test_block_k_defaults():
   make = lambda backend, dk: kernel_config.make_config(
       backend=backend, dtype=jnp.bfloat16, head_k=dk, head_v=64, chunk_size=64, sub_chunk=16)
-  assert make("triton", 128).block_k == 32
+  assert make("triton", 128).block_k == 64
   assert make("interpret", 16).block_k == 16
   assert make("tpu_interpret", 128).block_k == 128
+  # The blocked inverse is the GPU default (faster there); CPU and TPU keep substitution.
+  assert make("triton", 128).inverse == "blocked"
+  assert make("interpret", 128).inverse == "substitution"
+  assert make("tpu_interpret", 128).inverse == "substitution"
+  small_tiles = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=64,
+                                          head_v=64, chunk_size=64, sub_chunk=8)
+  assert small_tiles.inverse == "substitution"  # blocked needs L >= 16 on the GPU

@@ -195,7 +195,9 @@ def test_blocked_causal_under_future_gates():
 def test_config_picks_and_validates_inverse():
   make = functools.partial(kernel_config.make_config, dtype=jnp.bfloat16, head_k=64,
                            head_v=64, chunk_size=64)
-  for backend in ("triton", "tpu", "interpret"):
+  assert make(backend="triton", sub_chunk=16).inverse == "blocked"
+  assert make(backend="triton", sub_chunk=8).inverse == "substitution"
+  for backend in ("tpu", "interpret"):
     assert make(backend=backend, sub_chunk=16).inverse == "substitution"
   assert make(backend="interpret", sub_chunk=16,
               overrides=dict(inverse="blocked")).inverse == "blocked"

@@ -297,8 +297,9 @@ class TestKdaPallasGpuRowBlocks(TestKdaPallasGpu):
 
 
 @pytest.mark.gpu
-class TestKdaPallasGpuBlockedInverse(TestKdaPallasGpu):
-  """The GPU checks, gradients included, with the blocked intra-chunk inverse forced."""
+class TestKdaPallasGpuSubstitutionInverse(TestKdaPallasGpu):
+  """The GPU checks, gradients included, with the substitution inverse forced
+  (the GPU default is "blocked")."""
 
   def _pallas(self, diagonal, **kw):
-    return super()._pallas(diagonal, config_overrides={"inverse": "blocked"}, **kw)
+    return super()._pallas(diagonal, config_overrides={"inverse": "substitution"}, **kw)

@@ -39,13 +39,18 @@ class KernelConfig:
       emulation) or "tpu_interpret" (CPU emulation with TPU semantics:
       SMEM metadata, TPU compiler parameters, `pltpu.InterpretParams`).
     block_v: V-tile of the state kernels (their grid is B x H x V/block_v).
-    block_k: K-slice width of the intra-chunk kernels' element-wise work.
-      Per-channel gate factors are separable across K, so the kernels walk K
-      in slices of block_k and accumulate the [C, C] score products: live
-      [C, block_k] f32 tiles instead of [C, K] ones keep the Triton kernels'
-      operands in registers (a [64, 128] f32 tile alone is 64 registers per
-      thread at 4 warps). Default min(K, 32) on the GPU and in interpret
-      mode, K on TPU (lane-dim slices).
+    block_k: K-slice width of the element-wise work of the intra-chunk
+      forward ("blocked" body) and of the state kernels. Per-channel gate
+      factors are separable across K, so those kernels walk K in slices of
+      block_k and accumulate the K-contracted products: live [C, block_k] f32
+      tiles instead of [C, K] ones (a [64, 128] f32 tile alone is 64
+      registers per thread at 4 warps). Default min(K, 64) on the GPU and in
+      interpret mode, K on TPU (lane-dim slices). On the H200 (bf16, B16
+      T2048 H16 D128, blocked inverse, block_v 64) intra_fwd took 4.75 ms
+      unsliced, 3.77 ms at block_k 32 and 3.30 ms at 64. The intra backward
+      does not slice: a sliced "tiles" body matched in interpret mode but gave
+      wrong f32 gradients on the H200 with more than one slice (dk 3.2e-2 at
+      block_k 32), and was no faster in bf16.
     num_warps: Triton warps per stage, as ((stage, warps), ...).
     num_stages: Triton software-pipelining stages of the state kernels' loop.
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
@@ -64,15 +69,15 @@ class KernelConfig:
       is the input dtype (bf16): half the operand buffers, at the accuracy
       cost above. Not yet verified on the GPU.
     inverse: how the intra-chunk forward builds M = (I + A_kk)^-1.
-      "substitution" (default): scores as [L, C] row blocks, forward
+      "substitution" (the CPU/TPU default): scores as [L, C] row blocks, forward
       substitution over the whole [C, C] tile, one row (and two cross-row
       reductions) per step. "blocked": whole-tile score products, the
       diagonal L x L blocks of M by an L-step substitution done as tensor-core
       products on their stack, the blocks below by block products (needs
-      L >= 16 on the GPU). On the H200 (bf16, B16 T2048 H16 D128) the
-      substitution body ran intra_fwd in 5.48 ms; an earlier per-[L, L]-block
-      form of "blocked" (56 small dots, 4 x 15 reduction steps) took 9.32 ms.
-      The whole-tile "blocked" body has not been timed on the GPU yet.
+      L >= 16 on the GPU; the Triton default when L >= 16). On the H200
+      (bf16, B16 T2048 H16 D128, 2026-11-30) intra_fwd took 5.26-5.59 ms
+      with "substitution" and 3.30-3.94 ms with "blocked" (block_k 32-64);
+      the GPU twin tests check both.
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
       (f32 accumulation either way).
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
@@ -90,7 +95,7 @@ class KernelConfig:
   """
   backend: str
   block_v: int
-  block_k: int = 32
+  block_k: int = 64
   num_warps: tuple[tuple[str, int], ...] = (
       ("intra_fwd", 4), ("state_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8))
   num_stages: int = 2
@@ -194,8 +199,9 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     head_k, head_v: K and V head dims.
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V-tile of the state kernels; default min(V, 64) (V on TPU).
-      block_k (the intra kernels' K slice; default min(K, 32), K on TPU) is
-      set through `overrides`.
+      block_k (the K slice; default min(K, 64), K on TPU) and inverse
+      ("blocked" on Triton when sub_chunk >= 16, else "substitution") are set
+      through `overrides`.
     overrides: KernelConfig fields to set explicitly (benchmarks, ablations).
   """
   if backend not in BACKENDS:
@@ -217,8 +223,10 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   intra_bwd = jnp.float32
   if backend == "triton" and head_k * head_v >= 128 * 128:
     intra_bwd = mm_dtype
-  block_k = head_k if backend in ("tpu", "tpu_interpret") else min(head_k, 32)
-  cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k, mm_dtype=mm_dtype,
+  block_k = head_k if backend in ("tpu", "tpu_interpret") else min(head_k, 64)
+  inverse = "blocked" if backend == "triton" and sub_chunk >= 16 else "substitution"
+  cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k, inverse=inverse,
+                     mm_dtype=mm_dtype,
                      intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
   if overrides:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
