@@ -472,10 +472,22 @@ def use_row_blocks(cfg: KernelConfig, sub_chunk: int) -> bool:
   the GPU yet (`TestKdaPallasGpuRowBlocks`), and this image's Triton is known
   to miscompile some Hopper backward kernels. Select it with
   intra_bwd_impl="rows" (Triton needs L >= 16: every dot dim is >= 16).
+
+  intra_bwd_impl="split" (`kernel_bwd_split`, two kernels) is opt-in only:
+  "auto" never picks it, it is not lowered for TPU (ValueError there), and it
+  returns False here (`intra_bwd` dispatches it before asking).
   """
   impl = cfg.intra_bwd_impl
-  if impl not in ("auto", "rows", "tiles"):
-    raise ValueError(f"intra_bwd_impl must be 'auto', 'rows' or 'tiles', got {impl!r}")
+  if impl not in ("auto", "rows", "tiles", "split"):
+    raise ValueError(f"intra_bwd_impl must be 'auto', 'rows', 'tiles' or 'split', got {impl!r}")
+  if impl == "split":
+    if cfg.is_tpu:
+      raise ValueError(f"intra_bwd_impl='split' is not lowered for TPU (backend "
+                       f"{cfg.backend!r}); use 'tiles' or 'auto'")
+    if cfg.backend == "triton" and sub_chunk < 16:
+      raise ValueError(f"intra_bwd_impl='split' on Triton needs sub_chunk >= 16 (a dot dim), "
+                       f"got {sub_chunk}; use 'tiles' or 'auto'")
+    return False
   if impl == "rows" and cfg.backend == "triton" and sub_chunk < 16:
     raise ValueError(f"intra_bwd_impl='rows' on Triton needs sub_chunk >= 16 (a dot dim), "
                      f"got {sub_chunk}; use 'tiles' or 'auto'")
@@ -486,7 +498,7 @@ def use_row_blocks(cfg: KernelConfig, sub_chunk: int) -> bool:
 
 def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
               sub_chunk, diagonal, scale, cfg: KernelConfig):
-  """Runs the intra-chunk backward kernel.
+  """Runs the intra-chunk backward kernel (two kernels for intra_bwd_impl="split").
 
   Args:
     q, k, g_cum: [B, Tp, H*K]; v, do, v_new, dv_new: [B, Tp, H*V];
@@ -498,6 +510,12 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
     dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,
     dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1].
   """
+  rows = use_row_blocks(cfg, sub_chunk)  # validates intra_bwd_impl
+  if cfg.intra_bwd_impl == "split":
+    from pallas_kernels.kda import kernel_bwd_split  # imports this module
+    return kernel_bwd_split.intra_bwd_split(
+        q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, heads=heads,
+        chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg)
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk_, dv_ = hk // h, v.shape[-1] // h
@@ -507,7 +525,7 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
   bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
   sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
-  body = _intra_bwd_rows_kernel if use_row_blocks(cfg, sub_chunk) else _intra_bwd_kernel
+  body = _intra_bwd_rows_kernel if rows else _intra_bwd_kernel
   kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg)
   return pl.pallas_call(
       kernel, grid=(b, h, nc),

@@ -85,6 +85,11 @@ class KernelConfig:
       [C, C] products over the whole chunk), or "auto" (rows in interpret
       mode; tiles on TPU and, until its bf16/pairwise/varlen gradients are
       checked on the GPU, on Triton); see `kernel_bwd.use_row_blocks`.
+      "split" (opt-in, never picked by "auto"; GPU and interpret only, a
+      ValueError on TPU): two kernels, the [C, C] / [C, V] terms per chunk,
+      then per-channel gradients per (chunk, block_k slice), so kernel two
+      needs no transposed-left products; `kernel_bwd_split`. Not yet
+      compiled or timed on the GPU.
     save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
       V' for the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.

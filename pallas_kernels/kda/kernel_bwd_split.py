@@ -1,0 +1,264 @@
+"""Split intra-chunk backward of chunked KDA (`intra_bwd_impl="split"`).
+
+The same gradients as `kernel_bwd._intra_bwd_kernel`, in two pallas_calls:
+
+1. `kda_intra_bwd_cc`, grid (B, H, NC): the terms without a per-channel gate
+   factor, all [C, C] or [C, V]:
+     z    = beta v - sum_kb (beta k e^G)_kb S_kb           (U - W S before M)
+     dM   = dV' z^T
+     dA   = -(M^T dM) M^T, strictly lower (gradient of A_kk)
+     dAqk = dO V'^T, lower (gradient of A_qk)
+     dU~  = M^T dV'
+   and writes dv = beta dU~, dbeta's rowsum(dU~ * v), dU~, dA, dAqk and the
+   exact transposes dA^T, dAqk^T.
+2. `kda_intra_bwd_k`, grid (B, H, NC, K / block_k): one K slice per program,
+   every per-channel tile [C, block_k]: the state terms, the W term
+   d(beta k e^G) = -dU~ S_kb^T, the anchored score gradients and the pairwise
+   diagonal, giving dq, dk, dG of the slice and a partial dbeta (summed over
+   the slices by the wrapper).
+
+Why split: the one-program body holds [C, K] f32 tiles next to the [C, C]
+ones, and a K-sliced single kernel needed products with a transposed [C, C]
+left operand and N = block_k < K, which the H200's Triton got wrong (see
+docs/benchmarks.md). Here the only transposed-left products (M^T dM,
+M^T dV') have N = C or V and live in kernel 1; kernel 2 gets the column-side
+score gradients as plain products with the stored transposes,
+t_qc = (dAqk^T masked to the columns of tile r) @ xq.
+
+Not lowered for TPU (Mosaic): `kernel_bwd.use_row_blocks` rejects it there.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
+from pallas_kernels.kda.kernel_bwd import _pair_tile_grads
+from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_fwd import (dot, iota, onehot_rows, state_k_slices,
+                                           tile_factors)
+
+_F32 = jnp.float32
+
+
+def cc_store_dtype(cfg: KernelConfig):
+  """Storage dtype of dA, dAqk and their transposes between the two kernels.
+
+  cfg.score_mm_dtype: every anchored score product rounds them to it first
+  (`rnd` in both bodies), so storing them rounded loses nothing there, and
+  bf16 halves the [C, C]-per-row traffic of kernel 2, which reads them once
+  per K slice. Only the pairwise diagonal blocks, which `_intra_bwd_kernel`
+  uses unrounded, see the rounding; it is the same rounding every other score
+  operand gets. With f32 inputs this is f32 and nothing is rounded.
+  """
+  return cfg.score_mm_dtype
+
+
+def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, dvn_ref,
+                         m_ref, dv_ref, dbeta_ref, du_ref, da_ref, daq_ref, dat_ref, daqt_ref,
+                         *, cfg):
+  """[C, C] and [C, V] terms of one chunk (kernel 1). Block shapes:
+
+  k_ref, g_ref [C, K]; v_ref, do_ref, vn_ref, dvn_ref [C, V]; beta_ref [C, 1];
+  hs_ref [K, V] (entry state); m_ref [C, C]. Outputs: dv_ref [C, V] f32,
+  dbeta_ref [C, 1] f32, du_ref [C, V], da_ref / daq_ref / dat_ref / daqt_ref
+  [C, C].
+  """
+  cfg = cfg.intra(backward=True)
+  c, dk = k_ref.shape
+  beta = beta_ref[...]
+  v = v_ref[...].astype(_F32)
+  # z = beta v - (beta k e^G) S, summed over K slices: no [C, K] f32 tile.
+  z = beta * v
+  for ks in state_k_slices(cfg, dk):
+    bkg = beta * k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[:, ks])
+    z = z - dot(bkg, hs_ref[ks, :], cfg)
+  m = m_ref[...]
+  dvn = dvn_ref[...]
+  dm = dot(dvn, z, cfg, tb=True)
+  row, col = iota((c, c), 0), iota((c, c), 1)
+  # M = (I + A_kk)^-1  =>  dA = -M^T dM M^T on the strictly lower part.
+  da = jnp.where(row > col, -dot(dot(m, dm, cfg, ta=True), m, cfg, tb=True), 0.0)
+  daq = jnp.where(row >= col, dot(do_ref[...], vn_ref[...], cfg, tb=True), 0.0)
+  du = dot(m, dvn, cfg, ta=True)       # dU~ = M^T dV' = d(beta v), also feeds d(beta k e^G)
+  dv_ref[...] = (beta * du).astype(dv_ref.dtype)
+  dbeta_ref[...] = jnp.sum(du * v, axis=1, keepdims=True)
+  du_ref[...] = du.astype(du_ref.dtype)
+  da_ref[...] = da.astype(da_ref.dtype)
+  daq_ref[...] = daq.astype(daq_ref.dtype)
+  # Exact transposes (not recomputed products): the row and column sides of
+  # each score pair must see identical values for dG's reverse cumsum to cancel.
+  dat_ref[...] = jnp.transpose(da).astype(dat_ref.dtype)
+  daqt_ref[...] = jnp.transpose(daq).astype(daqt_ref.dtype)
+
+
+def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, vn_ref, du_ref,
+                        da_ref, daq_ref, dat_ref, daqt_ref, dq_ref, dk_ref, dg_ref, dbeta_ref,
+                        *, scale, ell, diagonal, cfg):
+  """Per-channel gradients of one K slice of one chunk (kernel 2). Block shapes:
+
+  q_ref, k_ref, g_ref [C, BK] (BK = cfg.block_k); beta_ref [C, 1]; do_ref,
+  vn_ref, du_ref [C, V]; hs_ref, dhs_ref [BK, V] (rows of the entry state and
+  of the exit-state gradient); da_ref, daq_ref, dat_ref, daqt_ref [C, C].
+  Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32 (this
+  slice's part).
+  """
+  cfg = cfg.intra(backward=True)
+  c = q_ref.shape[0]
+  q = q_ref[...].astype(_F32) * scale
+  k = k_ref[...].astype(_F32)
+  g = g_ref[...]
+  beta = beta_ref[...]
+  s = hs_ref[...]           # [BK, V] rows of the state entering the chunk
+  ds = dhs_ref[...]         # [BK, V] rows of the gradient of the state leaving it
+  row_c = iota((c, 1), 0)
+  col_c = iota((1, c), 1)
+  eg = jnp.exp(g)
+  g_last = g_ref[pl.ds(c - 1, 1), :]
+  kdec = jnp.exp(g_last - g)
+
+  # O += (q e^G) S.
+  dqt = dot(do_ref[...], s, cfg, tb=True)
+  dq = eg * dqt
+  dgc = q * eg * dqt
+  # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
+  dkt = dot(vn_ref[...], ds, cfg, tb=True)
+  kk = k * kdec
+  dk = kdec * dkt
+  dgc = dgc - kk * dkt
+  dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
+            + jnp.transpose(jnp.sum(ds * s, axis=1, keepdims=True)) * jnp.exp(g_last))
+  # W = M (beta k e^G): d(beta k e^G)_kb = M^T dW_kb = -dU~ S_kb^T.
+  dbkg = -dot(du_ref[...], s, cfg, tb=True)
+  dbeta = jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
+  dk = dk + beta * eg * dbkg
+  dgc = dgc + beta * k * eg * dbkg
+
+  # Scores, as in `_intra_bwd_kernel`: the row side takes dA's rows of tile r,
+  # the column side dA^T's columns of tile r (= (dA's rows)^T), both times
+  # operands rounded to the score dtype, so each (i, j) pair sees the same
+  # rounded values on both sides and dG's reverse cumsum cancels.
+  sdt = cfg.score_mm_dtype
+  rnd = lambda x: x.astype(sdt).astype(_F32)
+  daq = daq_ref[...].astype(_F32)
+  da = da_ref[...].astype(_F32)
+  daqt = daqt_ref[...].astype(_F32)
+  dat = dat_ref[...].astype(_F32)
+  dq_a = jnp.zeros_like(q)
+  dk_a = jnp.zeros_like(q)
+  r_acc = jnp.zeros_like(q)   # sum_j dA_ij k_j e^{G_i - G_j}
+  dk_col = jnp.zeros_like(q)
+  dg_sc = jnp.zeros_like(q)
+  bk = beta * k
+  for r in range(c // ell):
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
+    col_in_r = (col_c >= r * ell) & (col_c < (r + 1) * ell)
+    yk = rnd(k * col_f)
+    xq = rnd(q * row_f)
+    xk = rnd(bk * row_f)
+    t_q = dot(rnd(jnp.where(in_r, daq, 0.0)), yk, cfg, dtype=sdt)
+    t_qc = dot(rnd(jnp.where(col_in_r, daqt, 0.0)), xq, cfg, dtype=sdt)
+    t_k = dot(rnd(jnp.where(in_r, da, 0.0)), yk, cfg, dtype=sdt)
+    t_kc = dot(rnd(jnp.where(col_in_r, dat, 0.0)), xk, cfg, dtype=sdt)
+    dq_a += row_f * t_q
+    dk_a += col_f * t_qc
+    r_acc += row_f * t_k
+    dk_col += col_f * t_kc
+    dg_sc += xq * t_q - yk * t_qc + xk * t_k - yk * t_kc
+    if diagonal == "pairwise":
+      # The tile's diagonal [L, L] blocks, read straight from the refs.
+      diag = (pl.ds(r * ell, ell), pl.ds(r * ell, ell))
+      daq_l = daq_ref[diag].astype(_F32)
+      da_l = da_ref[diag].astype(_F32)
+      parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
+      e_cl = onehot_rows(c, ell, r)   # exact f32 embedding of the tile's rows
+      p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
+      dq_a += p_q
+      dk_a += p_qc
+      r_acc += p_k
+      dk_col += p_kc
+      dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
+  dq = dq + dq_a
+  dk = dk + dk_a + beta * r_acc + dk_col
+  dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
+  dgc = dgc + dg_sc + jnp.where(row_c == c - 1, dglast, 0.0)
+
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dg_ref[...] = dgc
+  dbeta_ref[...] = dbeta
+
+
+def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
+                    sub_chunk, diagonal, scale, cfg: KernelConfig):
+  """Intra-chunk backward as two kernels; same contract as `kernel_bwd.intra_bwd`.
+
+  Args:
+    q, k, g_cum: [B, Tp, H*K]; v, do, v_new, dv_new: [B, Tp, H*V];
+    beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] (entry state, f32 or
+    bf16; gradient of the exit state, f32); m: [B, H, Tp, C] f32 or bf16.
+
+  Returns:
+    dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,
+    dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1] f32.
+
+  Intermediates in HBM: dU~ [B, Tp, H*V] (intra-bwd matmul dtype), dA, dAqk
+  and their transposes [B, H, Tp, C] (`cc_store_dtype`), dbeta per slice
+  [B, H, NK, Tp, 1] f32.
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk_, dv_ = hk // h, v.shape[-1] // h
+  nc = tp // c
+  bk = min(cfg.block_k, dk_)
+  if dk_ % bk:
+    raise ValueError(f"block_k must divide K={dk_}, got {cfg.block_k}")
+  if c % sub_chunk:
+    raise ValueError(f"sub_chunk must divide chunk_size={c}, got {sub_chunk}")
+  nk = dk_ // bk
+  mdt = cfg.intra(backward=True).mm_dtype
+  sdt = cc_store_dtype(cfg)
+
+  # Kernel 1: grid (B, H, NC).
+  kspec = pl.BlockSpec((None, c, dk_), lambda ib, ih, ic: (ib, ic, ih))
+  vspec = pl.BlockSpec((None, c, dv_), lambda ib, ih, ic: (ib, ic, ih))
+  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
+  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
+  sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
+  cc_shape = jax.ShapeDtypeStruct((b, h, tp, c), sdt)
+  dv, dbeta_v, du, da, daq, dat, daqt = pl.pallas_call(
+      functools.partial(_intra_bwd_cc_kernel, cfg=cfg), grid=(b, h, nc),
+      in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec],
+      out_specs=[vspec, bspec, vspec] + [cspec] * 4,
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv_), _F32),
+                 jax.ShapeDtypeStruct((b, h, tp, 1), _F32),
+                 jax.ShapeDtypeStruct((b, tp, h * dv_), mdt)] + [cc_shape] * 4,
+      compiler_params=cfg.compiler_params("intra_bwd"),
+      interpret=cfg.interpret, name="kda_intra_bwd_cc",
+  )(k, v, g_cum, beta, do, hs, v_new, dv_new, m)
+
+  # Kernel 2: grid (B, H, NC, NK), one [C, BK] slice per program.
+  kslice = pl.BlockSpec((None, c, bk), lambda ib, ih, ic, ik: (ib, ic, ih * nk + ik))
+  vfull = pl.BlockSpec((None, c, dv_), lambda ib, ih, ic, ik: (ib, ic, ih))
+  cfull = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic, ik: (ib, ih, ic, 0))
+  bfull = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic, ik: (ib, ih, ic, 0))
+  srows = pl.BlockSpec((None, None, bk, dv_), lambda ib, ih, ic, ik: (ib, ih, ic * nk + ik, 0))
+  bpart = pl.BlockSpec((None, None, None, c, 1), lambda ib, ih, ic, ik: (ib, ih, ik, ic, 0))
+  kernel = functools.partial(_intra_bwd_k_kernel, scale=scale, ell=sub_chunk,
+                             diagonal=diagonal, cfg=cfg)
+  dq, dk, dg, dbeta_k = pl.pallas_call(
+      kernel, grid=(b, h, nc, nk),
+      in_specs=[kslice, kslice, kslice, bfull, vfull, srows, srows, vfull, vfull] + [cfull] * 4,
+      out_specs=[kslice] * 3 + [bpart],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), _F32)] * 3
+      + [jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
+      compiler_params=cfg.compiler_params("intra_bwd", grid_rank=4),
+      interpret=cfg.interpret, name="kda_intra_bwd_k",
+  )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt)
+  return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2)
