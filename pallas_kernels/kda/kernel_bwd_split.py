@@ -45,17 +45,20 @@ from pallas_kernels.kda.kernel_fwd import (dot, iota, onehot_rows, state_k_slice
 _F32 = jnp.float32
 
 
-def cc_store_dtype(cfg: KernelConfig):
+def cc_store_dtype(cfg: KernelConfig, diagonal: str):
   """Storage dtype of dA, dAqk and their transposes between the two kernels.
 
-  cfg.score_mm_dtype: every anchored score product rounds them to it first
-  (`rnd` in both bodies), so storing them rounded loses nothing there, and
-  bf16 halves the [C, C]-per-row traffic of kernel 2, which reads them once
-  per K slice. Only the pairwise diagonal blocks, which `_intra_bwd_kernel`
-  uses unrounded, see the rounding; it is the same rounding every other score
-  operand gets. With f32 inputs this is f32 and nothing is rounded.
+  "dense": cfg.score_mm_dtype. Every use is an anchored score product that
+  rounds them to it first (`rnd`, as in `_intra_bwd_kernel`), so storing them
+  rounded loses nothing, and bf16 halves kernel 2's reads of them (once per
+  K slice). "pairwise": f32, because the explicit pair-decay gradients of the
+  diagonal tiles use them unrounded: relative L2 errors of dq / dk / dg vs the
+  f32 recurrence were 4.15 / 4.11 / 4.40e-3 with f32 storage (as "tiles")
+  and 4.43 / 4.44 / 4.75e-3 with bf16 (interpret, bf16 inputs and intra-bwd
+  operands, B1 T200 H2 K=V=32, C=32, L=8, GDN gates). With f32 inputs both
+  are f32.
   """
-  return cfg.score_mm_dtype
+  return cfg.score_mm_dtype if diagonal == "dense" else _F32
 
 
 def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, dvn_ref,
@@ -208,8 +211,9 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,
     dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1] f32.
 
-  Intermediates in HBM: dU~ [B, Tp, H*V] (intra-bwd matmul dtype), dA, dAqk
-  and their transposes [B, H, Tp, C] (`cc_store_dtype`), dbeta per slice
+  Intermediates in HBM: dU~ [B, Tp, H*V] (intra-bwd matmul dtype, the dtype
+  of every product that reads it), dA, dAqk and their transposes
+  [B, H, Tp, C] (`cc_store_dtype`), dbeta per slice
   [B, H, NK, Tp, 1] f32.
   """
   b, tp, hk = q.shape
@@ -223,7 +227,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     raise ValueError(f"sub_chunk must divide chunk_size={c}, got {sub_chunk}")
   nk = dk_ // bk
   mdt = cfg.intra(backward=True).mm_dtype
-  sdt = cc_store_dtype(cfg)
+  sdt = cc_store_dtype(cfg, diagonal)
 
   # Kernel 1: grid (B, H, NC).
   kspec = pl.BlockSpec((None, c, dk_), lambda ib, ih, ic: (ib, ic, ih))
