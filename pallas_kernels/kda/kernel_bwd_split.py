@@ -18,8 +18,9 @@ The same gradients as `kernel_bwd._intra_bwd_kernel`, in two pallas_calls:
    the slices by the wrapper).
 
 Why split: the one-program body holds [C, K] f32 tiles next to the [C, C]
-ones, and a K-sliced single kernel needed products with a transposed [C, C]
-left operand and N = block_k < K, which the H200's Triton got wrong (see
+ones. A K-sliced single kernel gave wrong f32 gradients on the H200 while
+matching in interpret mode; the suspected cause, not isolated, is its
+products with a transposed [C, C] left operand and N = block_k < K (see
 docs/benchmarks.md). Here the only transposed-left products (M^T dM,
 M^T dV') have N = C or V and live in kernel 1; kernel 2 gets the column-side
 score gradients as plain products with the stored transposes,
