@@ -87,3 +87,106 @@ def assert_close(actual, expected, tol, what=""):
   assert np.all(np.isfinite(np.asarray(actual, np.float64))), f"{what}: non-finite values"
   assert err <= tol, f"{what}: relative L2 error {err:.3e} > {tol:.1e}"
   return err
+
+
+def rel_max(x, ref) -> float:
+  """max|x - ref| / max|ref| in float64; fails on non-finite x (unwritten output)."""
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  assert np.all(np.isfinite(x)), "non-finite values (unwritten output?)"
+  return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def bounded_gates(key, shape, at_bound: bool, g_min: float = -5.0):
+  """g_min * sigmoid(.): at the bound (sigmoid(6 + z)) or spread (sigmoid(2 z))."""
+  z = jax.random.normal(key, shape)
+  return g_min * jax.nn.sigmoid(6.0 + z if at_bound else 2.0 * z)
+
+
+def intra_bwd_operands(seed: int, *, b: int, h: int, nc: int, c: int, dk: int, dv: int):
+  """Random operands of `kernel_bwd.intra_bwd` in the kernels' layout (f32).
+
+  q, k unit-norm [B, Tp, H*K]; v [B, Tp, H*V]; within-chunk cumsum of gates
+  off the bound [B, Tp, H*K]; beta [B, H, Tp, 1]; dO, V', dV' [B, Tp, H*V];
+  entry states and exit-state gradients [B, H, NC*K, V]; M unit lower
+  triangular [B, H, Tp, C] (any such matrix exercises the algebra). Gates stay
+  off the bound: two f32 summation orders of the e^{|g_min| (L-1)} dense
+  diagonal factors differ by ~2e-5 of dG's max at the bound.
+  """
+  tp = nc * c
+  ks = jax.random.split(jax.random.PRNGKey(seed), 11)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, tp, h, dk))).reshape(b, tp, h * dk)
+  k = unit(jax.random.normal(ks[1], (b, tp, h, dk))).reshape(b, tp, h * dk)
+  v = jax.random.normal(ks[2], (b, tp, h * dv))
+  g = bounded_gates(ks[3], (b, nc, c, h * dk), at_bound=False)
+  g_cum = jnp.cumsum(g, axis=2).reshape(b, tp, h * dk)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, h, tp, 1)))
+  do = jax.random.normal(ks[5], (b, tp, h * dv))
+  hs = jax.random.normal(ks[6], (b, h, nc * dk, dv))
+  dhs = jax.random.normal(ks[7], (b, h, nc * dk, dv))
+  v_new = jax.random.normal(ks[8], (b, tp, h * dv))
+  dv_new = jax.random.normal(ks[9], (b, tp, h * dv))
+  low = jnp.tril(0.3 * jax.random.normal(ks[10], (b, h, nc, c, c)), -1)
+  m = (low + jnp.eye(c)).reshape(b, h, tp, c)
+  return q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m
+
+
+def intra_bwd_by_impl(operands, impls, *, heads: int, chunk: int, sub_chunk: int,
+                      diagonal: str = "dense", **overrides) -> dict:
+  """{impl: (dq, dk, dv, dG, dbeta)} of interpret-mode `intra_bwd` for each intra_bwd_impl."""
+  from pallas_kernels.kda import kernel_bwd, kernel_config  # pylint: disable=g-import-not-at-top
+  q, v = operands[0], operands[2]
+  dk, dv = q.shape[-1] // heads, v.shape[-1] // heads
+  outs = {}
+  for impl in impls:
+    cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=dk,
+                                    head_v=dv, chunk_size=chunk, sub_chunk=sub_chunk,
+                                    overrides=dict(intra_bwd_impl=impl, **overrides))
+    fn = jax.jit(functools.partial(kernel_bwd.intra_bwd, heads=heads, chunk_size=chunk,
+                                   sub_chunk=sub_chunk, diagonal=diagonal, scale=dk ** -0.5,
+                                   cfg=cfg))
+    outs[impl] = fn(*operands)
+  return outs
+
+
+def vjp_inputs(seed: int, *, b: int, t: int, h: int, dk: int, dv: int, gates: str):
+  """(q, k, v, g, beta, h0), dO and the final-state cotangent, f32, [B, T, H, *] layout.
+
+  gates: "at_bound" (per-channel KDA gates at g_min), or "gdn" (one gate per
+  head off the bound, broadcast over K).
+  """
+  ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, dk)))
+  k = unit(jax.random.normal(ks[1], (b, t, h, dk)))
+  v = jax.random.normal(ks[2], (b, t, h, dv))
+  if gates == "gdn":
+    g = jnp.broadcast_to(bounded_gates(ks[3], (b, t, h, 1), at_bound=False), (b, t, h, dk))
+  elif gates == "at_bound":
+    g = bounded_gates(ks[3], (b, t, h, dk), at_bound=True)
+  else:
+    raise ValueError(f"gates must be 'at_bound' or 'gdn', got {gates!r}")
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+  h0 = jax.random.normal(ks[5], (b, h, dk, dv))
+  do = jax.random.normal(ks[6], (b, t, h, dv))
+  dht = jax.random.normal(ks[7], (b, h, dk, dv))
+  return (q, k, v, g, beta, h0), do, dht
+
+
+def state_loss_grads(fn, xs, do, dht):
+  """Jitted gradients of sum(o * dO) + sum(h_T * dht) w.r.t. xs = (q, k, v, g, beta, h0)."""
+  def loss(*xs):
+    o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
+    return jnp.sum(o * do) + jnp.sum(ht * dht)
+  return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*xs)
+
+
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def assert_each_within(got, want, names, tol: float, label: str = ""):
+  """Each pair has the same shape and rel_max(got, want) < tol; the message names the worst."""
+  for name, a, r in zip(names, got, want):
+    assert a.shape == r.shape, f"{label} {name}: shape {a.shape} != {r.shape}"
+    err = rel_max(a, r)
+    assert err < tol, f"{label} {name}: {err:.2e}"

@@ -21,21 +21,11 @@ from pallas_kernels.kda import kernel_bwd
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+from tests.kda_inputs import (GRAD_NAMES, assert_each_within, intra_bwd_by_impl, intra_bwd_operands,
+                               state_loss_grads, vjp_inputs)
 
-LOWER_BOUND = -5.0
 # max|x - ref| / max|ref|, float32 operands, exact (HIGHEST) matmuls on the CPU.
 F32_TOL = 2e-5
-
-
-def _rel_max(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  assert np.all(np.isfinite(x)), "non-finite values (unwritten output?)"
-  return np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30)
-
-
-def _gates(key, shape, at_bound):
-  z = jax.random.normal(key, shape)
-  return LOWER_BOUND * jax.nn.sigmoid(6.0 + z if at_bound else 2.0 * z)
 
 
 def test_row_block_kernel_matches_full_tile_kernel(diagonal="dense"):
@@ -44,40 +34,10 @@ def test_row_block_kernel_matches_full_tile_kernel(diagonal="dense"):
   The pairwise row-block path is checked end to end by the pairwise VJP test
   of tests/test_kda_pallas.py (the interpret backend runs "rows").
   """
-  b, h, nc, c, ell, dk, dv = 1, 1, 1, 64, 16, 16, 32
-  tp = nc * c
-  ks = jax.random.split(jax.random.PRNGKey(0), 12)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, tp, h, dk))).reshape(b, tp, h * dk)
-  k = unit(jax.random.normal(ks[1], (b, tp, h, dk))).reshape(b, tp, h * dk)
-  v = jax.random.normal(ks[2], (b, tp, h * dv))
-  # Gates off the bound: two f32 algorithms are compared here, and at the bound
-  # with L = 16 the dense diagonal factors (up to e^75) make dG's rounding
-  # differ by ~2e-5 of its max between any two summation orders (both kernels
-  # are ~2e-5 from the float64 recurrence there). The bound is covered below.
-  g = _gates(ks[3], (b, nc, c, h * dk), at_bound=False)
-  g_cum = jnp.cumsum(g, axis=2).reshape(b, tp, h * dk)
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, h, tp, 1)))
-  do = jax.random.normal(ks[5], (b, tp, h * dv))
-  hs = jax.random.normal(ks[6], (b, h, nc * dk, dv))
-  dhs = jax.random.normal(ks[7], (b, h, nc * dk, dv))
-  v_new = jax.random.normal(ks[8], (b, tp, h * dv))
-  dv_new = jax.random.normal(ks[9], (b, tp, h * dv))
-  # M is unit lower triangular in the forward; any such matrix exercises the algebra.
-  low = jnp.tril(0.3 * jax.random.normal(ks[10], (b, h, nc, c, c)), -1)
-  m = (low + jnp.eye(c)).reshape(b, h, tp, c)
-  outs = {}
-  for impl in ("rows", "tiles"):
-    cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=dk,
-                                    head_v=dv, chunk_size=c, sub_chunk=ell,
-                                    overrides=dict(intra_bwd_impl=impl))
-    fn = jax.jit(functools.partial(kernel_bwd.intra_bwd, heads=h, chunk_size=c, sub_chunk=ell,
-                                   diagonal=diagonal, scale=dk ** -0.5, cfg=cfg))
-    outs[impl] = fn(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
-  for name, a, r in zip(("dq", "dk", "dv", "dG", "dbeta"), outs["rows"], outs["tiles"]):
-    assert a.shape == r.shape, name
-    err = _rel_max(a, r)
-    assert err < F32_TOL, f"{name}: {err:.2e}"
+  ops = intra_bwd_operands(0, b=1, h=1, nc=1, c=64, dk=16, dv=32)
+  outs = intra_bwd_by_impl(ops, ("rows", "tiles"), heads=1, chunk=64, sub_chunk=16,
+                           diagonal=diagonal)
+  assert_each_within(outs["rows"], outs["tiles"], ("dq", "dk", "dv", "dG", "dbeta"), F32_TOL)
 
 
 def test_use_row_blocks_choice():
@@ -105,35 +65,16 @@ def test_vjp_saved_and_recomputed_residuals_match_naive():
   kernel 2.4e-5: a property of the e^75 diagonal factors, not of this kernel.) Both residual modes run the same kernels on
   the same operands, so their gradients must agree bit for bit.
   """
-  b, t, h, dk, dv = 1, 40, 1, 16, 16
-  ks = jax.random.split(jax.random.PRNGKey(1), 8)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, dk)))
-  k = unit(jax.random.normal(ks[1], (b, t, h, dk)))
-  v = jax.random.normal(ks[2], (b, t, h, dv))
-  g = _gates(ks[3], (b, t, h, dk), at_bound=True)
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
-  h0 = jax.random.normal(ks[5], (b, h, dk, dv))
-  do = jax.random.normal(ks[6], (b, t, h, dv))
-  dht = jax.random.normal(ks[7], (b, h, dk, dv))
-  xs = (q, k, v, g, beta, h0)
-
-  def grads(fn):
-    def loss(*xs):
-      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
-      return jnp.sum(o * do) + jnp.sum(ht * dht)
-    return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*xs)
-
+  dk = 16
+  xs, do, dht = vjp_inputs(1, b=1, t=40, h=1, dk=dk, dv=16, gates="at_bound")
+  grads = lambda fn: state_loss_grads(fn, xs, do, dht)
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = {}
   for save in (True, False):
     got[save] = grads(functools.partial(
         chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal="dense",
         interpret=True, config_overrides=dict(save_residuals=save, intra_bwd_impl="rows")))
-    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got[save], want):
-      assert a.shape == r.shape, name
-      err = _rel_max(a, r)
-      assert err < F32_TOL, f"save_residuals={save} {name}: {err:.2e}"
+    assert_each_within(got[save], want, GRAD_NAMES, F32_TOL, label=f"save_residuals={save}")
   for a, r in zip(got[True], got[False]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
 
