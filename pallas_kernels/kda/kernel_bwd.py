@@ -220,6 +220,70 @@ def _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
   return lax.fori_loop(0, ell, body, (zeros, zeros, zeros, zeros))
 
 
+def anchored_score_grads(q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig, scale,
+                         tile_lhs, tile_products, pair_blocks):
+  """Gradients through a chunk's anchored score products, summed over its row tiles.
+
+  Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T,
+  with tile r's anchored factors (`tile_factors`). The gate gradient of a
+  score is (row operand) * (row-side product) minus (column operand) *
+  (column-side product); both sides must use the same rounded operands, or the
+  reverse cumsum of dG stops cancelling (with bf16 score operands, dg's
+  relative L2 error at B1 T512 H2 D64 was 3.6e-2 without this and 3.1e-3 with
+  it). Shared by the one-program and the split intra backward, which differ
+  only in how they get the [C, C] gradients of the scores:
+
+  Args:
+    q, k, g: [C, K'] f32 (q scaled; K' the columns this program handles);
+      beta: [C, 1] f32.
+    refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (anchors and the
+      pairwise diagonal read them).
+    tile_lhs(r): row tile r's left operands, whatever tile_products takes.
+    tile_products(lhs, yk, xq, xk): (dA_qk_r yk, dA_qk_r^T xq, dA_r yk,
+      dA_r^T xk), [C, K'] f32 each, with dA_r the rows of tile r and operands
+      in the score dtype.
+    pair_blocks(r, e_cl): the [L, L] diagonal blocks (dA_qk, dA) of tile r,
+      f32 (`pairwise` only; e_cl is the tile's exact one-hot embedding).
+
+  Returns:
+    (dq, dk from dA_qk's column side, R = sum_j dA_ij k_j e^{G_i - G_j},
+    dk from dA's column side, dG), [C, K'] f32 each.
+  """
+  q_ref, k_ref, g_ref, beta_ref = refs
+  c = q.shape[0]
+  rnd = lambda x: x.astype(cfg.score_mm_dtype).astype(_F32)
+  dq_a = jnp.zeros_like(q)
+  dk_a = jnp.zeros_like(q)
+  r_acc = jnp.zeros_like(q)
+  dk_col = jnp.zeros_like(q)
+  dg_sc = jnp.zeros_like(q)
+  bk = beta * k
+  for r in range(c // ell):
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    lhs = tile_lhs(r)
+    yk = rnd(k * col_f)
+    xq = rnd(q * row_f)
+    xk = rnd(bk * row_f)
+    t_q, t_qc, t_k, t_kc = tile_products(lhs, yk, xq, xk)
+    dq_a += row_f * t_q
+    dk_a += col_f * t_qc
+    r_acc += row_f * t_k
+    dk_col += col_f * t_kc
+    dg_sc += xq * t_q - yk * t_qc + xk * t_k - yk * t_kc
+    if diagonal == "pairwise":
+      e_cl = onehot_rows(c, ell, r)
+      daq_l, da_l = pair_blocks(r, e_cl)
+      parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
+      p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
+      dq_a += p_q
+      dk_a += p_qc
+      r_acc += p_k
+      dk_col += p_kc
+      dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
+  return dq_a, dk_a, r_acc, dk_col, dg_sc
+
+
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref,
                       vn_ref, dvn_ref, m_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref,
                       *, scale, ell, diagonal, cfg):
@@ -269,48 +333,26 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
   daq = jnp.where(row >= col, dot(do, vn, cfg, tb=True), 0.0)
 
   # Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T.
-  # The gate gradient of a score is (row operand) * (row-side product) minus
-  # (column operand) * (column-side product); both sides must use the same
-  # rounded operands, or the reverse cumsum of dG stops cancelling (with bf16
-  # score operands, dg's relative L2 error at B1 T512 H2 D64 was 3.6e-2
-  # without this and 3.1e-3 with it).
   sdt = cfg.score_mm_dtype
   rnd = lambda x: x.astype(sdt).astype(_F32)
-  dq_a = jnp.zeros_like(q)
-  dk_a = jnp.zeros_like(q)
-  r_acc = jnp.zeros_like(q)   # sum_j dA_ij k_j e^{G_i - G_j}
-  dk_col = jnp.zeros_like(q)
-  dg_sc = jnp.zeros_like(q)
-  bk = beta * k
-  for r in range(c // ell):
-    anchor = g_ref[pl.ds(r * ell, 1), :]
-    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+
+  def tile_lhs(r):
     in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
-    daq_r = rnd(jnp.where(in_r, daq, 0.0))
-    da_r = rnd(jnp.where(in_r, da, 0.0))
-    yk = rnd(k * col_f)
-    xq = rnd(q * row_f)
-    xk = rnd(bk * row_f)
-    t_q = dot(daq_r, yk, cfg, dtype=sdt)
-    t_qc = dot(daq_r, xq, cfg, ta=True, dtype=sdt)
-    t_k = dot(da_r, yk, cfg, dtype=sdt)
-    t_kc = dot(da_r, xk, cfg, ta=True, dtype=sdt)
-    dq_a += row_f * t_q
-    dk_a += col_f * t_qc
-    r_acc += row_f * t_k
-    dk_col += col_f * t_kc
-    dg_sc += xq * t_q - yk * t_qc + xk * t_k - yk * t_kc
-    if diagonal == "pairwise":
-      e_cl = onehot_rows(c, ell, r)
-      daq_l = dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
-      da_l = dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32)
-      parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
-      p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
-      dq_a += p_q
-      dk_a += p_qc
-      r_acc += p_k
-      dk_col += p_kc
-      dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
+    return rnd(jnp.where(in_r, daq, 0.0)), rnd(jnp.where(in_r, da, 0.0))
+
+  def tile_products(lhs, yk, xq, xk):
+    daq_r, da_r = lhs
+    return (dot(daq_r, yk, cfg, dtype=sdt), dot(daq_r, xq, cfg, ta=True, dtype=sdt),
+            dot(da_r, yk, cfg, dtype=sdt), dot(da_r, xk, cfg, ta=True, dtype=sdt))
+
+  def pair_blocks(r, e_cl):
+    del r
+    return (dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32),
+            dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32))
+
+  dq_a, dk_a, r_acc, dk_col, dg_sc = anchored_score_grads(
+      q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell, diagonal=diagonal, cfg=cfg,
+      scale=scale, tile_lhs=tile_lhs, tile_products=tile_products, pair_blocks=pair_blocks)
   dq = dq + dq_a
   dk = dk + dk_a + beta * r_acc + dk_col
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)

@@ -34,14 +34,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
-from pallas_kernels.kda.kernel_bwd import _pair_tile_grads
+from pallas_kernels.kda.kernel_bwd import anchored_score_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import (dot, iota, onehot_rows, state_k_slices,
-                                           tile_factors)
+from pallas_kernels.kda.kernel_fwd import dot, iota, state_k_slices
 
 _F32 = jnp.float32
 
@@ -142,52 +140,34 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   dk = dk + beta * eg * dbkg
   dgc = dgc + beta * k * eg * dbkg
 
-  # Scores, as in `_intra_bwd_kernel`: the row side takes dA's rows of tile r,
-  # the column side dA^T's columns of tile r (= (dA's rows)^T), both times
-  # operands rounded to the score dtype, so each (i, j) pair sees the same
-  # rounded values on both sides and dG's reverse cumsum cancels.
+  # Scores (`kernel_bwd.anchored_score_grads`): the row side takes dA's rows
+  # of tile r, the column side dA^T's columns of tile r (= (dA's rows)^T), so
+  # every product is a plain one. The four [C, C] operands are read at each
+  # use, not held across the tile loop (as f32 at C = 64 and 8 warps, 16
+  # registers per thread each, next to the five [C, BK] accumulators).
   sdt = cfg.score_mm_dtype
   rnd = lambda x: x.astype(sdt).astype(_F32)
-  # The four [C, C] operands are read at each use, not held across the loop
-  # (as f32 at C = 64 and 8 warps, 16 registers per thread each, next to the
-  # five [C, BK] accumulators).
   cc = lambda ref, mask: rnd(jnp.where(mask, ref[...].astype(_F32), 0.0))
-  dq_a = jnp.zeros_like(q)
-  dk_a = jnp.zeros_like(q)
-  r_acc = jnp.zeros_like(q)   # sum_j dA_ij k_j e^{G_i - G_j}
-  dk_col = jnp.zeros_like(q)
-  dg_sc = jnp.zeros_like(q)
-  bk = beta * k
-  for r in range(c // ell):
-    anchor = g_ref[pl.ds(r * ell, 1), :]
-    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
-    in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
-    col_in_r = (col_c >= r * ell) & (col_c < (r + 1) * ell)
-    yk = rnd(k * col_f)
-    xq = rnd(q * row_f)
-    xk = rnd(bk * row_f)
-    t_q = dot(cc(daq_ref, in_r), yk, cfg, dtype=sdt)
-    t_qc = dot(cc(daqt_ref, col_in_r), xq, cfg, dtype=sdt)
-    t_k = dot(cc(da_ref, in_r), yk, cfg, dtype=sdt)
-    t_kc = dot(cc(dat_ref, col_in_r), xk, cfg, dtype=sdt)
-    dq_a += row_f * t_q
-    dk_a += col_f * t_qc
-    r_acc += row_f * t_k
-    dk_col += col_f * t_kc
-    dg_sc += xq * t_q - yk * t_qc + xk * t_k - yk * t_kc
-    if diagonal == "pairwise":
-      # The tile's diagonal [L, L] blocks, read straight from the refs.
-      diag = (pl.ds(r * ell, ell), pl.ds(r * ell, ell))
-      daq_l = daq_ref[diag].astype(_F32)
-      da_l = da_ref[diag].astype(_F32)
-      parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
-      e_cl = onehot_rows(c, ell, r)   # exact f32 embedding of the tile's rows
-      p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
-      dq_a += p_q
-      dk_a += p_qc
-      r_acc += p_k
-      dk_col += p_kc
-      dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
+
+  def tile_lhs(r):
+    return ((row_c >= r * ell) & (row_c < (r + 1) * ell),
+            (col_c >= r * ell) & (col_c < (r + 1) * ell))
+
+  def tile_products(lhs, yk, xq, xk):
+    in_r, col_in_r = lhs
+    return (dot(cc(daq_ref, in_r), yk, cfg, dtype=sdt),
+            dot(cc(daqt_ref, col_in_r), xq, cfg, dtype=sdt),
+            dot(cc(da_ref, in_r), yk, cfg, dtype=sdt),
+            dot(cc(dat_ref, col_in_r), xk, cfg, dtype=sdt))
+
+  def pair_blocks(r, e_cl):
+    del e_cl  # the diagonal blocks are read straight from the refs
+    diag = (pl.ds(r * ell, ell), pl.ds(r * ell, ell))
+    return daq_ref[diag].astype(_F32), da_ref[diag].astype(_F32)
+
+  dq_a, dk_a, r_acc, dk_col, dg_sc = anchored_score_grads(
+      q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell, diagonal=diagonal, cfg=cfg,
+      scale=scale, tile_lhs=tile_lhs, tile_products=tile_products, pair_blocks=pair_blocks)
   dq = dq + dq_a
   dk = dk + dk_a + beta * r_acc + dk_col
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
