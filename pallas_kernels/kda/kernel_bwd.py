@@ -17,6 +17,8 @@ recomputed; `KernelConfig.save_residuals`), then runs:
   explicit position-pair decay, one column at a time. Two bodies:
   `_intra_bwd_rows_kernel` (row blocks; the interpret-mode default, opt-in on GPU) and
   `_intra_bwd_kernel` (masked whole-chunk tiles; the GPU and TPU default); see `use_row_blocks`.
+  `kernel_bwd_split` (opt-in, `intra_bwd_impl="split"`) does the same work in
+  two kernels; both it and `_intra_bwd_kernel` use `anchored_score_grads`.
 """
 from __future__ import annotations
 
