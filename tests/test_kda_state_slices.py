@@ -86,13 +86,13 @@ def test_sliced_state_varlen_matches_naive():
   _check_against_naive(xs, do, dht, save=True, cu_seqlens=cu)
 
 
-def test_state_k_slices():
+def test_k_slices():
   cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=DK,
                                   head_v=DV, chunk_size=CHUNK, sub_chunk=SUB,
                                   overrides=dict(block_k=BLOCK_K))
-  slices = kernel_fwd.state_k_slices(cfg, DK)
+  slices = kernel_fwd.k_slices(cfg, DK)
   assert [(s.start, s.size) for s in slices] == [(0, 8), (8, 8), (16, 8), (24, 8)]
   # block_k wider than K: one slice of all of K.
-  assert [(s.start, s.size) for s in kernel_fwd.state_k_slices(cfg, 4)] == [(0, 4)]
+  assert [(s.start, s.size) for s in kernel_fwd.k_slices(cfg, 4)] == [(0, 4)]
   with pytest.raises(ValueError, match="block_k must divide K=12"):
-    kernel_fwd.state_k_slices(cfg, 12)
+    kernel_fwd.k_slices(cfg, 12)

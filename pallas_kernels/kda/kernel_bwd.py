@@ -18,7 +18,7 @@ recomputed; `KernelConfig.save_residuals`), then runs:
   `_intra_bwd_rows_kernel` (row blocks; the interpret-mode default, opt-in on GPU) and
   `_intra_bwd_kernel` (masked whole-chunk tiles; the GPU and TPU default); see `use_row_blocks`.
   `kernel_bwd_split` (opt-in, `intra_bwd_impl="split"`) does the same work in
-  two kernels; both it and `_intra_bwd_kernel` use `anchored_score_grads`.
+  two kernels; both it and `_intra_bwd_kernel` use `add_score_grads`.
 """
 from __future__ import annotations
 
@@ -30,9 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import (dot, iota, onehot_rows, state_grid,
-                                           state_k_slices, state_launch_options,
-                                           tile_factors)
+from pallas_kernels.kda.kernel_fwd import (dot, iota, k_slices, onehot_rows, state_grid,
+                                           state_launch_options, tile_factors)
 
 _F32 = jnp.float32
 
@@ -48,7 +47,7 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
 
   Writes dV' = A_qk^T dO + sum_kb (k e^{G_last - G})_kb dS_kb into dvn_ref's
   `rows`. Every element-wise factor is formed on a [C, BK] column slice
-  (BK = cfg.block_k; see `kernel_fwd.state_k_slices`) so only [C, BK] f32
+  (BK = cfg.block_k; see `kernel_fwd.k_slices`) so only [C, BK] f32
   tiles are live at once.
 
   Args:
@@ -59,7 +58,7 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
     dS entering the chunk as a tuple of [BK, BV] slices:
     dS_kb <- e^{G_last,kb} dS_kb + (q e^G)_kb^T dO - W_kb^T dV'.
   """
-  slices = state_k_slices(cfg, q_ref.shape[-1])
+  slices = k_slices(cfg, q_ref.shape[-1])
   if len(ds) != len(slices):
     raise ValueError(f"dS has {len(ds)} K slices, expected {len(slices)}")
   do = do_ref[rows, :]
@@ -86,7 +85,7 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
   tp, dk = q_ref.shape
   nc = tp // c
   bv = do_ref.shape[-1]
-  slices = state_k_slices(cfg, dk)
+  slices = k_slices(cfg, dk)
 
   def body(j, ds):
     i = nc - 1 - j
@@ -122,7 +121,7 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
   i = nc - 1 - pl.program_id(3)
   c = q_ref.shape[0]
   seq = seq_ref[i]
-  slices = state_k_slices(cfg, q_ref.shape[-1])
+  slices = k_slices(cfg, q_ref.shape[-1])
 
   @pl.when(last_ref[i] != 0)
   def _():
@@ -147,7 +146,7 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
   """Runs the reverse state kernel.
 
   Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
-  does the per-channel work on [C, block_k] tiles (`kernel_fwd.state_k_slices`).
+  does the per-channel work on [C, block_k] tiles (`kernel_fwd.k_slices`).
 
   Args:
     meta: (first_n, last_n, seq_n) int32 [NC], as for `state_fwd`.
@@ -222,9 +221,9 @@ def _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
   return lax.fori_loop(0, ell, body, (zeros, zeros, zeros, zeros))
 
 
-def anchored_score_grads(q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig, scale,
-                         tile_lhs, tile_products, pair_blocks):
-  """Gradients through a chunk's anchored score products, summed over its row tiles.
+def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig, scale,
+                    tile_lhs, tile_products, pair_blocks):
+  """Adds the gradients through a chunk's anchored score products (all row tiles).
 
   Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T,
   with tile r's anchored factors (`tile_factors`). The gate gradient of a
@@ -236,6 +235,7 @@ def anchored_score_grads(q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfi
   only in how they get the [C, C] gradients of the scores:
 
   Args:
+    grads: (dq, dk, dbeta, dG) so far: [C, K'], [C, K'], [C, 1], [C, K'] f32.
     q, k, g: [C, K'] f32 (q scaled; K' the columns this program handles);
       beta: [C, 1] f32.
     refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (anchors and the
@@ -248,9 +248,11 @@ def anchored_score_grads(q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfi
       f32 (`pairwise` only; e_cl is the tile's exact one-hot embedding).
 
   Returns:
-    (dq, dk from dA_qk's column side, R = sum_j dA_ij k_j e^{G_i - G_j},
-    dk from dA's column side, dG), [C, K'] f32 each.
+    grads plus the score terms: dq += the row side of dA_qk; dk += both
+    column sides and beta R, with R = sum_j dA_ij k_j e^{G_i - G_j};
+    dbeta += sum_d k R; dG += the gate terms.
   """
+  dq, dk, dbeta, dgc = grads
   q_ref, k_ref, g_ref, beta_ref = refs
   c = q.shape[0]
   rnd = lambda x: x.astype(cfg.score_mm_dtype).astype(_F32)
@@ -283,7 +285,11 @@ def anchored_score_grads(q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfi
       r_acc += p_k
       dk_col += p_kc
       dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
-  return dq_a, dk_a, r_acc, dk_col, dg_sc
+  dq = dq + dq_a
+  dk = dk + dk_a + beta * r_acc + dk_col
+  dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
+  dgc = dgc + dg_sc
+  return dq, dk, dbeta, dgc
 
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref,
@@ -352,13 +358,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
     return (dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32),
             dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32))
 
-  dq_a, dk_a, r_acc, dk_col, dg_sc = anchored_score_grads(
-      q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell, diagonal=diagonal, cfg=cfg,
-      scale=scale, tile_lhs=tile_lhs, tile_products=tile_products, pair_blocks=pair_blocks)
-  dq = dq + dq_a
-  dk = dk + dk_a + beta * r_acc + dk_col
-  dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
-  dgc = dgc + dg_sc
+  dq, dk, dbeta, dgc = add_score_grads(
+      (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
+      diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_products=tile_products,
+      pair_blocks=pair_blocks)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)

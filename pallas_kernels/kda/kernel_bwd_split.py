@@ -37,9 +37,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
-from pallas_kernels.kda.kernel_bwd import anchored_score_grads
+from pallas_kernels.kda.kernel_bwd import add_score_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import dot, iota, state_k_slices
+from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
 
 _F32 = jnp.float32
 
@@ -76,7 +76,7 @@ def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, 
   v = v_ref[...].astype(_F32)
   # z = beta v - (beta k e^G) S, summed over K slices: no [C, K] f32 tile.
   z = beta * v
-  for ks in state_k_slices(cfg, dk):
+  for ks in k_slices(cfg, dk):
     bkg = beta * k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[:, ks])
     z = z - dot(bkg, hs_ref[ks, :], cfg)
   m = m_ref[...]
@@ -140,7 +140,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   dk = dk + beta * eg * dbkg
   dgc = dgc + beta * k * eg * dbkg
 
-  # Scores (`kernel_bwd.anchored_score_grads`): the row side takes dA's rows
+  # Scores (`kernel_bwd.add_score_grads`): the row side takes dA's rows
   # of tile r, the column side dA^T's columns of tile r (= (dA's rows)^T), so
   # every product is a plain one. The four [C, C] operands are read at each
   # use, not held across the tile loop (as f32 at C = 64 and 8 warps, 16
@@ -165,13 +165,11 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
     diag = (pl.ds(r * ell, ell), pl.ds(r * ell, ell))
     return daq_ref[diag].astype(_F32), da_ref[diag].astype(_F32)
 
-  dq_a, dk_a, r_acc, dk_col, dg_sc = anchored_score_grads(
-      q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell, diagonal=diagonal, cfg=cfg,
-      scale=scale, tile_lhs=tile_lhs, tile_products=tile_products, pair_blocks=pair_blocks)
-  dq = dq + dq_a
-  dk = dk + dk_a + beta * r_acc + dk_col
-  dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
-  dgc = dgc + dg_sc + jnp.where(row_c == c - 1, dglast, 0.0)
+  dq, dk, dbeta, dgc = add_score_grads(
+      (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
+      diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_products=tile_products,
+      pair_blocks=pair_blocks)
+  dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -201,12 +199,10 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   h, c = heads, chunk_size
   dk_, dv_ = hk // h, v.shape[-1] // h
   nc = tp // c
-  bk = min(cfg.block_k, dk_)
-  if dk_ % bk:
-    raise ValueError(f"block_k must divide K={dk_}, got {cfg.block_k}")
+  slices = k_slices(cfg, dk_)
+  bk, nk = slices[0].size, len(slices)
   if c % sub_chunk:
     raise ValueError(f"sub_chunk must divide chunk_size={c}, got {sub_chunk}")
-  nk = dk_ // bk
   mdt = cfg.intra(backward=True).mm_dtype
   sdt = cc_store_dtype(cfg, diagonal)
 

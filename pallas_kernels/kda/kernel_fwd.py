@@ -58,6 +58,23 @@ def iota(shape, axis):
   return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def k_slices(cfg: KernelConfig, dk: int) -> list:
+  """Static `pl.ds` K slices of cfg.block_k channels covering K = dk (one slice
+  if block_k >= dk).
+
+  The blocked intra forward, the state kernels and the split intra backward
+  do every per-channel (K) element-wise operation on [C, block_k] tiles (the
+  state kernels keep the state as [block_k, BV] slices): one whole [C, K] f32
+  tile is 64 registers per thread on the GPU at C = 64, K = 128 and 4 warps,
+  so whole-K tiles spill. The gate factors are per channel and every K
+  contraction is a sum over slices, so slicing changes no algebra.
+  """
+  bk = min(cfg.block_k, dk)
+  if dk % bk:
+    raise ValueError(f"block_k must divide K={dk}, got {cfg.block_k}")
+  return [pl.ds(kb * bk, bk) for kb in range(dk // bk)]
+
+
 def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
   """Anchored decay factors of row sub-tile r.
 
@@ -385,15 +402,15 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
   c, dk = q_ref.shape
   dv = v_ref.shape[1]
   bk = cfg.block_k
-  if bk > dk or dk % bk:
+  if bk > dk:
     raise ValueError(f"block_k must divide K={dk}, got {bk}")
+  slices = k_slices(cfg, dk)
   bv = min(bk, dv) if bk < dk else dv
   row, col = iota((c, 1), 0), iota((1, c), 1)
   p_qk = p_kk = jnp.zeros((c, c), _F32)
-  for kb in range(dk // bk):
-    p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref,
-                                       pl.ds(kb * bk, bk), scale=scale, ell=ell,
-                                       diagonal=diagonal, cfg=cfg)
+  for ks in slices:
+    p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
+                                       scale=scale, ell=ell, diagonal=diagonal, cfg=cfg)
   if diagonal == "pairwise":
     zero = jnp.zeros((ell, c), _F32)
     for r in range(c // ell):
@@ -408,8 +425,7 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
   m = blocked_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
                                  dtype=cfg.inverse_mm_dtype)
   # Operands reloaded per slice: nothing [C, K]-sized is live across the inverse.
-  for kb in range(dk // bk):
-    ks = pl.ds(kb * bk, bk)
+  for ks in slices:
     x_w = beta_ref[...] * k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[:, ks])
     w_ref[:, ks] = dot(m, x_w, cfg).astype(w_ref.dtype)
   for vb in range(dv // bv):
@@ -463,28 +479,13 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
 # ---------------------------------------------------------------------------
 
 
-def state_k_slices(cfg: KernelConfig, dk: int) -> list:
-  """Static `pl.ds` K slices of cfg.block_k channels covering K = dk.
-
-  The state kernels do every per-channel (K) element-wise operation on
-  [C, block_k] tiles and keep the state as [block_k, BV] slices: one whole
-  [C, K] f32 tile is 64 registers per thread on the GPU at C = 64, K = 128
-  and 4 warps, so whole-K tiles spill. The gate factors are per channel and
-  every K contraction is a sum over slices, so slicing changes no algebra.
-  """
-  bk = min(cfg.block_k, dk)
-  if dk % bk:
-    raise ValueError(f"block_k must divide K={dk}, got {cfg.block_k}")
-  return [pl.ds(kb * bk, bk) for kb in range(dk // bk)]
-
-
 def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_ref, o_ref, *,
                     scale, cfg: KernelConfig):
   """One chunk of the forward state recurrence (shared by the GPU and TPU kernels).
 
   Reads the chunk's `rows` ([C] rows; `last_row` is its last one) and writes
   O = sum_kb (q e^G)_kb S_kb + A_qk V' into o_ref. Every element-wise factor
-  is formed on a [C, BK] column slice (BK = cfg.block_k; see `state_k_slices`)
+  is formed on a [C, BK] column slice (BK = cfg.block_k; see `k_slices`)
   so only [C, BK] f32 tiles are live at once.
 
   Args:
@@ -495,7 +496,7 @@ def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_re
     (V' = U - sum_kb W_kb S_kb [C, BV] f32, the state leaving the chunk as a
     tuple of [BK, BV] slices S_kb <- e^{G_last,kb} S_kb + (k e^{G_last - G})_kb^T V').
   """
-  slices = state_k_slices(cfg, q_ref.shape[-1])
+  slices = k_slices(cfg, q_ref.shape[-1])
   if len(s) != len(slices):
     raise ValueError(f"state has {len(s)} K slices, expected {len(slices)}")
   v_new = u_ref[rows, :].astype(_F32)
@@ -522,7 +523,7 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
   tp, dk = q_ref.shape
   nc = tp // c
   bv = u_ref.shape[-1]
-  slices = state_k_slices(cfg, dk)
+  slices = k_slices(cfg, dk)
 
   def body(i, s):
     seq = seq_ref[i]
@@ -563,7 +564,7 @@ def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
   i = pl.program_id(3)
   c = q_ref.shape[0]
   seq = seq_ref[i]
-  slices = state_k_slices(cfg, q_ref.shape[-1])
+  slices = k_slices(cfg, q_ref.shape[-1])
 
   @pl.when(first_ref[i] != 0)
   def _():
@@ -591,7 +592,7 @@ def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
   """Runs the state kernel over all chunks.
 
   Each program carries S [K, BV] as K/block_k slices of [block_k, BV] and
-  does the per-channel work on [C, block_k] tiles (`state_k_slices`).
+  does the per-channel work on [C, block_k] tiles (`k_slices`).
 
   Args:
     meta: (first_n, last_n, seq_n), int32 [NC] each: chunk starts / ends a
