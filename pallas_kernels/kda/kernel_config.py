@@ -47,10 +47,11 @@ class KernelConfig:
       registers per thread at 4 warps). Default min(K, 64) on the GPU and in
       interpret mode, K on TPU (lane-dim slices). On the H200 (bf16, B16
       T2048 H16 D128, blocked inverse, block_v 64) intra_fwd took 4.75 ms
-      unsliced, 3.77 ms at block_k 32 and 3.30 ms at 64. The intra backward
-      does not slice: a sliced "tiles" body matched in interpret mode but gave
-      wrong f32 gradients on the H200 with more than one slice (dk 3.2e-2 at
-      block_k 32), and was no faster in bf16.
+      unsliced, 3.77 ms at block_k 32 and 3.30 ms at 64. The one-program intra
+      backward ("rows", "tiles") does not slice: a sliced "tiles" body matched
+      in interpret mode but gave wrong f32 gradients on the H200 with more
+      than one slice (dk 3.2e-2 at block_k 32), and was no faster in bf16.
+      The opt-in "split" backward runs one program per K slice.
     num_warps: Triton warps per stage, as ((stage, warps), ...).
     num_stages: Triton software-pipelining stages of the state kernels' loop.
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
