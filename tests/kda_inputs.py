@@ -149,12 +149,16 @@ def intra_bwd_by_impl(operands, impls, *, heads: int, chunk: int, sub_chunk: int
   return outs
 
 
-def vjp_inputs(seed: int, *, b: int, t: int, h: int, dk: int, dv: int, gates: str):
+def vjp_inputs(seed: int, *, b: int, t: int, h: int, dk: int, dv: int, gates: str,
+               num_states: int | None = None):
   """(q, k, v, g, beta, h0), dO and the final-state cotangent, f32, [B, T, H, *] layout.
 
-  gates: "at_bound" (per-channel KDA gates at g_min), or "gdn" (one gate per
-  head off the bound, broadcast over K).
+  gates: "at_bound" (per-channel KDA gates at g_min), "spread" (per-channel,
+  spread over (g_min, 0)) or "gdn" (one gate per head, spread, broadcast over
+  K). num_states: rows of h0 and of the cotangent (default B; the number of
+  sequences with cu_seqlens).
   """
+  n = b if num_states is None else num_states
   ks = jax.random.split(jax.random.PRNGKey(seed), 8)
   unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
   q = unit(jax.random.normal(ks[0], (b, t, h, dk)))
@@ -162,14 +166,14 @@ def vjp_inputs(seed: int, *, b: int, t: int, h: int, dk: int, dv: int, gates: st
   v = jax.random.normal(ks[2], (b, t, h, dv))
   if gates == "gdn":
     g = jnp.broadcast_to(bounded_gates(ks[3], (b, t, h, 1), at_bound=False), (b, t, h, dk))
-  elif gates == "at_bound":
-    g = bounded_gates(ks[3], (b, t, h, dk), at_bound=True)
+  elif gates in ("at_bound", "spread"):
+    g = bounded_gates(ks[3], (b, t, h, dk), at_bound=gates == "at_bound")
   else:
-    raise ValueError(f"gates must be 'at_bound' or 'gdn', got {gates!r}")
+    raise ValueError(f"gates must be 'at_bound', 'spread' or 'gdn', got {gates!r}")
   beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
-  h0 = jax.random.normal(ks[5], (b, h, dk, dv))
+  h0 = jax.random.normal(ks[5], (n, h, dk, dv))
   do = jax.random.normal(ks[6], (b, t, h, dv))
-  dht = jax.random.normal(ks[7], (b, h, dk, dv))
+  dht = jax.random.normal(ks[7], (n, h, dk, dv))
   return (q, k, v, g, beta, h0), do, dht
 
 

@@ -15,40 +15,23 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+from tests.kda_inputs import GRAD_NAMES, assert_each_within, vjp_inputs
 
-LOWER_BOUND = -5.0
 # max|x - ref| / max|ref|, float32 operands, exact (HIGHEST) matmuls on the CPU.
 F32_TOL = 2e-5
 DK, DV, BLOCK_K, BLOCK_V, CHUNK, SUB = 32, 16, 8, 8, 16, 8
 
 
-def _rel_max(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  assert np.all(np.isfinite(x)), "non-finite values (unwritten output?)"
-  return np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30)
-
-
 def _inputs(seed, b, t, h, n_states):
-  """Unit-norm q/k, per-channel gates in (g_min, 0), beta in (0, 1), h0, cotangents."""
-  ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, DK)))
-  k = unit(jax.random.normal(ks[1], (b, t, h, DK)))
-  v = jax.random.normal(ks[2], (b, t, h, DV))
-  # Per-channel gates spread over (g_min, 0): every K slice decays differently.
-  g = LOWER_BOUND * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (b, t, h, DK)))
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
-  h0 = jax.random.normal(ks[5], (n_states, h, DK, DV))
-  do = jax.random.normal(ks[6], (b, t, h, DV))
-  dht = jax.random.normal(ks[7], (n_states, h, DK, DV))
-  return (q, k, v, g, beta, h0), do, dht
+  """Unit-norm q/k, per-channel gates spread over (g_min, 0) (every K slice
+  decays differently), beta in (0, 1), h0 and cotangents."""
+  return vjp_inputs(seed, b=b, t=t, h=h, dk=DK, dv=DV, gates="spread", num_states=n_states)
 
 
 def _check_against_naive(xs, do, dht, *, save, cu_seqlens=None):
@@ -65,11 +48,8 @@ def _check_against_naive(xs, do, dht, *, save, cu_seqlens=None):
       chunk_kda_pallas, scale=DK ** -0.5, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
       interpret=True, block_v=BLOCK_V,
       config_overrides=dict(block_k=BLOCK_K, save_residuals=save)))
-  for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
-                        (o, ht, *got), (o_r, ht_r, *want)):
-    assert a.shape == r.shape, name
-    err = _rel_max(a, r)
-    assert err < F32_TOL, f"save_residuals={save} {name}: {err:.2e}"
+  assert_each_within((o, ht, *got), (o_r, ht_r, *want), ("o", "ht") + GRAD_NAMES, F32_TOL,
+                     label=f"save_residuals={save}")
 
 
 @pytest.mark.parametrize("save", [True, False])
