@@ -91,12 +91,21 @@ def test_block_k_override_is_validated(backend, block_k):
                               chunk_size=64, sub_chunk=16, overrides={"block_k": block_k})
 
 
+def test_bwd_block_k_override_is_validated():
+  with pytest.raises(ValueError, match="bwd_block_k must be a power of two dividing K=64"):
+    kernel_config.make_config(backend="triton", dtype=jnp.float32, head_k=64, head_v=64,
+                              chunk_size=64, sub_chunk=16, overrides={"bwd_block_k": 8})
+
+
 def test_block_k_defaults():
   make = lambda backend, dk: kernel_config.make_config(
       backend=backend, dtype=jnp.bfloat16, head_k=dk, head_v=64, chunk_size=64, sub_chunk=16)
   assert make("triton", 128).block_k == 64
   assert make("interpret", 16).block_k == 16
   assert make("tpu_interpret", 128).block_k == 128
+  # The split backward's slice (faster at 32 than 64 on the H200).
+  assert make("triton", 128).bwd_block_k == 32
+  assert make("interpret", 16).bwd_block_k == 16
   # The blocked inverse is the GPU default (faster there); CPU and TPU keep substitution.
   assert make("triton", 128).inverse == "blocked"
   assert make("interpret", 128).inverse == "substitution"

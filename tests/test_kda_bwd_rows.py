@@ -40,20 +40,28 @@ def test_row_block_kernel_matches_full_tile_kernel(diagonal="dense"):
   assert_each_within(outs["rows"], outs["tiles"], ("dq", "dk", "dv", "dG", "dbeta"), F32_TOL)
 
 
-def test_use_row_blocks_choice():
+def test_intra_bwd_body_choice():
+  """"auto" resolves per backend; explicit choices are checked against the backend."""
   cfg = lambda backend, **kw: kernel_config.make_config(
       backend=backend, dtype=jnp.bfloat16, head_k=128, head_v=128, chunk_size=64,
       sub_chunk=16, overrides=kw or None)
-  # Triton keeps the full-tile kernel until the GPU gradient checks cover rows.
-  assert not kernel_bwd.use_row_blocks(cfg("triton"), 16)
-  assert kernel_bwd.use_row_blocks(cfg("triton", intra_bwd_impl="rows"), 16)
-  with pytest.raises(ValueError, match="sub_chunk >= 16"):
-    kernel_bwd.use_row_blocks(cfg("triton", intra_bwd_impl="rows"), 8)
-  assert not kernel_bwd.use_row_blocks(cfg("tpu"), 16)
-  assert kernel_bwd.use_row_blocks(cfg("interpret"), 8)
-  assert not kernel_bwd.use_row_blocks(cfg("interpret", intra_bwd_impl="tiles"), 16)
+  body = kernel_bwd.intra_bwd_body
+  assert body(cfg("triton"), 16) == "split"
+  assert body(cfg("triton"), 8) == "tiles"      # split and rows need L >= 16 on Triton
+  assert body(cfg("tpu"), 16) == "tiles"
+  assert body(cfg("tpu_interpret"), 16) == "tiles"
+  assert body(cfg("interpret"), 8) == "rows"
+  for impl in ("rows", "tiles", "split"):
+    assert body(cfg("triton", intra_bwd_impl=impl), 16) == impl
+    assert body(cfg("interpret", intra_bwd_impl=impl), 8) == impl
+  for impl in ("rows", "split"):
+    with pytest.raises(ValueError, match="sub_chunk >= 16"):
+      body(cfg("triton", intra_bwd_impl=impl), 8)
+  for backend in ("tpu", "tpu_interpret"):
+    with pytest.raises(ValueError, match="not lowered for TPU"):
+      body(cfg(backend, intra_bwd_impl="split"), 16)
   with pytest.raises(ValueError, match="intra_bwd_impl"):
-    kernel_bwd.use_row_blocks(cfg("interpret", intra_bwd_impl="fast"), 16)
+    body(cfg("interpret", intra_bwd_impl="fast"), 16)
 
 
 def test_vjp_saved_and_recomputed_residuals_match_naive():

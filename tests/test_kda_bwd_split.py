@@ -4,8 +4,9 @@ Checked in interpret mode against the one-program "tiles" kernel on random
 chunk operands with four K slices, and end to end (the whole VJP) against the
 float32 naive recurrence with four K slices, for dense gates at the bound and
 GDN-style gates with the pairwise diagonal. Interpret mode fills kernel
-outputs with NaN first, so an unwritten slice or row block fails. The GPU
-twin class reruns the GPU checks of tests/test_kda_pallas.py with "split".
+outputs with NaN first, so an unwritten slice or row block fails. "split"
+is the Triton default, so `test_kda_pallas.TestKdaPallasGpu` checks it on
+the GPU.
 """
 from __future__ import annotations
 
@@ -15,12 +16,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.kda import kernel_bwd
-from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
-# The module, not the class: a class name imported here would be collected twice.
-from tests import test_kda_pallas as base
 from tests.kda_inputs import (GRAD_NAMES, assert_each_within, intra_bwd_by_impl, intra_bwd_operands,
                                state_loss_grads, vjp_inputs)
 
@@ -31,14 +28,14 @@ F32_TOL = 2e-5
 def test_split_kernels_match_full_tile_kernel(diagonal="dense"):
   """intra_bwd "split" == "tiles" on random chunk operands (all five outputs).
 
-  K = 64 in block_k = 16 slices (four programs per chunk), C = 32, L = 8
+  K = 64 in bwd_block_k = 16 slices (four programs per chunk), C = 32, L = 8
   (four row tiles), two chunks and two heads, so the slice, head and chunk
   index maps of both kernels are exercised. The pairwise diagonal is checked
   end to end below (here it matched "tiles" to 1.8e-7, but costs 10 s of CI).
   """
   ops = intra_bwd_operands(0, b=1, h=2, nc=2, c=32, dk=64, dv=16)
   outs = intra_bwd_by_impl(ops, ("split", "tiles"), heads=2, chunk=32, sub_chunk=8,
-                           diagonal=diagonal, block_k=16)
+                           diagonal=diagonal, bwd_block_k=16)
   assert_each_within(outs["split"], outs["tiles"], ("dq", "dk", "dv", "dG", "dbeta"), F32_TOL,
                      label=diagonal)
   assert [a.dtype for a in outs["split"]] == [r.dtype for r in outs["tiles"]]
@@ -48,7 +45,7 @@ def test_split_kernels_match_full_tile_kernel(diagonal="dense"):
 def test_split_vjp_matches_naive(diagonal, gdn):
   """All six gradients vs the naive recurrence with intra_bwd_impl="split".
 
-  K = 32 in block_k = 8 slices, T = 40 (not a multiple of C = 32), four row
+  K = 32 in bwd_block_k = 8 slices (block_k too, for the forward), T = 40 (not a multiple of C = 32), four row
   tiles of L = 8, an initial state and a final-state cotangent. Dense: KDA
   gates at the bound. Pairwise: GDN-style gates (one per head, broadcast over K).
   """
@@ -58,22 +55,13 @@ def test_split_vjp_matches_naive(diagonal, gdn):
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = grads(functools.partial(
       chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal=diagonal,
-      interpret=True, config_overrides=dict(intra_bwd_impl="split", block_k=8)))
+      interpret=True, config_overrides=dict(intra_bwd_impl="split", block_k=8, bwd_block_k=8)))
   assert_each_within(got, want, GRAD_NAMES, F32_TOL, label=diagonal)
 
 
-def test_split_choice_and_tpu_rejection():
-  """"split" is opt-in, rejected for TPU backends, and needs L >= 16 on Triton."""
-  cfg = lambda backend, **kw: kernel_config.make_config(
-      backend=backend, dtype=jnp.bfloat16, head_k=128, head_v=128, chunk_size=64,
-      sub_chunk=16, overrides=kw or None)
-  assert kernel_bwd.use_row_blocks(cfg("interpret"), 16)        # "auto": rows, never split
-  assert not kernel_bwd.use_row_blocks(cfg("triton", intra_bwd_impl="split"), 16)
-  with pytest.raises(ValueError, match="sub_chunk >= 16"):
-    kernel_bwd.use_row_blocks(cfg("triton", intra_bwd_impl="split"), 8)
-  for backend in ("tpu", "tpu_interpret"):
-    with pytest.raises(ValueError, match="not lowered for TPU"):
-      kernel_bwd.use_row_blocks(cfg(backend, intra_bwd_impl="split"), 16)
+def test_split_is_rejected_for_tpu():
+  """"split" is a ValueError on TPU backends, through the public entry too
+  (`test_kda_bwd_rows.test_intra_bwd_body_choice` covers the choice itself)."""
   # Through the public entry: the VJP (not the forward) reaches intra_bwd.
   x = jnp.ones((1, 16, 1, 128), jnp.float32)
   fn = functools.partial(chunk_kda_pallas, scale=0.1, chunk_size=16, sub_chunk=16,
@@ -81,12 +69,3 @@ def test_split_choice_and_tpu_rejection():
                          config_overrides=dict(intra_bwd_impl="split"))
   with pytest.raises(ValueError, match="not lowered for TPU"):
     jax.eval_shape(jax.grad(lambda q: jnp.sum(fn(q, x, x, -x, jnp.ones((1, 16, 1)))[0])), x)
-
-
-@pytest.mark.gpu
-class TestKdaPallasGpuSplitBackward(base.TestKdaPallasGpu):
-  """The GPU checks of tests/test_kda_pallas.py, gradients included, with the
-  split intra backward forced (it is opt-in until these pass on the GPU)."""
-
-  def _pallas(self, diagonal, **kw):
-    return super()._pallas(diagonal, config_overrides={"intra_bwd_impl": "split"}, **kw)

@@ -288,12 +288,21 @@ def test_lowers_for_tpu(diagonal):
 class TestKdaPallasGpuRowBlocks(TestKdaPallasGpu):
   """The GPU checks, gradients included, with the row-block intra backward forced.
 
-  Triton compiles "rows" and "tiles" into different kernels; each is checked
-  on the GPU before `intra_bwd_impl="auto"` may pick it there.
+  Triton compiles "rows", "tiles" and "split" (the default) into different
+  kernels, so each one is checked on the GPU.
   """
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"intra_bwd_impl": "rows"}, **kw)
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuTilesBackward(TestKdaPallasGpu):
+  """The GPU checks with the full-tile intra backward forced (what "auto"
+  runs on Triton when sub_chunk < 16, and the TPU body)."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"intra_bwd_impl": "tiles"}, **kw)
 
 
 @pytest.mark.gpu

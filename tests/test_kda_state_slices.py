@@ -74,5 +74,7 @@ def test_k_slices():
   assert [(s.start, s.size) for s in slices] == [(0, 8), (8, 8), (16, 8), (24, 8)]
   # block_k wider than K: one slice of all of K.
   assert [(s.start, s.size) for s in kernel_fwd.k_slices(cfg, 4)] == [(0, 4)]
-  with pytest.raises(ValueError, match="block_k must divide K=12"):
+  with pytest.raises(ValueError, match="slice width must divide K=12"):
     kernel_fwd.k_slices(cfg, 12)
+  # An explicit width (the split backward's bwd_block_k) replaces block_k.
+  assert [(s.start, s.size) for s in kernel_fwd.k_slices(cfg, DK, 16)] == [(0, 16), (16, 16)]

@@ -14,11 +14,12 @@ recomputed; `KernelConfig.save_residuals`), then runs:
   gradient of the within-chunk cumsum G; `pallas_op` turns it into dg with a
   reverse cumsum). The anchored score gradients use the same row sub-tiles
   and anchors as the forward; `pairwise` handles diagonal tiles with the
-  explicit position-pair decay, one column at a time. Two bodies:
-  `_intra_bwd_rows_kernel` (row blocks; the interpret-mode default, opt-in on GPU) and
-  `_intra_bwd_kernel` (masked whole-chunk tiles; the GPU and TPU default); see `use_row_blocks`.
-  `kernel_bwd_split` (opt-in, `intra_bwd_impl="split"`) does the same work in
-  two kernels; both it and `_intra_bwd_kernel` use `add_score_grads`.
+  explicit position-pair decay, one column at a time. Three bodies (see
+  `intra_bwd_body` for which runs where): `_intra_bwd_rows_kernel` (row
+  blocks; the interpret-mode default), `_intra_bwd_kernel` (masked
+  whole-chunk tiles; the TPU default) and `kernel_bwd_split` (two kernels,
+  the second per K slice; the Triton default). The last two share
+  `add_score_grads`.
 """
 from __future__ import annotations
 
@@ -507,40 +508,36 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
     dbeta_ref[rows, :] = dbeta
 
 
-def use_row_blocks(cfg: KernelConfig, sub_chunk: int) -> bool:
-  """Whether `intra_bwd` runs the row-block kernel (else the masked full-tile one).
+def intra_bwd_body(cfg: KernelConfig, sub_chunk: int) -> str:
+  """Which intra-chunk backward runs: "rows", "tiles" or "split" (validates the choice).
 
-  cfg.intra_bwd_impl "auto" picks row blocks in interpret mode only. TPU
-  keeps the full-tile kernel (its Mosaic lowering wants lane-dim column
-  slices of M), and so does Triton for now: on the H200 the row-block kernel
-  has passed the f32 gradient checks for dense KDA gates and pairwise GDN
-  gates (and made forward+backward 1.24x faster at B16 T2048 H16 D128 bf16),
-  but its bf16, varlen and benchmark-shape gradients have not been checked on
-  the GPU yet (`TestKdaPallasGpuRowBlocks`), and this image's Triton is known
-  to miscompile some Hopper backward kernels. Select it with
-  intra_bwd_impl="rows" (Triton needs L >= 16: every dot dim is >= 16).
-
-  intra_bwd_impl="split" (`kernel_bwd_split`, two kernels) is opt-in only:
-  "auto" never picks it, it is not lowered for TPU (ValueError there), and it
-  returns False here (`intra_bwd` dispatches it before asking).
+  cfg.intra_bwd_impl "auto" picks:
+  * Triton (L >= 16): "split" (`kernel_bwd_split`). On the H200 it passed the
+    GPU checks, gradients included (f32 KDA at the bound, pairwise GDN,
+    varlen, bf16, and the bf16 accuracy test at B1 T1024 H4 D128 with two K
+    slices), and at B16 T2048 H16 D128 bf16 it took intra_bwd from 16.7 ms
+    ("tiles") to 5.9 ms (bwd_block_k 32, 8 warps); "rows" took 12.7 ms.
+  * Triton with L < 16: "tiles" (the other two need every dot dim >= 16).
+  * interpret mode: "rows" (row blocks: the cheapest to emulate).
+  * TPU: "tiles" (the Mosaic lowering wants lane-dim column slices of M,
+    which "rows" takes; "split" is not lowered for TPU).
+  An explicit "split" on TPU, or "rows"/"split" on Triton with L < 16, is a
+  ValueError.
   """
   impl = cfg.intra_bwd_impl
   if impl not in ("auto", "rows", "tiles", "split"):
     raise ValueError(f"intra_bwd_impl must be 'auto', 'rows', 'tiles' or 'split', got {impl!r}")
-  if impl == "split":
-    if cfg.is_tpu:
-      raise ValueError(f"intra_bwd_impl='split' is not lowered for TPU (backend "
-                       f"{cfg.backend!r}); use 'tiles' or 'auto'")
-    if cfg.backend == "triton" and sub_chunk < 16:
-      raise ValueError(f"intra_bwd_impl='split' on Triton needs sub_chunk >= 16 (a dot dim), "
-                       f"got {sub_chunk}; use 'tiles' or 'auto'")
-    return False
-  if impl == "rows" and cfg.backend == "triton" and sub_chunk < 16:
-    raise ValueError(f"intra_bwd_impl='rows' on Triton needs sub_chunk >= 16 (a dot dim), "
+  if impl == "split" and cfg.is_tpu:
+    raise ValueError(f"intra_bwd_impl='split' is not lowered for TPU (backend "
+                     f"{cfg.backend!r}); use 'tiles' or 'auto'")
+  if impl in ("rows", "split") and cfg.backend == "triton" and sub_chunk < 16:
+    raise ValueError(f"intra_bwd_impl={impl!r} on Triton needs sub_chunk >= 16 (a dot dim), "
                      f"got {sub_chunk}; use 'tiles' or 'auto'")
   if impl != "auto":
-    return impl == "rows"
-  return not cfg.is_tpu and cfg.backend != "triton"
+    return impl
+  if cfg.backend == "triton":
+    return "split" if sub_chunk >= 16 else "tiles"
+  return "tiles" if cfg.is_tpu else "rows"
 
 
 def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
@@ -557,8 +554,8 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
     dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,
     dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1].
   """
-  rows = use_row_blocks(cfg, sub_chunk)  # validates intra_bwd_impl
-  if cfg.intra_bwd_impl == "split":
+  impl = intra_bwd_body(cfg, sub_chunk)
+  if impl == "split":
     from pallas_kernels.kda import kernel_bwd_split  # imports this module
     return kernel_bwd_split.intra_bwd_split(
         q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, heads=heads,
@@ -572,7 +569,7 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
   bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
   sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
-  body = _intra_bwd_rows_kernel if rows else _intra_bwd_kernel
+  body = _intra_bwd_rows_kernel if impl == "rows" else _intra_bwd_kernel
   kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg)
   return pl.pallas_call(
       kernel, grid=(b, h, nc),

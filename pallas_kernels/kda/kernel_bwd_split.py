@@ -11,8 +11,8 @@ The same gradients as `kernel_bwd._intra_bwd_kernel`, in two pallas_calls:
      dU~  = M^T dV'
    and writes dv = beta dU~, dbeta's rowsum(dU~ * v), dU~, dA, dAqk and the
    exact transposes dA^T, dAqk^T.
-2. `kda_intra_bwd_k`, grid (B, H, NC, K / block_k): one K slice per program,
-   every per-channel tile [C, block_k]: the state terms, the W term
+2. `kda_intra_bwd_k`, grid (B, H, NC, K / bwd_block_k): one K slice per
+   program, every per-channel tile [C, bwd_block_k]: the state terms, the W term
    d(beta k e^G) = -dU~ S_kb^T, the anchored score gradients and the pairwise
    diagonal, giving dq, dk, dG of the slice and a partial dbeta (summed over
    the slices by the wrapper).
@@ -26,7 +26,8 @@ M^T dV') have N = C or V and live in kernel 1; kernel 2 gets the column-side
 score gradients as plain products with the stored transposes,
 t_qc = (dAqk^T masked to the columns of tile r) @ xq.
 
-Not lowered for TPU (Mosaic): `kernel_bwd.use_row_blocks` rejects it there.
+The Triton default (`kernel_bwd.intra_bwd_body`); not lowered for TPU
+(Mosaic), where it is a ValueError.
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
                         *, scale, ell, diagonal, cfg):
   """Per-channel gradients of one K slice of one chunk (kernel 2). Block shapes:
 
-  q_ref, k_ref, g_ref [C, BK] (BK = cfg.block_k); beta_ref [C, 1]; do_ref,
+  q_ref, k_ref, g_ref [C, BK] (BK = cfg.bwd_block_k); beta_ref [C, 1]; do_ref,
   vn_ref, du_ref [C, V]; hs_ref, dhs_ref [BK, V] (rows of the entry state and
   of the exit-state gradient); da_ref, daq_ref, dat_ref, daqt_ref [C, C].
   Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32 (this
@@ -199,7 +200,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   h, c = heads, chunk_size
   dk_, dv_ = hk // h, v.shape[-1] // h
   nc = tp // c
-  slices = k_slices(cfg, dk_)
+  slices = k_slices(cfg, dk_, cfg.bwd_block_k)
   bk, nk = slices[0].size, len(slices)
   if c % sub_chunk:
     raise ValueError(f"sub_chunk must divide chunk_size={c}, got {sub_chunk}")
@@ -239,7 +240,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
       out_specs=[kslice] * 3 + [bpart],
       out_shape=[jax.ShapeDtypeStruct((b, tp, hk), _F32)] * 3
       + [jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
-      compiler_params=cfg.compiler_params("intra_bwd", grid_rank=4),
+      compiler_params=cfg.compiler_params("intra_bwd_k", grid_rank=4),
       interpret=cfg.interpret, name="kda_intra_bwd_k",
   )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt)
   return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2)

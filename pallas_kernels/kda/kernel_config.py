@@ -26,8 +26,9 @@ BACKENDS = ("triton", "tpu", "interpret", "tpu_interpret")
 # Ways of forming M = (I + A_kk)^-1 in the intra-chunk forward.
 INVERSES = ("blocked", "substitution")
 
-# Kernel stages, each a separate pallas_call.
-STAGES = ("intra_fwd", "state_fwd", "state_bwd", "intra_bwd")
+# Kernel stages, each a separate pallas_call ("intra_bwd_k" is the second
+# kernel of the split intra backward, "cumsum" the within-chunk gate cumsum).
+STAGES = ("cumsum", "intra_fwd", "state_fwd", "state_bwd", "intra_bwd", "intra_bwd_k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,12 @@ class KernelConfig:
       backward ("rows", "tiles") does not slice: a sliced "tiles" body matched
       in interpret mode but gave wrong f32 gradients on the H200 with more
       than one slice (dk 3.2e-2 at block_k 32), and was no faster in bf16.
-      The opt-in "split" backward runs one program per K slice.
+      The "split" backward slices K by `bwd_block_k` instead.
+    bwd_block_k: K-slice width of the split intra backward's second kernel
+      (one program per slice). Default min(K, 32) on the GPU and in interpret
+      mode (K on TPU, where "split" does not run). On the H200 (bf16, B16
+      T2048 H16 D128, 8 warps) intra_bwd took 5.93 ms at 32 and 7.20 ms at
+      64; at 4 warps 9.55 and 14.08 ms.
     num_warps: Triton warps per stage, as ((stage, warps), ...).
     num_stages: Triton software-pipelining stages of the state kernels' loop.
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
@@ -85,14 +91,11 @@ class KernelConfig:
       (f32 accumulation either way).
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
       products, every output row block written once), "tiles" (masked
-      [C, C] products over the whole chunk), or "auto" (rows in interpret
-      mode; tiles on TPU and, until its bf16/pairwise/varlen gradients are
-      checked on the GPU, on Triton); see `kernel_bwd.use_row_blocks`.
-      "split" (opt-in, never picked by "auto"; GPU and interpret only, a
-      ValueError on TPU): two kernels, the [C, C] / [C, V] terms per chunk,
-      then per-channel gradients per (chunk, block_k slice), so kernel two
-      needs no transposed-left products; `kernel_bwd_split`. Not yet
-      compiled or timed on the GPU.
+      [C, C] products over the whole chunk), "split" (two kernels: the
+      [C, C] / [C, V] terms per chunk, then the per-channel gradients per
+      (chunk, bwd_block_k slice); `kernel_bwd_split`; not lowered for TPU),
+      or "auto": split on Triton (L >= 16), rows in interpret mode, tiles on
+      TPU; see `kernel_bwd.intra_bwd_body` for the GPU checks and times.
     save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
       V' for the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
@@ -104,8 +107,10 @@ class KernelConfig:
   backend: str
   block_v: int
   block_k: int = 64
+  bwd_block_k: int = 32
   num_warps: tuple[tuple[str, int], ...] = (
-      ("intra_fwd", 4), ("state_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8))
+      ("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8),
+      ("intra_bwd_k", 8))
   num_stages: int = 2
   mm_dtype: jnp.dtype = jnp.float32
   intra_mm_dtype: jnp.dtype = jnp.float32
@@ -207,7 +212,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     head_k, head_v: K and V head dims.
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V-tile of the state kernels; default min(V, 64) (V on TPU).
-      block_k (the K slice; default min(K, 64), K on TPU) and inverse
+      block_k (the K slice; default min(K, 64), K on TPU), bwd_block_k
+      (the split backward's K slice; default min(K, 32)) and inverse
       ("blocked" on Triton when sub_chunk >= 16, else "substitution") are set
       through `overrides`.
     overrides: KernelConfig fields to set explicitly (benchmarks, ablations).
@@ -231,9 +237,12 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   intra_bwd = jnp.float32
   if backend == "triton" and head_k * head_v >= 128 * 128:
     intra_bwd = mm_dtype
-  block_k = head_k if backend in ("tpu", "tpu_interpret") else min(head_k, 64)
+  on_tpu = backend in ("tpu", "tpu_interpret")
+  block_k = head_k if on_tpu else min(head_k, 64)
+  bwd_block_k = head_k if on_tpu else min(head_k, 32)
   inverse = "blocked" if backend == "triton" and sub_chunk >= 16 else "substitution"
-  cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k, inverse=inverse,
+  cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k,
+                     bwd_block_k=bwd_block_k, inverse=inverse,
                      mm_dtype=mm_dtype,
                      intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
   if overrides:
@@ -244,10 +253,11 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   # After the overrides: a benchmark's block_v must meet the same rule.
   if not _is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
-  if not _is_pow2(cfg.block_k) or head_k % cfg.block_k or (
-      backend == "triton" and cfg.block_k < 16):
-    raise ValueError(f"block_k must be a power of two dividing K={head_k} (>= 16 on the GPU: "
-                     f"a dot dim), got {cfg.block_k}")
+  for name in ("block_k", "bwd_block_k"):
+    width = getattr(cfg, name)
+    if not _is_pow2(width) or head_k % width or (backend == "triton" and width < 16):
+      raise ValueError(f"{name} must be a power of two dividing K={head_k} (>= 16 on the "
+                       f"GPU: a dot dim), got {width}")
   if cfg.inverse == "blocked" and sub_chunk < 16 and backend == "triton":
     raise ValueError(f"inverse='blocked' needs sub_chunk >= 16 on the GPU (tensor-core "
                      f"tiles), got {sub_chunk}")

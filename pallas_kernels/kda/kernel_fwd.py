@@ -58,9 +58,9 @@ def iota(shape, axis):
   return lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def k_slices(cfg: KernelConfig, dk: int) -> list:
-  """Static `pl.ds` K slices of cfg.block_k channels covering K = dk (one slice
-  if block_k >= dk).
+def k_slices(cfg: KernelConfig, dk: int, width: int | None = None) -> list:
+  """Static `pl.ds` K slices of `width` (default cfg.block_k) channels covering
+  K = dk (one slice if width >= dk).
 
   The blocked intra forward, the state kernels and the split intra backward
   do every per-channel (K) element-wise operation on [C, block_k] tiles (the
@@ -69,9 +69,10 @@ def k_slices(cfg: KernelConfig, dk: int) -> list:
   so whole-K tiles spill. The gate factors are per channel and every K
   contraction is a sum over slices, so slicing changes no algebra.
   """
-  bk = min(cfg.block_k, dk)
+  width = cfg.block_k if width is None else width
+  bk = min(width, dk)
   if dk % bk:
-    raise ValueError(f"block_k must divide K={dk}, got {cfg.block_k}")
+    raise ValueError(f"the K slice width must divide K={dk}, got {width}")
   return [pl.ds(kb * bk, bk) for kb in range(dk // bk)]
 
 
