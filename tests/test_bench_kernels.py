@@ -2,6 +2,7 @@
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -63,12 +64,18 @@ def test_tuning_grid_and_table():
       bench.parse_grid(bad)
   times = lambda f, s: {"cumsum": 0.5, "intra_fwd": f, "state_fwd": 1.0, "state_bwd": 2.0,
                         "intra_bwd": s}
+  split = dict(times(4.5, 14.0), intra_bwd_cc=3.0, intra_bwd_k=11.0)  # kernels of intra_bwd
   text = bench.stage_table([("a", times(4.0, 13.0)), ("b", times(5.0, 12.0)),
-                            ("c", "ValueError: block_v must be a power of two")])
+                            ("c", "ValueError: block_v must be a power of two"), ("d", split)])
   rows = {line.split(" | ")[0][2:]: line for line in text.splitlines()[2:]}
+  assert text.splitlines()[0].endswith("| intra_bwd | intra_bwd_cc | intra_bwd_k | fwd sum "
+                                       "| bwd sum |")
   assert "| 4.000* |" in rows["a"] and "| 5.500* |" in rows["a"]   # intra_fwd and fwd sum
   assert "| 12.000* |" in rows["b"] and "| 14.000* |" in rows["b"]  # intra_bwd and bwd sum
   assert "failed: ValueError" in rows["c"]
+  # Stages a row did not run print as "-"; the split kernels are not added to bwd sum twice.
+  assert "| 13.000 | - | - | 5.500* | 15.000 |" in rows["a"]
+  assert "| 14.000 | 3.000* | 11.000* | 6.000 | 16.000 |" in rows["d"]
 
 
 @pytest.mark.parametrize("block_v", [12, 128, 0])
@@ -113,3 +120,14 @@ def test_block_k_defaults():
   small_tiles = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=64,
                                           head_v=64, chunk_size=64, sub_chunk=8)
   assert small_tiles.inverse == "substitution"  # blocked needs L >= 16 on the GPU
+
+
+def test_stage_times_smoke_with_split_backward():
+  """Every stage runs (interpret mode, tiny shape), the split kernels timed on their own."""
+  args = bench.make_inputs(jax.random.PRNGKey(0), 1, 40, 1, 16, jnp.float32)
+  times = bench.stage_times_ms(*args, diagonal="dense", chunk_size=16, sub_chunk=8, iters=1,
+                               config_overrides={"intra_bwd_impl": "split", "bwd_block_k": 8},
+                               interpret=True)
+  assert set(times) == {"cumsum", "intra_fwd", "state_fwd", "intra_fwd+M", "state_fwd+save",
+                        "state_bwd", "intra_bwd", "intra_bwd_cc", "intra_bwd_k"}
+  assert all(t > 0 for t in times.values())

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import api
 from pallas_kernels.kda import kernel_bwd
+from pallas_kernels.kda import kernel_bwd_split
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import pallas_op
@@ -127,8 +128,9 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   """Per-kernel times (ms) of the Pallas path on the current backend.
 
   Stages: the g cumsum (XLA), intra_fwd, state_fwd, the backward's
-  recompute (intra_fwd with M + state_fwd saving states), state_bwd, intra_bwd.
-  `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
+  recompute (intra_fwd with M + state_fwd saving states), state_bwd, intra_bwd
+  and, when the split backward runs, its two kernels alone (intra_bwd_cc,
+  intra_bwd_k). `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
   """
   b, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -164,6 +166,18 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   dv_new, dhs, _ = sb(q2, k2, g_cum, w, a_qk, do2, h0)
   ib = jax.jit(lambda *a: kernel_bwd.intra_bwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                **kw))
+  split = {}
+  if kernel_bwd.intra_bwd_body(cfg, sub_chunk) == "split":
+    # Its two kernels on their own (their sum is the "intra_bwd" stage).
+    cc_args = (k2, v2, g_cum, beta_t, do2, hs, v_new, dv_new, m)
+    cc_kw = {n: kw[n] for n in ("heads", "chunk_size", "cfg")}
+    cc_fn = jax.jit(lambda *a: kernel_bwd_split.intra_bwd_cc(*a, diagonal=diagonal, **cc_kw))
+    cc = cc_fn(*cc_args)[2:]
+    k_fn = jax.jit(lambda *a: kernel_bwd_split.intra_bwd_k(*a, sub_chunk=sub_chunk,
+                                                           diagonal=diagonal, **kw))
+    split = {"intra_bwd_cc": time_ms(cc_fn, *cc_args, iters=iters),
+             "intra_bwd_k": time_ms(k_fn, q2, k2, g_cum, beta_t, do2, hs, dhs, v_new, *cc,
+                                    iters=iters)}
   return {
       "cumsum": time_ms(cums, g2, iters=iters),
       "intra_fwd": time_ms(intra, q2, k2, v2, g_cum, beta_t, iters=iters),
@@ -173,6 +187,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
       "state_bwd": time_ms(sb, q2, k2, g_cum, w, a_qk, do2, h0, iters=iters),
       "intra_bwd": time_ms(ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m,
                            iters=iters),
+      **split,
   }
 def parse_overrides(items):
   """`name=value` strings -> KernelConfig fields (benchmark and tuning flags).
@@ -234,7 +249,12 @@ def parse_grid(text: str) -> list[list[str]]:
 
 def stage_table(rows: list[tuple[str, dict | str]]) -> str:
   """Markdown table of (label, `stage_times_ms` dict or error text) rows; best per column starred."""
-  stages = next((list(r) for _, r in rows if isinstance(r, dict)), [])
+  # Columns in first-seen order; a stage a row did not run (the split
+  # backward's kernels, for the other bodies) prints as "-".
+  stages = []
+  for _, r in rows:
+    if isinstance(r, dict):
+      stages += [s for s in r if s not in stages]
   cols = stages + ["fwd sum", "bwd sum"]
   values = []
   for label, r in rows:
@@ -244,11 +264,12 @@ def stage_table(rows: list[tuple[str, dict | str]]) -> str:
       values.append((label, {**r, **sums}))
     else:
       values.append((label, r))
-  best = {c: min((v[c] for _, v in values if isinstance(v, dict)), default=None) for c in cols}
+  best = {c: min((v[c] for _, v in values if isinstance(v, dict) and c in v), default=None)
+          for c in cols}
   lines = ["| config | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
   for label, v in values:
     if isinstance(v, dict):
-      cells = [f"{v[c]:.3f}{'*' if v[c] == best[c] else ''}" for c in cols]
+      cells = [f"{v[c]:.3f}{'*' if v[c] == best[c] else ''}" if c in v else "-" for c in cols]
     else:
       cells = [f"failed: {v}"] + [""] * (len(cols) - 1)
     lines.append(f"| {label} | " + " | ".join(cells) + " |")

@@ -196,25 +196,38 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   [B, H, Tp, C] (`cc_store_dtype`), dbeta per slice
   [B, H, NK, Tp, 1] f32.
   """
-  b, tp, hk = q.shape
+  if chunk_size % sub_chunk:
+    raise ValueError(f"sub_chunk must divide chunk_size={chunk_size}, got {sub_chunk}")
+  dv, dbeta_v, *cc = intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, heads=heads,
+                                  chunk_size=chunk_size, diagonal=diagonal, cfg=cfg)
+  dq, dk, dg, dbeta_k = intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads,
+                                    chunk_size=chunk_size, sub_chunk=sub_chunk,
+                                    diagonal=diagonal, scale=scale, cfg=cfg)
+  return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2)
+
+
+def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_size, diagonal,
+                 cfg: KernelConfig):
+  """Kernel 1 of the split backward, grid (B, H, NC). Shapes as `intra_bwd_split`.
+
+  Returns:
+    dv [B, Tp, H*V] f32, dbeta's dU~ part [B, H, Tp, 1] f32, dU~ [B, Tp, H*V]
+    (intra-bwd matmul dtype), dA, dAqk, dA^T, dAqk^T [B, H, Tp, C]
+    (`cc_store_dtype`).
+  """
+  b, tp, hk = k.shape
   h, c = heads, chunk_size
   dk_, dv_ = hk // h, v.shape[-1] // h
   nc = tp // c
-  slices = k_slices(cfg, dk_, cfg.bwd_block_k)
-  bk, nk = slices[0].size, len(slices)
-  if c % sub_chunk:
-    raise ValueError(f"sub_chunk must divide chunk_size={c}, got {sub_chunk}")
   mdt = cfg.intra(backward=True).mm_dtype
   sdt = cc_store_dtype(cfg, diagonal)
-
-  # Kernel 1: grid (B, H, NC).
   kspec = pl.BlockSpec((None, c, dk_), lambda ib, ih, ic: (ib, ic, ih))
   vspec = pl.BlockSpec((None, c, dv_), lambda ib, ih, ic: (ib, ic, ih))
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
   bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
   sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
   cc_shape = jax.ShapeDtypeStruct((b, h, tp, c), sdt)
-  dv, dbeta_v, du, da, daq, dat, daqt = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_intra_bwd_cc_kernel, cfg=cfg), grid=(b, h, nc),
       in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec],
       out_specs=[vspec, bspec, vspec] + [cspec] * 4,
@@ -225,7 +238,22 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
       interpret=cfg.interpret, name="kda_intra_bwd_cc",
   )(k, v, g_cum, beta, do, hs, v_new, dv_new, m)
 
-  # Kernel 2: grid (B, H, NC, NK), one [C, BK] slice per program.
+
+def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *, heads,
+                chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig):
+  """Kernel 2 of the split backward, grid (B, H, NC, K / bwd_block_k).
+
+  Args: as `intra_bwd_split`, plus kernel 1's dU~, dA, dAqk, dA^T, dAqk^T.
+
+  Returns:
+    dq, dk, dG [B, Tp, H*K] f32, dbeta's per-slice parts [B, H, NK, Tp, 1] f32.
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk_, dv_ = hk // h, do.shape[-1] // h
+  nc = tp // c
+  slices = k_slices(cfg, dk_, cfg.bwd_block_k)
+  bk, nk = slices[0].size, len(slices)
   kslice = pl.BlockSpec((None, c, bk), lambda ib, ih, ic, ik: (ib, ic, ih * nk + ik))
   vfull = pl.BlockSpec((None, c, dv_), lambda ib, ih, ic, ik: (ib, ic, ih))
   cfull = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic, ik: (ib, ih, ic, 0))
@@ -234,7 +262,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   bpart = pl.BlockSpec((None, None, None, c, 1), lambda ib, ih, ic, ik: (ib, ih, ik, ic, 0))
   kernel = functools.partial(_intra_bwd_k_kernel, scale=scale, ell=sub_chunk,
                              diagonal=diagonal, cfg=cfg)
-  dq, dk, dg, dbeta_k = pl.pallas_call(
+  return pl.pallas_call(
       kernel, grid=(b, h, nc, nk),
       in_specs=[kslice, kslice, kslice, bfull, vfull, srows, srows, vfull, vfull] + [cfull] * 4,
       out_specs=[kslice] * 3 + [bpart],
@@ -243,4 +271,3 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
       compiler_params=cfg.compiler_params("intra_bwd_k", grid_rank=4),
       interpret=cfg.interpret, name="kda_intra_bwd_k",
   )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt)
-  return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2)
