@@ -117,6 +117,28 @@ class TestChunkCumsumInterpret(CumsumChecks):
     want = chunk_cumsum_xla(g, self.chunk, reverse=reverse)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
+  @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+  @pytest.mark.parametrize("reverse", [False, True])
+  def test_lowers_for_triton(self, reverse):
+    """The Triton lowering (no reverse cumsum there) takes both bodies, on the CPU.
+
+    An abstract H200 stands in for the GPU that the lowering asks about.
+    """
+    cfg = _config("triton", 64)
+    fn = jax.jit(functools.partial(chunk_cumsum, chunk_size=64, reverse=reverse, cfg=cfg))
+    gpu = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                      platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)
+    target = "__gpu$xla.gpu.triton"
+    with jax.sharding.use_abstract_mesh(mesh):
+      exported = jax.export.export(
+          fn, platforms=["cuda"],
+          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)],
+      )(jax.ShapeDtypeStruct((2, 128, 256), jnp.float32))
+    text = exported.mlir_module()
+    assert f"@{target}" in text and 'name = "kda_chunk_cumsum"' in text
+    assert "num_warps = 4" in text
+
   def test_rejects_bad_inputs(self):
     cfg = _config("interpret", 32)
     g = jnp.zeros((1, 64, 32), jnp.float32)
