@@ -17,6 +17,7 @@ from pallas_kernels.kda import api
 from pallas_kernels.kda import kernel_bwd
 from pallas_kernels.kda import kernel_bwd_split
 from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import pallas_op
 
@@ -127,10 +128,11 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
                    config_overrides=None, interpret=False):
   """Per-kernel times (ms) of the Pallas path on the current backend.
 
-  Stages: the g cumsum (XLA), intra_fwd, state_fwd, the backward's
-  recompute (intra_fwd with M + state_fwd saving states), state_bwd, intra_bwd
-  and, when the split backward runs, its two kernels alone (intra_bwd_cc,
-  intra_bwd_k). `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
+  Stages: the g cumsum (`kernel_cumsum`; cumsum_xla is XLA's, for
+  comparison), intra_fwd, state_fwd, the backward's recompute (intra_fwd with
+  M + state_fwd saving states), state_bwd, intra_bwd, when the split backward
+  runs its two kernels alone (intra_bwd_cc, intra_bwd_k), and the reverse
+  cumsum giving dg (dg_cumsum). `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
   """
   b, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -151,7 +153,9 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
           jnp.zeros((nc,), jnp.int32))
   h0 = jnp.zeros((b, h, dk, dv), jnp.float32)
   kw = dict(heads=h, chunk_size=c, scale=scale, cfg=cfg)
-  cums = jax.jit(lambda x: pallas_op._chunk_cumsum(x, c))  # pylint: disable=protected-access
+  cums = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, cfg=cfg))
+  cums_rev = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, reverse=True, cfg=cfg))
+  cums_xla = jax.jit(lambda x: kernel_cumsum.chunk_cumsum_xla(x, c))
   g_cum = cums(g2)
   intra = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                   **kw))
@@ -180,6 +184,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
                                     iters=iters)}
   return {
       "cumsum": time_ms(cums, g2, iters=iters),
+      "cumsum_xla": time_ms(cums_xla, g2, iters=iters),
       "intra_fwd": time_ms(intra, q2, k2, v2, g_cum, beta_t, iters=iters),
       "state_fwd": time_ms(state, q2, k2, g_cum, w, u, a_qk, h0, iters=iters),
       "intra_fwd+M": time_ms(intra_m, q2, k2, v2, g_cum, beta_t, iters=iters),
@@ -188,6 +193,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
       "intra_bwd": time_ms(ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m,
                            iters=iters),
       **split,
+      "dg_cumsum": time_ms(cums_rev, g2, iters=iters),
   }
 def parse_overrides(items):
   """`name=value` strings -> KernelConfig fields (benchmark and tuning flags).
@@ -224,7 +230,7 @@ def parse_overrides(items):
 
 # Stages of the default path (saved residuals): the recompute stages are not run there.
 FWD_STAGES = ("cumsum", "intra_fwd", "state_fwd")
-BWD_STAGES = ("state_bwd", "intra_bwd")
+BWD_STAGES = ("state_bwd", "intra_bwd", "dg_cumsum")
 
 
 def parse_grid(text: str) -> list[list[str]]:

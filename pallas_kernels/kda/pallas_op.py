@@ -8,7 +8,7 @@ This module
   (`tiling.pack_varlen`), and scatters the outputs back; plain autodiff
   differentiates these gathers;
 * computes the within-chunk cumsum G of the gates (and the reverse cumsum of
-  dG in the backward) in XLA;
+  dG in the backward) with `kernel_cumsum` (XLA on TPU);
 * joins the forward and backward kernels with `jax.custom_vjp`.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import kernel_bwd
 from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import tiling
 
@@ -39,14 +40,6 @@ class _Static:
   cfg: kernel_config.KernelConfig
 
 
-def _chunk_cumsum(g_btf, chunk_size, reverse=False):
-  """Within-chunk (reverse) cumsum along T of [B, Tp, F] f32."""
-  b, tp, f = g_btf.shape
-  g = g_btf.reshape(b, tp // chunk_size, chunk_size, f)
-  g = jax.lax.cumsum(g, axis=2, reverse=reverse)
-  return g.reshape(b, tp, f)
-
-
 def _kernel_layout(q, k, v, beta):
   """The kernels' layouts of the inputs: q2, k2 [B, Tp, H*K], v2 [B, Tp, H*V], beta_t [B, H, Tp, 1] f32."""
   b, tp, h, dk = q.shape
@@ -62,7 +55,8 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   cfg = st.cfg
   lay = _kernel_layout(q, k, v, beta)
   q2, k2, v2, beta_t = lay["q2"], lay["k2"], lay["v2"], lay["beta_t"]
-  g_cum = _chunk_cumsum(g.reshape(b, tp, h * dk).astype(_F32), st.chunk_size)
+  g_cum = kernel_cumsum.chunk_cumsum(g.reshape(b, tp, h * dk).astype(_F32), st.chunk_size,
+                                     cfg=cfg)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
                                diagonal=st.diagonal, save_m=save, **kw)
@@ -140,7 +134,7 @@ def _core_bwd(st, res, cts):
   dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal, **kw)
-  dg = _chunk_cumsum(dg_cum, st.chunk_size, reverse=True)
+  dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
   # Only rows of sequences that start somewhere were written by the kernel.
   if st.varlen:
     started = jnp.zeros((h0.shape[0],), jnp.int32).at[seq_n].max(first_n)
