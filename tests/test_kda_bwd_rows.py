@@ -51,15 +51,16 @@ def test_intra_bwd_body_choice():
   assert body(cfg("tpu"), 16) == "tiles"
   assert body(cfg("tpu_interpret"), 16) == "tiles"
   assert body(cfg("interpret"), 8) == "rows"
-  for impl in ("rows", "tiles", "split"):
+  for impl in ("rows", "tiles", "split", "split_rows"):
     assert body(cfg("triton", intra_bwd_impl=impl), 16) == impl
     assert body(cfg("interpret", intra_bwd_impl=impl), 8) == impl
-  for impl in ("rows", "split"):
+  for impl in ("rows", "split", "split_rows"):
     with pytest.raises(ValueError, match="sub_chunk >= 16"):
       body(cfg("triton", intra_bwd_impl=impl), 8)
   for backend in ("tpu", "tpu_interpret"):
-    with pytest.raises(ValueError, match="not lowered for TPU"):
-      body(cfg(backend, intra_bwd_impl="split"), 16)
+    for impl in ("split", "split_rows"):
+      with pytest.raises(ValueError, match="not lowered for TPU"):
+        body(cfg(backend, intra_bwd_impl=impl), 16)
   with pytest.raises(ValueError, match="intra_bwd_impl"):
     body(cfg("interpret", intra_bwd_impl="fast"), 16)
 

@@ -306,6 +306,15 @@ class TestKdaPallasGpuTilesBackward(TestKdaPallasGpu):
 
 
 @pytest.mark.gpu
+class TestKdaPallasGpuSplitRowsBackward(TestKdaPallasGpu):
+  """The GPU checks with the split backward's second kernel by row tile
+  (`intra_bwd_impl="split_rows"`, opt-in until these pass on the GPU)."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"intra_bwd_impl": "split_rows"}, **kw)
+
+
+@pytest.mark.gpu
 class TestKdaPallasGpuSubstitutionInverse(TestKdaPallasGpu):
   """The GPU checks, gradients included, with the substitution inverse forced
   (the GPU default is "blocked")."""

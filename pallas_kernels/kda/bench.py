@@ -171,14 +171,14 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   ib = jax.jit(lambda *a: kernel_bwd.intra_bwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                **kw))
   split = {}
-  if kernel_bwd.intra_bwd_body(cfg, sub_chunk) == "split":
+  if kernel_bwd.intra_bwd_body(cfg, sub_chunk).startswith("split"):
     # Its two kernels on their own (their sum is the "intra_bwd" stage).
     cc_args = (k2, v2, g_cum, beta_t, do2, hs, v_new, dv_new, m)
     cc_kw = {n: kw[n] for n in ("heads", "chunk_size", "cfg")}
     cc_fn = jax.jit(lambda *a: kernel_bwd_split.intra_bwd_cc(*a, diagonal=diagonal, **cc_kw))
     cc = cc_fn(*cc_args)[2:]
-    k_fn = jax.jit(lambda *a: kernel_bwd_split.intra_bwd_k(*a, sub_chunk=sub_chunk,
-                                                           diagonal=diagonal, **kw))
+    k_fn = jax.jit(lambda *a: kernel_bwd_split.second_kernel(cfg)(
+        *a, sub_chunk=sub_chunk, diagonal=diagonal, **kw))
     split = {"intra_bwd_cc": time_ms(cc_fn, *cc_args, iters=iters),
              "intra_bwd_k": time_ms(k_fn, q2, k2, g_cum, beta_t, do2, hs, dhs, v_new, *cc,
                                     iters=iters)}

@@ -184,7 +184,7 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
 # ---------------------------------------------------------------------------
 
 
-def _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
+def pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
   """Gradients through one diagonal tile's explicit pair decay (`pairwise`).
 
   For rows/columns i, j of the tile (L of them, from `start`):
@@ -279,7 +279,7 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     if diagonal == "pairwise":
       e_cl = onehot_rows(c, ell, r)
       daq_l, da_l = pair_blocks(r, e_cl)
-      parts = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
+      parts = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
       p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
       dq_a += p_q
       dk_a += p_qc
@@ -490,7 +490,7 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
     if diagonal == "pairwise":
       daq_cc = jnp.where(row_l >= col_l, dot(do_c, vn_c, cfg, tb=True), 0.0)
       da_cc = jnp.where(row_l > col_l, -dot(p_blocks[cb], m_ref[rows, :], cfg, tb=True), 0.0)
-      p_q, p_qc, p_k, p_kc = _pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_cc, da_cc,
+      p_q, p_qc, p_k, p_kc = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_cc, da_cc,
                                               cb * ell, scale)
       dq = dq + p_q
       r_acc = r_acc + p_k
@@ -508,8 +508,12 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
     dbeta_ref[rows, :] = dbeta
 
 
+# Intra-chunk backward bodies (KernelConfig.intra_bwd_impl, besides "auto").
+INTRA_BWD_BODIES = ("rows", "tiles", "split", "split_rows")
+
+
 def intra_bwd_body(cfg: KernelConfig, sub_chunk: int) -> str:
-  """Which intra-chunk backward runs: "rows", "tiles" or "split" (validates the choice).
+  """Which intra-chunk backward runs, one of INTRA_BWD_BODIES (validates the choice).
 
   cfg.intra_bwd_impl "auto" picks:
   * Triton (L >= 16): "split" (`kernel_bwd_split`). On the H200 it passed the
@@ -521,16 +525,17 @@ def intra_bwd_body(cfg: KernelConfig, sub_chunk: int) -> str:
   * interpret mode: "rows" (row blocks: the cheapest to emulate).
   * TPU: "tiles" (the Mosaic lowering wants lane-dim column slices of M,
     which "rows" takes; "split" is not lowered for TPU).
-  An explicit "split" on TPU, or "rows"/"split" on Triton with L < 16, is a
-  ValueError.
+  "split_rows" (opt-in) is "split" with its second kernel by row tile
+  (`kernel_bwd_split_rows`). An explicit "split"/"split_rows" on TPU, or
+  anything but "tiles" on Triton with L < 16, is a ValueError.
   """
   impl = cfg.intra_bwd_impl
-  if impl not in ("auto", "rows", "tiles", "split"):
-    raise ValueError(f"intra_bwd_impl must be 'auto', 'rows', 'tiles' or 'split', got {impl!r}")
-  if impl == "split" and cfg.is_tpu:
-    raise ValueError(f"intra_bwd_impl='split' is not lowered for TPU (backend "
+  if impl not in ("auto",) + INTRA_BWD_BODIES:
+    raise ValueError(f"intra_bwd_impl must be 'auto' or one of {INTRA_BWD_BODIES}, got {impl!r}")
+  if impl.startswith("split") and cfg.is_tpu:
+    raise ValueError(f"intra_bwd_impl={impl!r} is not lowered for TPU (backend "
                      f"{cfg.backend!r}); use 'tiles' or 'auto'")
-  if impl in ("rows", "split") and cfg.backend == "triton" and sub_chunk < 16:
+  if impl not in ("auto", "tiles") and cfg.backend == "triton" and sub_chunk < 16:
     raise ValueError(f"intra_bwd_impl={impl!r} on Triton needs sub_chunk >= 16 (a dot dim), "
                      f"got {sub_chunk}; use 'tiles' or 'auto'")
   if impl != "auto":
@@ -555,7 +560,7 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
     dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1].
   """
   impl = intra_bwd_body(cfg, sub_chunk)
-  if impl == "split":
+  if impl.startswith("split"):
     from pallas_kernels.kda import kernel_bwd_split  # imports this module
     return kernel_bwd_split.intra_bwd_split(
         q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, heads=heads,

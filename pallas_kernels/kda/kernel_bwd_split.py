@@ -200,10 +200,20 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     raise ValueError(f"sub_chunk must divide chunk_size={chunk_size}, got {sub_chunk}")
   dv, dbeta_v, *cc = intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, heads=heads,
                                   chunk_size=chunk_size, diagonal=diagonal, cfg=cfg)
-  dq, dk, dg, dbeta_k = intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads,
-                                    chunk_size=chunk_size, sub_chunk=sub_chunk,
-                                    diagonal=diagonal, scale=scale, cfg=cfg)
+  dq, dk, dg, dbeta_k = second_kernel(cfg)(
+      q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads, chunk_size=chunk_size,
+      sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg)
   return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2)
+
+
+def second_kernel(cfg: KernelConfig):
+  """`intra_bwd_k` (one program per chunk and K slice) or, for
+  intra_bwd_impl="split_rows", `kernel_bwd_split_rows.intra_bwd_k_rows` (one
+  per chunk, K slice and row tile); both take and return the same arrays."""
+  if cfg.intra_bwd_impl == "split_rows":
+    from pallas_kernels.kda import kernel_bwd_split_rows  # pylint: disable=g-import-not-at-top
+    return kernel_bwd_split_rows.intra_bwd_k_rows
+  return intra_bwd_k
 
 
 def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_size, diagonal,

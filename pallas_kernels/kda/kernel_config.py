@@ -94,8 +94,10 @@ class KernelConfig:
       [C, C] products over the whole chunk), "split" (two kernels: the
       [C, C] / [C, V] terms per chunk, then the per-channel gradients per
       (chunk, bwd_block_k slice); `kernel_bwd_split`; not lowered for TPU),
-      or "auto": split on Triton (L >= 16), rows in interpret mode, tiles on
-      TPU; see `kernel_bwd.intra_bwd_body` for the GPU checks and times.
+      "split_rows" (split, its second kernel one program per row tile too;
+      `kernel_bwd_split_rows`; opt-in), or "auto": split on Triton (L >= 16),
+      rows in interpret mode, tiles on TPU; see `kernel_bwd.intra_bwd_body`
+      for the GPU checks and times.
     save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
       V' for the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
