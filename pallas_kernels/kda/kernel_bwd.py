@@ -222,6 +222,22 @@ def pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
   return lax.fori_loop(0, ell, body, (zeros, zeros, zeros, zeros))
 
 
+def fold_pair_tile_grads(grads, q_l, k_l, beta_l, refs, daq_l, da_l, start, scale):
+  """Adds one diagonal tile's pair-decay gradients (`pair_tile_grads`) to its rows' gradients.
+
+  Args:
+    grads: (dq, R, dk, dG) of the tile's L rows, [L, K'] f32 each (R the
+      score sum sum_j dA_ij k_j e^{G_i - G_j}, folded into dk and dbeta later).
+    q_l (scaled), k_l: [L, K'] f32; beta_l: [L, 1] f32, the tile's rows.
+    refs: (q_ref, k_ref, g_ref, beta_ref); daq_l, da_l: the [L, L] diagonal
+      blocks of dA_qk and dA (f32); start: the tile's first row.
+  """
+  dq, r_acc, dk, dg = grads
+  p_q, p_qc, p_k, p_kc = pair_tile_grads(*refs, daq_l, da_l, start, scale)
+  return (dq + p_q, r_acc + p_k, dk + p_qc + p_kc,
+          dg + q_l * p_q - k_l * p_qc + beta_l * k_l * p_k - k_l * p_kc)
+
+
 def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig, scale,
                     tile_lhs, tile_products, pair_blocks):
   """Adds the gradients through a chunk's anchored score products (all row tiles).
@@ -490,12 +506,9 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
     if diagonal == "pairwise":
       daq_cc = jnp.where(row_l >= col_l, dot(do_c, vn_c, cfg, tb=True), 0.0)
       da_cc = jnp.where(row_l > col_l, -dot(p_blocks[cb], m_ref[rows, :], cfg, tb=True), 0.0)
-      p_q, p_qc, p_k, p_kc = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_cc, da_cc,
-                                              cb * ell, scale)
-      dq = dq + p_q
-      r_acc = r_acc + p_k
-      dk = dk + p_qc + p_kc
-      dg = dg + q_c * p_q - k_c * p_qc + bk_c * p_k - k_c * p_kc
+      dq, r_acc, dk, dg = fold_pair_tile_grads(
+          (dq, r_acc, dk, dg), q_c, k_c, beta_c, (q_ref, k_ref, g_ref, beta_ref), daq_cc, da_cc,
+          cb * ell, scale)
 
     dk = dk + beta_c * r_acc
     dbeta = dbeta + jnp.sum(k_c * r_acc, axis=1, keepdims=True)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_bwd import pair_tile_grads
+from pallas_kernels.kda.kernel_bwd import fold_pair_tile_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
 
@@ -122,14 +122,9 @@ def _row_tile_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, vn_ref, vn_all_ref, 
 
   if diagonal == "pairwise":
     diag = (slice(None), rows)
-    p_q, p_qc, p_k, p_kc = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref,
-                                           daq_ref[diag].astype(_F32),
-                                           da_ref[diag].astype(_F32), start, scale)
-    bk_c = beta_c * k_c
-    dq = dq + p_q
-    r_acc = r_acc + p_k
-    dk = dk + p_qc + p_kc
-    dg = dg + q_c * p_q - k_c * p_qc + bk_c * p_k - k_c * p_kc
+    dq, r_acc, dk, dg = fold_pair_tile_grads(
+        (dq, r_acc, dk, dg), q_c, k_c, beta_c, (q_ref, k_ref, g_ref, beta_ref),
+        daq_ref[diag].astype(_F32), da_ref[diag].astype(_F32), start, scale)
 
   dk = dk + beta_c * r_acc
   dbeta = dbeta + jnp.sum(k_c * r_acc, axis=1, keepdims=True)
