@@ -14,12 +14,13 @@ recomputed; `KernelConfig.save_residuals`), then runs:
   gradient of the within-chunk cumsum G; `pallas_op` turns it into dg with a
   reverse cumsum). The anchored score gradients use the same row sub-tiles
   and anchors as the forward; `pairwise` handles diagonal tiles with the
-  explicit position-pair decay, one column at a time. Three bodies (see
+  explicit position-pair decay, one column at a time. Bodies (see
   `intra_bwd_body` for which runs where): `_intra_bwd_rows_kernel` (row
   blocks; the interpret-mode default), `_intra_bwd_kernel` (masked
-  whole-chunk tiles; the TPU default) and `kernel_bwd_split` (two kernels,
-  the second per K slice; the Triton default). The last two share
-  `add_score_grads`.
+  whole-chunk tiles; the TPU default), `kernel_bwd_split` (two kernels, the
+  second per K slice; the Triton default; these two share
+  `add_score_grads`) and its opt-in row-tile variant
+  `kernel_bwd_split_rows`.
 """
 from __future__ import annotations
 
@@ -531,10 +532,10 @@ def intra_bwd_body(cfg: KernelConfig, sub_chunk: int) -> str:
   cfg.intra_bwd_impl "auto" picks:
   * Triton (L >= 16): "split" (`kernel_bwd_split`). On the H200 it passed the
     GPU checks, gradients included (f32 KDA at the bound, pairwise GDN,
-    varlen, bf16, and the bf16 accuracy test at B1 T1024 H4 D128 with two K
-    slices), and at B16 T2048 H16 D128 bf16 it took intra_bwd from 16.7 ms
+    varlen, bf16, the bf16 accuracy test at B1 T1024 H4 D128 and the four
+    benchmark shapes, with K = 128 in four 32-wide slices), and at B16 T2048 H16 D128 bf16 it took intra_bwd from 16.7 ms
     ("tiles") to 5.9 ms (bwd_block_k 32, 8 warps); "rows" took 12.7 ms.
-  * Triton with L < 16: "tiles" (the other two need every dot dim >= 16).
+  * Triton with L < 16: "tiles" (the others need every dot dim >= 16).
   * interpret mode: "rows" (row blocks: the cheapest to emulate).
   * TPU: "tiles" (the Mosaic lowering wants lane-dim column slices of M,
     which "rows" takes; "split" is not lowered for TPU).
