@@ -32,6 +32,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.parallel import mesh as mesh_lib
 from pallas_kernels.kda import api as kda_api
+from pallas_kernels.kda.kernel_config import is_pow2
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -41,10 +42,6 @@ def _batch_axes(mesh: Mesh, batch_axes: Sequence[str], context_axis: str) -> tup
   if context_axis in axes:
     raise ValueError(f"context axis {context_axis!r} cannot also shard the batch: {batch_axes}")
   return axes
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
 
 
 def _local_summary(q, k, v, g, beta, kernel_kwargs):
@@ -60,7 +57,7 @@ def _local_summary(q, k, v, g, beta, kernel_kwargs):
   zero_v = jnp.zeros(v.shape[:-1] + (dk,), v.dtype)
   zero_s = jnp.zeros((bsz, h, dk, dv), jnp.float32)
   impl = kernel_kwargs["implementation"]
-  if impl != "pallas" or _is_pow2(dk + dv):
+  if impl != "pallas" or is_pow2(dk + dv):
     o_aug, s_aug = kda_api.chunk_kda(
         q, k, jnp.concatenate([v, zero_v], -1), g, beta,
         initial_state=jnp.concatenate([zero_s, eye], -1), output_final_state=True,

@@ -185,7 +185,8 @@ class KernelConfig:
     return pl.BlockSpec((n,), lambda *_: (0,))
 
 
-def _is_pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
+  """Whether n is a positive power of two (the Pallas tile-size rule here)."""
   return n > 0 and (n & (n - 1)) == 0
 
 
@@ -228,7 +229,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   for name, n in (("K", head_k), ("V", head_v), ("chunk_size", chunk_size),
                   ("sub_chunk", sub_chunk)):
     # Triton tensors must have power-of-two sizes; keep one rule everywhere.
-    if not _is_pow2(n) or n < 8 and name != "sub_chunk":
+    if not is_pow2(n) or n < 8 and name != "sub_chunk":
       raise ValueError(f"{name} must be a power of two >= 8 for the pallas kernels, got {n}")
   if chunk_size < 16:
     raise ValueError(f"chunk_size must be >= 16 (tensor-core tile), got {chunk_size}")
@@ -253,11 +254,11 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
       raise ValueError(f"unknown KernelConfig fields in overrides: {sorted(unknown)}")
     cfg = dataclasses.replace(cfg, **overrides)
   # After the overrides: a benchmark's block_v must meet the same rule.
-  if not _is_pow2(cfg.block_v) or head_v % cfg.block_v:
+  if not is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
   for name in ("block_k", "bwd_block_k"):
     width = getattr(cfg, name)
-    if not _is_pow2(width) or head_k % width or (backend == "triton" and width < 16):
+    if not is_pow2(width) or head_k % width or (backend == "triton" and width < 16):
       raise ValueError(f"{name} must be a power of two dividing K={head_k} (>= 16 on the "
                        f"GPU: a dot dim), got {width}")
   if cfg.inverse == "blocked" and sub_chunk < 16 and backend == "triton":

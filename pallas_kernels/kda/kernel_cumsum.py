@@ -17,14 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_config import KernelConfig, is_pow2
 
 _F32 = jnp.float32
 _MAX_BLOCK_F = 128
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and (n & (n - 1)) == 0
 
 
 def _check(g_btf, chunk_size: int) -> None:
@@ -32,7 +28,7 @@ def _check(g_btf, chunk_size: int) -> None:
     raise ValueError(f"g_btf must be [B, Tp, F] (rank 3), got shape {g_btf.shape}")
   if jnp.dtype(g_btf.dtype) != jnp.dtype(_F32):
     raise ValueError(f"g_btf must be float32, got {g_btf.dtype}")
-  if not isinstance(chunk_size, int) or not _is_pow2(chunk_size):
+  if not isinstance(chunk_size, int) or not is_pow2(chunk_size):
     raise ValueError(f"chunk_size must be a power of two, got {chunk_size!r}")
   if g_btf.shape[1] % chunk_size:
     raise ValueError(f"Tp={g_btf.shape[1]} must be a multiple of chunk_size={chunk_size}")
@@ -99,7 +95,7 @@ def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelCo
   b, tp, f = g_btf.shape
   if block_f is None:
     block_f = default_block_f(f)
-  if not isinstance(block_f, int) or not _is_pow2(block_f) or f % block_f:
+  if not isinstance(block_f, int) or not is_pow2(block_f) or f % block_f:
     raise ValueError(f"block_f must be a power of two dividing F={f}, got {block_f!r}")
   if cfg.is_tpu:
     return chunk_cumsum_xla(g_btf, chunk_size, reverse=reverse)
