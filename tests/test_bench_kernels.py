@@ -122,6 +122,16 @@ def test_block_k_defaults():
   assert small_tiles.inverse == "substitution"  # blocked needs L >= 16 on the GPU
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_intra_forward_operand_dtypes_follow_the_inputs(dtype):
+  """W/U and the blocked inverse's block products take the input dtype (f32 stays f32)."""
+  cfg = kernel_config.make_config(backend="triton", dtype=dtype, head_k=128, head_v=128,
+                                  chunk_size=64, sub_chunk=16)
+  assert cfg.intra_mm_dtype == jnp.dtype(dtype)
+  assert cfg.inverse_mm_dtype == jnp.dtype(dtype)
+  assert cfg.intra().mm_dtype == jnp.dtype(dtype)
+
+
 def test_stage_times_smoke_with_split_backward():
   """Every stage runs (interpret mode, tiny shape), the split kernels timed on their own."""
   args = bench.make_inputs(jax.random.PRNGKey(0), 1, 40, 1, 16, jnp.float32)

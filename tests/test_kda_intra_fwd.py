@@ -156,9 +156,9 @@ def test_blocked_k_sliced_matches_float64_reference(diagonal, seed):
 def test_blocked_forward_matches_naive(dtype, inverse_mm, block_k):
   """End to end (o and final state) with the blocked inverse vs the f32 recurrence.
 
-  block_k = 16 < K = 32 runs the K-sliced scores and W/U. bf16 inputs with
-  f32 inverse operands (the default) are covered, with gradients, by
-  tests/test_kda_pallas.py.
+  block_k = 16 < K = 32 runs the K-sliced scores and W/U. Inverse operands in
+  the input dtype are the default; bf16 inputs with f32 inverse operands are
+  checked on the GPU (`test_gpu_bf16_accuracy_issue_shape`).
   """
   b, t, h, d = 2, 100, 1, 32
   q, k, v, g, beta = _inputs(21, b, t, h, d, d, dtype)

@@ -63,7 +63,9 @@ class KernelConfig:
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
       intermediates (bf16 for bf16 inputs; f32 inputs keep f32).
     intra_mm_dtype: operand dtype of the intra-chunk forward's other matmuls
-      (W = M (beta k e^G), U = M (beta v)): f32 (3xTF32 on the GPU).
+      (W = M (beta k e^G), U = M (beta v)); default the input dtype (f32
+      inputs: f32, 3xTF32 on the GPU). M is rounded to it only as a matmul
+      operand (the saved M stays f32).
     score_mm_dtype: operand dtype of the anchored score matmuls (A_kk, A_qk
       and their gradients), the largest intra-chunk matmuls; the input dtype.
       Relative L2 errors vs the f32 recurrence, bf16 inputs, B1 T512 H2 D64,
@@ -88,7 +90,16 @@ class KernelConfig:
       with "substitution" and 3.30-3.94 ms with "blocked" (block_k 32-64);
       the GPU twin tests check both.
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
-      (f32 accumulation either way).
+      below the diagonal tiles (f32 accumulation either way; the diagonal
+      tiles' substitution is always f32). Default the input dtype.
+      Why bf16 for bf16 inputs (with intra_mm_dtype): on the H200 (B16 T2048
+      H16 D128, 2026-11-30) intra_fwd took 3.22 ms with both f32 (3xTF32)
+      and 1.36 ms with both bf16; the forward 4.90 -> 3.21 ms, forward+
+      backward 12.63 -> 10.60 ms. Relative L2 errors vs the f32 recurrence
+      (B1 T1024 H4 D128, gates near the bound, dense; o / dq / dk / dv / dg /
+      dbeta, x1e-3) were 3.70 / 3.28 / 3.31 / 3.71 / 3.33 / 3.68 with f32
+      and 3.71 / 3.27 / 3.31 / 3.71 / 3.35 / 3.68 with bf16: the bf16
+      score operands and stored W, U already set the error.
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
       products, every output row block written once), "tiles" (masked
       [C, C] products over the whole chunk), "split" (two kernels: the
@@ -246,7 +257,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   inverse = "blocked" if backend == "triton" and sub_chunk >= 16 else "substitution"
   cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k,
                      bwd_block_k=bwd_block_k, inverse=inverse,
-                     mm_dtype=mm_dtype,
+                     mm_dtype=mm_dtype, intra_mm_dtype=mm_dtype, inverse_mm_dtype=mm_dtype,
                      intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
   if overrides:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
