@@ -139,6 +139,6 @@ def test_stage_times_smoke_with_split_backward():
                                config_overrides={"intra_bwd_impl": "split", "bwd_block_k": 8},
                                interpret=True)
   assert set(times) == {"cumsum", "cumsum_xla", "intra_fwd", "state_fwd", "intra_fwd+M",
-                        "state_fwd+save", "state_bwd", "intra_bwd", "intra_bwd_cc",
-                        "intra_bwd_k", "dg_cumsum"}
+                        "state_fwd+save", "state_rec", "output_fwd", "state_bwd", "intra_bwd",
+                        "intra_bwd_cc", "intra_bwd_k", "dg_cumsum"}
   assert all(t > 0 for t in times.values())

@@ -323,3 +323,12 @@ class TestKdaPallasGpuSubstitutionInverse(TestKdaPallasGpu):
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"inverse": "substitution"}, **kw)
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuFusedState(TestKdaPallasGpu):
+  """The GPU checks with the fused forward state kernel forced (the GPU
+  default is the split pass, `kernel_state_split`)."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"state_fwd_impl": "fused"}, **kw)

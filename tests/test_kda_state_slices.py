@@ -34,7 +34,7 @@ def _inputs(seed, b, t, h, n_states):
   return vjp_inputs(seed, b=b, t=t, h=h, dk=DK, dv=DV, gates="spread", num_states=n_states)
 
 
-def _check_against_naive(xs, do, dht, *, save, cu_seqlens=None):
+def _check_against_naive(xs, do, dht, *, save, impl, cu_seqlens=None):
   def run(fn):
     def loss(*xs):
       o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True,
@@ -47,23 +47,27 @@ def _check_against_naive(xs, do, dht, *, save, cu_seqlens=None):
   (_, (o, ht)), got = run(functools.partial(
       chunk_kda_pallas, scale=DK ** -0.5, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
       interpret=True, block_v=BLOCK_V,
-      config_overrides=dict(block_k=BLOCK_K, save_residuals=save)))
+      config_overrides=dict(block_k=BLOCK_K, save_residuals=save, state_fwd_impl=impl)))
   assert_each_within((o, ht, *got), (o_r, ht_r, *want), ("o", "ht") + GRAD_NAMES, F32_TOL,
-                     label=f"save_residuals={save}")
+                     label=f"save_residuals={save}, state_fwd_impl={impl}")
 
 
+@pytest.mark.parametrize("impl", ["fused", "split"])
 @pytest.mark.parametrize("save", [True, False])
-def test_sliced_state_forward_and_vjp_match_naive(save):
-  """o, final state and all six gradients; T = 40 is not a multiple of C = 16."""
+def test_sliced_state_forward_and_vjp_match_naive(save, impl):
+  """o, final state and all six gradients; T = 40 is not a multiple of C = 16.
+
+  impl: the forward state pass (`KernelConfig.state_fwd_impl`)."""
   xs, do, dht = _inputs(0, 2, 40, 1, n_states=2)
-  _check_against_naive(xs, do, dht, save=save)
+  _check_against_naive(xs, do, dht, save=save, impl=impl)
 
 
-def test_sliced_state_varlen_matches_naive():
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_sliced_state_varlen_matches_naive(impl):
   """Packed sequences (one shorter than a chunk): per-sequence h0 / ht / dh0 slices."""
   cu = jnp.asarray([0, 5, 23, 40], jnp.int32)
   xs, do, dht = _inputs(1, 1, 40, 1, n_states=3)
-  _check_against_naive(xs, do, dht, save=True, cu_seqlens=cu)
+  _check_against_naive(xs, do, dht, save=True, impl=impl, cu_seqlens=cu)
 
 
 def test_k_slices():

@@ -19,6 +19,7 @@ from pallas_kernels.kda import kernel_bwd_split
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_state_split
 from pallas_kernels.kda import pallas_op
 
 
@@ -129,10 +130,13 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   """Per-kernel times (ms) of the Pallas path on the current backend.
 
   Stages: the g cumsum (`kernel_cumsum`; cumsum_xla is XLA's, for
-  comparison), intra_fwd, state_fwd, the backward's recompute (intra_fwd with
-  M + state_fwd saving states), state_bwd, intra_bwd, when the split backward
-  runs its two kernels alone (intra_bwd_cc, intra_bwd_k), and the reverse
-  cumsum giving dg (dg_cumsum). `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
+  comparison), intra_fwd, state_fwd, the training forward's variants
+  (intra_fwd with M, state_fwd saving the entry states and V'), state_bwd,
+  intra_bwd, when the split backward runs its two kernels alone
+  (intra_bwd_cc, intra_bwd_k), and the reverse cumsum giving dg
+  (dg_cumsum). With the split forward state pass (`kernel_state_split`),
+  state_fwd is its two kernels together, also timed alone (state_rec and
+  output_fwd, as in training: f32 states). `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
   """
   b, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -159,12 +163,34 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   g_cum = cums(g2)
   intra = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                   **kw))
+  split_state = kernel_state_split.state_fwd_body(cfg) == "split"
   intra_m = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                    save_m=True, **kw))
-  w, u, a_qk, m = intra_m(q2, k2, v2, g_cum, beta_t)
-  state = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, **kw))
-  state_s = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, save=True, **kw))
-  _, _, hs, v_new = state_s(q2, k2, g_cum, w, u, a_qk, h0)
+                                                    save_m=True, save_kg=split_state, **kw))
+  w, u, a_qk, m, *kg = intra_m(q2, k2, v2, g_cum, beta_t)
+  state_split = {}
+  if split_state:
+    rec_kw = dict(heads=h, chunk_size=c, cfg=cfg, varlen=False)
+
+    def split_pass(q2, g_cum, w, u, kg, a_qk, h0, save):
+      hs, v_new, ht = kernel_state_split.state_recurrence(
+          meta, w, u, kg, g_cum, h0, state_dtype=jnp.float32 if save else cfg.mm_dtype,
+          **rec_kw)
+      o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
+      return o, ht, hs, v_new
+
+    args = (q2, g_cum, w, u, kg[0], a_qk, h0)
+    state = jax.jit(lambda *a: split_pass(*a, save=False)[:2])
+    state_s = jax.jit(lambda *a: split_pass(*a, save=True))
+    _, _, hs, v_new = state_s(*args)
+    rec = jax.jit(lambda *a: kernel_state_split.state_recurrence(meta, *a, **rec_kw))
+    out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, out_dtype=q.dtype, **kw))
+    state_split = {"state_rec": time_ms(rec, w, u, kg[0], g_cum, h0, iters=iters),
+                   "output_fwd": time_ms(out, q2, g_cum, a_qk, hs, v_new, iters=iters)}
+  else:
+    args = (q2, k2, g_cum, w, u, a_qk, h0)
+    state = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, **kw))
+    state_s = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, save=True, **kw))
+    _, _, hs, v_new = state_s(*args)
   do2 = v2
   sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False, **kw))
   dv_new, dhs, _ = sb(q2, k2, g_cum, w, a_qk, do2, h0)
@@ -186,9 +212,10 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
       "cumsum": time_ms(cums, g2, iters=iters),
       "cumsum_xla": time_ms(cums_xla, g2, iters=iters),
       "intra_fwd": time_ms(intra, q2, k2, v2, g_cum, beta_t, iters=iters),
-      "state_fwd": time_ms(state, q2, k2, g_cum, w, u, a_qk, h0, iters=iters),
+      "state_fwd": time_ms(state, *args, iters=iters),
       "intra_fwd+M": time_ms(intra_m, q2, k2, v2, g_cum, beta_t, iters=iters),
-      "state_fwd+save": time_ms(state_s, q2, k2, g_cum, w, u, a_qk, h0, iters=iters),
+      "state_fwd+save": time_ms(state_s, *args, iters=iters),
+      **state_split,
       "state_bwd": time_ms(sb, q2, k2, g_cum, w, a_qk, do2, h0, iters=iters),
       "intra_bwd": time_ms(ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m,
                            iters=iters),

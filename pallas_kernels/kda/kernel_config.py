@@ -27,8 +27,10 @@ BACKENDS = ("triton", "tpu", "interpret", "tpu_interpret")
 INVERSES = ("blocked", "substitution")
 
 # Kernel stages, each a separate pallas_call ("intra_bwd_k" is the second
-# kernel of the split intra backward, "cumsum" the within-chunk gate cumsum).
-STAGES = ("cumsum", "intra_fwd", "state_fwd", "state_bwd", "intra_bwd", "intra_bwd_k")
+# kernel of the split intra backward, "output_fwd" that of the split forward
+# state pass, "cumsum" the within-chunk gate cumsum).
+STAGES = ("cumsum", "intra_fwd", "state_fwd", "output_fwd", "state_bwd", "intra_bwd",
+          "intra_bwd_k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +97,14 @@ class KernelConfig:
       Why bf16 for bf16 inputs (with intra_mm_dtype): on the H200 (B16 T2048
       H16 D128, 2026-11-30) intra_fwd took 3.22 ms with both f32 (3xTF32)
       and 1.36 ms with both bf16; the forward 4.90 -> 3.21 ms, forward+
-      backward 12.63 -> 10.60 ms. Relative L2 errors vs the f32 recurrence
-      (B1 T1024 H4 D128, gates near the bound, dense; o / dq / dk / dv / dg /
-      dbeta, x1e-3) were 3.70 / 3.28 / 3.31 / 3.71 / 3.33 / 3.68 with f32
-      and 3.71 / 3.27 / 3.31 / 3.71 / 3.35 / 3.68 with bf16: the bf16
-      score operands and stored W, U already set the error.
+      backward 12.63 -> 10.60 ms. The cost is accuracy, from rounding M to
+      bf16 in W and U (the inverse's dtype alone changed no error): relative
+      L2 errors vs the f32 recurrence at B1 T1024 H4 D128 (dense; o / dq /
+      dk / dv / dg / dbeta, x1e-3) went from 3.70 / 3.28 / 3.31 / 3.71 /
+      3.33 / 3.68 to 3.71 / 3.27 / 3.31 / 3.71 / 3.35 / 3.68 with gates near
+      the bound, and from 3.70 / 3.30-3.70 (gradients) to 4.04 / 3.64-3.72
+      with the GPU test's spread gates (`TestKdaPallasGpu`; bound 5e-3).
+      Pass intra_mm_dtype=float32 to keep the f32 W/U products.
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
       products, every output row block written once), "tiles" (masked
       [C, C] products over the whole chunk), "split" (two kernels: the
@@ -109,6 +114,11 @@ class KernelConfig:
       `kernel_bwd_split_rows`; opt-in), or "auto": split on Triton (L >= 16),
       rows in interpret mode, tiles on TPU; see `kernel_bwd.intra_bwd_body`
       for the GPU checks and times.
+    state_fwd_impl: "fused" (`kernel_fwd.state_fwd`: the chunk loop also forms
+      the outputs), "split" (`kernel_state_split`: the loop keeps only the
+      recurrence, a parallel kernel forms the outputs; not lowered for TPU)
+      or "auto": split on Triton and in interpret mode, fused on TPU. See
+      `kernel_state_split` for the H200 times.
     save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
       V' for the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
@@ -122,8 +132,8 @@ class KernelConfig:
   block_k: int = 64
   bwd_block_k: int = 32
   num_warps: tuple[tuple[str, int], ...] = (
-      ("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8),
-      ("intra_bwd_k", 8))
+      ("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("output_fwd", 4), ("state_bwd", 4),
+      ("intra_bwd", 8), ("intra_bwd_k", 8))
   num_stages: int = 2
   mm_dtype: jnp.dtype = jnp.float32
   intra_mm_dtype: jnp.dtype = jnp.float32
@@ -132,6 +142,7 @@ class KernelConfig:
   inverse: str = "substitution"
   inverse_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_impl: str = "auto"
+  state_fwd_impl: str = "auto"
   save_residuals: bool = True
   residual_dtype: jnp.dtype | None = None
 

@@ -23,6 +23,7 @@ from pallas_kernels.kda import kernel_bwd
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_state_split
 from pallas_kernels.kda import tiling
 
 _F32 = jnp.float32
@@ -58,16 +59,26 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   g_cum = kernel_cumsum.chunk_cumsum(g.reshape(b, tp, h * dk).astype(_F32), st.chunk_size,
                                      cfg=cfg)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
+  split = kernel_state_split.state_fwd_body(cfg) == "split"
   intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
-                               diagonal=st.diagonal, save_m=save, **kw)
+                               diagonal=st.diagonal, save_m=save, save_kg=split, **kw)
   w, u, a_qk = intra[:3]
-  outs = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
-                              save=save, out_dtype=q.dtype, **kw)
-  o = outs[0].reshape(b, tp, h, dv)
+  if split:
+    # Entry states and V' are f32 when the backward keeps them; otherwise only
+    # the output kernel reads them, as matmul operands.
+    hs, v_new, ht = kernel_state_split.state_recurrence(
+        meta, w, u, intra[-1], g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
+        varlen=st.varlen, state_dtype=_F32 if save else cfg.mm_dtype)
+    o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
+  else:
+    o, ht, *saved = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
+                                         save=save, out_dtype=q.dtype, **kw)
+    if save:
+      hs, v_new = saved
+  o = o.reshape(b, tp, h, dv)
   if not save:
-    return o, outs[1]
-  return o, outs[1], dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=outs[2],
-                          v_new=outs[3])
+    return o, ht
+  return o, ht, dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=hs, v_new=v_new)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,0 +1,173 @@
+"""Split forward state pass of chunked KDA (`state_fwd_impl="split"`).
+
+The fused `kernel_fwd.state_fwd` computes each chunk's output inside the
+sequential chunk loop. Only the state carries a dependency from chunk to
+chunk, so here the loop keeps just the recurrence and a second, fully
+parallel kernel forms the outputs:
+
+1. `state_recurrence`, grid (B, H, V/BV), chunks in order: per chunk
+     V' = U - W S,   S <- e^{G_last} S + kg^T V',
+   with kg = k e^{G_last - G} written by the intra kernel (`save_kg`), so the
+   loop reads W, U, kg and one gate row per chunk, and does no exp on a
+   [C, K] tile. It writes the entry state of every chunk and V'.
+2. `output_fwd`, grid (B, H, NC): O = (q e^G) S_entry + A_qk V'.
+
+On the H200 (bf16, B16 T2048 H16 D128, 2026-11-30, scratch kernels of this
+design in one run) the fused kernel took 1.74 ms (2.32 ms saving the states
+and V' for the backward); the recurrence 0.55 ms (f32 states) or 0.44 ms
+(bf16) and the output kernel 0.58 / 0.44 ms. Computing kg inside the loop
+instead of reading it took the recurrence to 0.87 ms.
+
+Numerics match the fused kernel: it rounds S, V' and k e^{G_last - G} to the
+matmul dtype as operands, which is what storing them in that dtype does.
+
+GPU (Triton) and interpret mode only; the TPU state kernels already stream
+one chunk per grid step (`kernel_fwd.state_grid`) and stay fused there.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_fwd import dot, k_slices, state_grid
+
+_F32 = jnp.float32
+
+# Forward state bodies (KernelConfig.state_fwd_impl, besides "auto").
+STATE_FWD_BODIES = ("fused", "split")
+
+
+def state_fwd_body(cfg: KernelConfig) -> str:
+  """Which forward state pass runs, one of STATE_FWD_BODIES (validates the choice).
+
+  "auto" picks "split" on Triton and in interpret mode, "fused" on TPU; an
+  explicit "split" on TPU is a ValueError (its whole-sequence blocks are the
+  GPU layout).
+  """
+  impl = cfg.state_fwd_impl
+  if impl not in ("auto",) + STATE_FWD_BODIES:
+    raise ValueError(f"state_fwd_impl must be 'auto' or one of {STATE_FWD_BODIES}, "
+                     f"got {impl!r}")
+  if impl == "split" and cfg.is_tpu:
+    raise ValueError(f"state_fwd_impl='split' is not lowered for TPU (backend "
+                     f"{cfg.backend!r}); use 'fused' or 'auto'")
+  if impl != "auto":
+    return impl
+  return "fused" if cfg.is_tpu else "split"
+
+
+def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref, h0_ref,
+                       hs_ref, vn_ref, ht_ref, *, chunk_size, cfg):
+  """Block shapes: w_ref, kg_ref, g_ref [Tp, K]; u_ref, vn_ref [Tp, BV];
+  h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]. The state is carried as
+  K/block_k slices of [block_k, BV] f32 (`kernel_fwd.k_slices`)."""
+  c = chunk_size
+  tp, dk = w_ref.shape
+  bv = u_ref.shape[-1]
+  slices = k_slices(cfg, dk)
+
+  def body(i, s):
+    seq = seq_ref[i]
+    start_seq = first_ref[i] != 0
+    s = tuple(jnp.where(start_seq, h0_ref[seq, ks, :].astype(_F32), s_kb)
+              for ks, s_kb in zip(slices, s))
+    start = pl.multiple_of(i * c, c)
+    rows = pl.ds(start, c)
+    v_new = u_ref[rows, :].astype(_F32)
+    for ks, s_kb in zip(slices, s):
+      v_new = v_new - dot(w_ref[rows, ks], s_kb, cfg)
+    base = pl.multiple_of(i * dk, dk)
+    for ks, s_kb in zip(slices, s):
+      hs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = (
+          s_kb.astype(hs_ref.dtype))
+    vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
+    last = pl.ds(start + c - 1, 1)
+    s = tuple(jnp.transpose(jnp.exp(g_ref[last, ks])) * s_kb
+              + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
+              for ks, s_kb in zip(slices, s))
+
+    @pl.when(last_ref[i] != 0)
+    def _():
+      for ks, s_kb in zip(slices, s):
+        ht_ref[seq, ks, :] = s_kb
+
+    return s
+
+  lax.fori_loop(0, tp // c, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
+
+
+def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: KernelConfig,
+                     varlen: bool, state_dtype=_F32):
+  """Kernel 1: the state recurrence alone.
+
+  Args:
+    meta: (first_n, last_n, seq_n) int32 [NC], as for `kernel_fwd.state_fwd`.
+    w, kg, g_cum: [B, Tp, H*K]; u: [B, Tp, H*V]; h0: [Nh, H, K, V] f32.
+    state_dtype: storage dtype of the entry states and V' (f32 when the
+      backward keeps them; the matmul dtype when only the output reads them).
+
+  Returns:
+    hs [B, H, NC*K, V] (entry state of every chunk), v_new [B, Tp, H*V]
+    (both state_dtype), ht [Nh, H, K, V] f32 (rows of sequences that end;
+    others untouched).
+  """
+  if cfg.is_tpu:
+    raise ValueError("the split state recurrence is not lowered for TPU")
+  b, tp, hk = w.shape
+  dv = u.shape[-1] // heads
+  grid = state_grid(w.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
+                    num_state_rows=h0.shape[0])
+  nc = tp // chunk_size
+  kernel = functools.partial(_recurrence_kernel, chunk_size=chunk_size, cfg=cfg)
+  return pl.pallas_call(
+      kernel, grid=grid.grid,
+      in_specs=[grid.meta] * 3 + [grid.k, grid.v, grid.k, grid.k, grid.state],
+      out_specs=[grid.chunk_states, grid.v, grid.state],
+      out_shape=[jax.ShapeDtypeStruct((b, heads, nc * grid.dk, dv), state_dtype),
+                 jax.ShapeDtypeStruct((b, tp, heads * dv), state_dtype),
+                 jax.ShapeDtypeStruct(h0.shape, _F32)],
+      compiler_params=cfg.compiler_params("state_fwd"), interpret=cfg.interpret,
+      name="kda_state_rec",
+  )(*meta, w, u, kg, g_cum, h0)
+
+
+def _output_kernel(q_ref, g_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, scale, cfg):
+  """Block shapes: q_ref, g_ref [C, K]; aqk_ref [C, C]; hs_ref [K, V]; vn_ref,
+  o_ref [C, V]. O = A_qk V' + sum_kb (q e^G)_kb S_kb, element-wise work per K slice."""
+  o = dot(aqk_ref[...], vn_ref[...], cfg)
+  for ks in k_slices(cfg, q_ref.shape[-1]):
+    qg = q_ref[:, ks].astype(_F32) * scale * jnp.exp(g_ref[:, ks])
+    o = o + dot(qg, hs_ref[ks, :], cfg)
+  o_ref[...] = o.astype(o_ref.dtype)
+
+
+def output_fwd(q, g_cum, a_qk, hs, v_new, *, heads, chunk_size, scale, cfg: KernelConfig,
+               out_dtype):
+  """Kernel 2: the outputs of all chunks in parallel.
+
+  Args:
+    q, g_cum: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; hs: [B, H, NC*K, V] entry
+      states; v_new: [B, Tp, H*V].
+
+  Returns:
+    o [B, Tp, H*V] in out_dtype.
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk, dv = hk // h, v_new.shape[-1] // h
+  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih))
+  vspec = pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih))
+  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
+  sspec = pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0))
+  return pl.pallas_call(
+      functools.partial(_output_kernel, scale=scale, cfg=cfg), grid=(b, h, tp // c),
+      in_specs=[kspec, kspec, cspec, sspec, vspec], out_specs=vspec,
+      out_shape=jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype),
+      compiler_params=cfg.compiler_params("output_fwd"), interpret=cfg.interpret,
+      name="kda_output_fwd",
+  )(q, g_cum, a_qk, hs, v_new)

@@ -1,0 +1,105 @@
+"""The split forward state pass (`kernel_state_split`) against the fused kernel.
+
+The split pass runs the chunk recurrence alone and forms the outputs in a
+parallel kernel; with f32 operands it must reproduce the fused
+`kernel_fwd.state_fwd` (outputs, final states, and the entry states and V'
+the backward keeps). Interpret mode fills kernel outputs with NaN first, so
+an unwritten element fails the finiteness checks. End to end (o, final state
+and the VJP against the naive recurrence, K sliced, V tiled, varlen) it runs
+as the interpret default in `test_kda_state_slices.py` and
+`test_kda_pallas.py`; `TestKdaPallasGpu*` run it on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_state_split
+from tests.kda_inputs import rel_max, vjp_inputs
+
+B, T, H, DK, DV, CHUNK, SUB = 2, 48, 2, 32, 16, 16, 8
+F32_TOL = 2e-6  # same products, same order: only the f32 rounding of the output sum
+
+
+def _cfg(backend="interpret", **overrides):
+  return kernel_config.make_config(backend=backend, dtype=jnp.float32, head_k=DK, head_v=DV,
+                                   chunk_size=CHUNK, sub_chunk=SUB, block_v=8,
+                                   overrides=dict(block_k=16 if backend == "triton" else 8,
+                                                  **overrides))
+
+
+def _kernel_inputs(seed):
+  """Kernel-layout q, k, v, G (chunk cumsum), beta and h0 [B, H, K, V]."""
+  (q, k, v, g, beta, h0), _, _ = vjp_inputs(seed, b=B, t=T, h=H, dk=DK, dv=DV, gates="spread")
+  nc = T // CHUNK
+  g_cum = jnp.cumsum(g.reshape(B, nc, CHUNK, H * DK), axis=2).reshape(B, T, H * DK)
+  beta_t = jnp.transpose(beta, (0, 2, 1))[..., None]
+  flat = lambda x: x.reshape(B, T, -1)
+  return flat(q), flat(k), flat(v), g_cum, beta_t, h0
+
+
+def _meta():
+  chunk = jnp.arange(T // CHUNK, dtype=jnp.int32)
+  return ((chunk == 0).astype(jnp.int32), (chunk == T // CHUNK - 1).astype(jnp.int32),
+          jnp.zeros_like(chunk))
+
+
+@pytest.mark.parametrize("inverse", ["substitution", "blocked"])
+def test_intra_kernel_writes_decayed_keys(inverse):
+  """kg = k e^{G_last - G} per chunk, from both intra bodies, K sliced."""
+  q, k, v, g_cum, beta_t, _ = _kernel_inputs(0)
+  cfg = _cfg(inverse=inverse)
+  outs = jax.jit(functools.partial(
+      kernel_fwd.intra_fwd, heads=H, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
+      scale=DK ** -0.5, cfg=cfg, save_m=True, save_kg=True))(q, k, v, g_cum, beta_t)
+  assert len(outs) == 5
+  g_c = g_cum.reshape(B, T // CHUNK, CHUNK, H * DK)
+  want = (k.reshape(g_c.shape) * jnp.exp(g_c[:, :, -1:] - g_c)).reshape(k.shape)
+  assert rel_max(outs[4], want) < F32_TOL
+  assert np.all(np.asarray(outs[4]) <= 1.0 + 1e-6)  # unit-norm keys, decay <= 1
+
+
+@pytest.mark.parametrize("save", [True, False])
+def test_split_matches_fused(save):
+  """o and ht (and with save, the entry states and V') of both state passes."""
+  q, k, v, g_cum, beta_t, h0 = _kernel_inputs(1)
+  cfg = _cfg()
+  kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=cfg)
+  w, u, a_qk, kg = jax.jit(functools.partial(
+      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_kg=True, **kw))(
+          q, k, v, g_cum, beta_t)
+  meta = _meta()
+  fused = jax.jit(functools.partial(kernel_fwd.state_fwd, varlen=False, save=True,
+                                    out_dtype=jnp.float32, **kw))(
+                                        meta, q, k, g_cum, w, u, a_qk, h0)
+
+  @jax.jit
+  def split(meta, q, g_cum, w, u, kg, a_qk, h0):
+    hs, v_new, ht = kernel_state_split.state_recurrence(
+        meta, w, u, kg, g_cum, h0, heads=H, chunk_size=CHUNK, cfg=cfg, varlen=False,
+        state_dtype=jnp.float32 if save else cfg.mm_dtype)
+    o = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32, **kw)
+    return o, ht, hs, v_new
+
+  got = split(meta, q, g_cum, w, u, kg, a_qk, h0)
+  names = ("o", "ht", "hs", "v_new")
+  for name, x, r in zip(names, got, fused):
+    assert x.shape == r.shape, name
+    assert rel_max(x, r) < F32_TOL, f"{name}: {rel_max(x, r):.2e}"
+
+
+def test_state_fwd_body_choice():
+  assert kernel_state_split.state_fwd_body(_cfg()) == "split"
+  assert kernel_state_split.state_fwd_body(_cfg(backend="triton")) == "split"
+  assert kernel_state_split.state_fwd_body(_cfg(backend="tpu_interpret")) == "fused"
+  assert kernel_state_split.state_fwd_body(_cfg(state_fwd_impl="fused")) == "fused"
+  with pytest.raises(ValueError, match="not lowered for TPU"):
+    kernel_state_split.state_fwd_body(_cfg(backend="tpu_interpret", state_fwd_impl="split"))
+  with pytest.raises(ValueError, match="state_fwd_impl must be"):
+    kernel_state_split.state_fwd_body(_cfg(state_fwd_impl="splt"))
