@@ -89,16 +89,17 @@ def test_vjp_saved_and_recomputed_residuals_match_naive():
 
 
 
-def _pallas_call_inputs(jaxpr, name):
-  """Input dtypes of the pallas_call `name` anywhere in `jaxpr` (nested jaxprs too)."""
+def _pallas_call_inputs(jaxpr, name, side="invars"):
+  """Input (or, side="outvars", output) dtypes of the pallas_call `name`
+  anywhere in `jaxpr` (nested jaxprs too)."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call" and eqn.params["name"] == name:
-      return [str(v.aval.dtype) for v in eqn.invars]
+      return [str(v.aval.dtype) for v in getattr(eqn, side)]
     for p in eqn.params.values():
       for sub in p if isinstance(p, (list, tuple)) else [p]:
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
-          found = _pallas_call_inputs(sub, name)
+          found = _pallas_call_inputs(sub, name, side)
           if found:
             return found
   return None
@@ -126,3 +127,28 @@ def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
   # (q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
   assert dtypes is not None and [dtypes[i] for i in (6, 8, 10)] == [want] * 3, dtypes
   assert dtypes[7] == dtypes[9] == "float32"  # gradients stay f32
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_input_gradients_leave_the_kernel_in_the_input_dtype(dtype):
+  """dq, dk, dv are stored once, in the inputs' dtype (no f32 copy and cast
+  pass); dG and dbeta stay f32 for the reverse cumsum and the sum over slices."""
+  x = jnp.ones((1, 40, 1, 16), dtype)
+  fn = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
+                         interpret=True)
+
+  def run(*xs):
+    _, vjp = jax.vjp(lambda *a: fn(*a)[0], *xs)
+    return vjp(xs[2])
+
+  jaxpr = jax.make_jaxpr(run)(x, x, x, -jnp.ones((1, 40, 1, 16)), jnp.ones((1, 40, 1)))
+  # (dq, dk, dv, dG, dbeta)
+  assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd", "outvars") == [dtype] * 3 + [
+      "float32"] * 2
+  split = functools.partial(fn, config_overrides={"intra_bwd_impl": "split"})
+  jaxpr = jax.make_jaxpr(lambda *xs: jax.vjp(lambda *a: split(*a)[0], *xs)[1](xs[2]))(
+      x, x, x, -jnp.ones((1, 40, 1, 16)), jnp.ones((1, 40, 1)))
+  assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd_cc", "outvars")[0] == dtype  # dv
+  # (dq, dk, dG, dbeta parts)
+  assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd_k", "outvars") == [dtype] * 2 + [
+      "float32"] * 2

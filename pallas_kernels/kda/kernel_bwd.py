@@ -70,7 +70,7 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
     g_last = g_ref[last_row, ks]
     k = k_ref[rows, ks].astype(_F32)
     dvn = dvn + dot(k * jnp.exp(g_last - g), ds_kb, cfg)
-  dvn_ref[rows, :] = dvn
+  dvn_ref[rows, :] = dvn.astype(dvn_ref.dtype)
   ds_prev = []
   for ks, ds_kb in zip(slices, ds):
     g = g_ref[rows, ks]
@@ -156,9 +156,11 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
     dht: [Nh, H, K, V] f32, gradient of the final states.
 
   Returns:
-    dv_new [B, Tp, H*V] f32, dS per chunk [B, H, NC*K, V] f32 (gradient of
-    the state leaving each chunk), dh0 [Nh, H, K, V] f32 (rows of sequences
-    that start; others untouched).
+    dv_new [B, Tp, H*V] in the intra backward's matmul dtype
+    (`KernelConfig.intra(backward=True)`; every later use is an operand of
+    such a matmul, so storing it rounded loses nothing), dS per chunk
+    [B, H, NC*K, V] f32 (gradient of the state leaving each chunk), dh0
+    [Nh, H, K, V] f32 (rows of sequences that start; others untouched).
   """
   b, tp, _ = q.shape
   dv = do.shape[-1] // heads
@@ -172,7 +174,7 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.a, grid.v, grid.state],
       out_specs=[grid.v, grid.chunk_states, grid.state],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, heads * dv), _F32),
+      out_shape=[jax.ShapeDtypeStruct((b, tp, heads * dv), cfg.intra(backward=True).mm_dtype),
                  jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv), _F32),
                  jax.ShapeDtypeStruct(dht.shape, _F32)],
       interpret=cfg.interpret, name="kda_state_bwd",
@@ -562,7 +564,7 @@ def intra_bwd_body(cfg: KernelConfig, sub_chunk: int) -> str:
 
 
 def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
-              sub_chunk, diagonal, scale, cfg: KernelConfig):
+              sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32):
   """Runs the intra-chunk backward kernel (two kernels for intra_bwd_impl="split").
 
   Args:
@@ -571,16 +573,21 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
     gradient of the exit state per chunk; hs may be bf16); m: [B, H, Tp, C]
     f32 or bf16; v_new: f32 or bf16 (saved residuals, `residual_dtype`).
 
+    grad_dtype: storage dtype of dq, dk, dv (the inputs' dtype saves a
+      separate cast pass over f32 copies; the rounding is the same).
+
   Returns:
-    dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,
-    dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1].
+    dq, dk [B, Tp, H*K] (dq w.r.t. the unscaled q), dv [B, Tp, H*V], all
+    grad_dtype; dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum),
+    dbeta [B, H, Tp, 1] f32.
   """
   impl = intra_bwd_body(cfg, sub_chunk)
   if impl.startswith("split"):
     from pallas_kernels.kda import kernel_bwd_split  # imports this module
     return kernel_bwd_split.intra_bwd_split(
         q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, heads=heads,
-        chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg)
+        chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg,
+        grad_dtype=grad_dtype)
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk_, dv_ = hk // h, v.shape[-1] // h
@@ -596,9 +603,9 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec, vspec, sspec, sspec, vspec, vspec, cspec],
       out_specs=[kspec, kspec, vspec, kspec, bspec],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), _F32),
-                 jax.ShapeDtypeStruct((b, tp, hk), _F32),
-                 jax.ShapeDtypeStruct((b, tp, h * dv_), _F32),
+      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), grad_dtype),
+                 jax.ShapeDtypeStruct((b, tp, hk), grad_dtype),
+                 jax.ShapeDtypeStruct((b, tp, h * dv_), grad_dtype),
                  jax.ShapeDtypeStruct((b, tp, hk), _F32),
                  jax.ShapeDtypeStruct((b, h, tp, 1), _F32)],
       compiler_params=cfg.compiler_params("intra_bwd"),

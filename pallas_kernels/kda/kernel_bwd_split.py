@@ -179,7 +179,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
 
 
 def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
-                    sub_chunk, diagonal, scale, cfg: KernelConfig):
+                    sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32):
   """Intra-chunk backward as two kernels; same contract as `kernel_bwd.intra_bwd`.
 
   Args:
@@ -187,9 +187,12 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] (entry state, f32 or
     bf16; gradient of the exit state, f32); m: [B, H, Tp, C] f32 or bf16.
 
+    grad_dtype: storage dtype of dq, dk, dv.
+
   Returns:
-    dq, dk [B, Tp, H*K] f32 (dq w.r.t. the unscaled q), dv [B, Tp, H*V] f32,
-    dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta [B, H, Tp, 1] f32.
+    dq, dk [B, Tp, H*K] (dq w.r.t. the unscaled q), dv [B, Tp, H*V], all
+    grad_dtype; dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta
+    [B, H, Tp, 1] f32.
 
   Intermediates in HBM: dU~ [B, Tp, H*V] (intra-bwd matmul dtype, the dtype
   of every product that reads it), dA, dAqk and their transposes
@@ -199,10 +202,11 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   if chunk_size % sub_chunk:
     raise ValueError(f"sub_chunk must divide chunk_size={chunk_size}, got {sub_chunk}")
   dv, dbeta_v, *cc = intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, heads=heads,
-                                  chunk_size=chunk_size, diagonal=diagonal, cfg=cfg)
+                                  chunk_size=chunk_size, diagonal=diagonal, cfg=cfg,
+                                  dv_dtype=grad_dtype)
   dq, dk, dg, dbeta_k = second_kernel(cfg)(
       q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads, chunk_size=chunk_size,
-      sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg)
+      sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg, grad_dtype=grad_dtype)
   return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2)
 
 
@@ -217,11 +221,11 @@ def second_kernel(cfg: KernelConfig):
 
 
 def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_size, diagonal,
-                 cfg: KernelConfig):
+                 cfg: KernelConfig, dv_dtype=_F32):
   """Kernel 1 of the split backward, grid (B, H, NC). Shapes as `intra_bwd_split`.
 
   Returns:
-    dv [B, Tp, H*V] f32, dbeta's dU~ part [B, H, Tp, 1] f32, dU~ [B, Tp, H*V]
+    dv [B, Tp, H*V] (dv_dtype), dbeta's dU~ part [B, H, Tp, 1] f32, dU~ [B, Tp, H*V]
     (intra-bwd matmul dtype), dA, dAqk, dA^T, dAqk^T [B, H, Tp, C]
     (`cc_store_dtype`).
   """
@@ -241,7 +245,7 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
       functools.partial(_intra_bwd_cc_kernel, cfg=cfg), grid=(b, h, nc),
       in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec],
       out_specs=[vspec, bspec, vspec] + [cspec] * 4,
-      out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv_), _F32),
+      out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv_), dv_dtype),
                  jax.ShapeDtypeStruct((b, h, tp, 1), _F32),
                  jax.ShapeDtypeStruct((b, tp, h * dv_), mdt)] + [cc_shape] * 4,
       compiler_params=cfg.compiler_params("intra_bwd"),
@@ -250,13 +254,14 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
 
 
 def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *, heads,
-                chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig):
+                chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32):
   """Kernel 2 of the split backward, grid (B, H, NC, K / bwd_block_k).
 
   Args: as `intra_bwd_split`, plus kernel 1's dU~, dA, dAqk, dA^T, dAqk^T.
 
   Returns:
-    dq, dk, dG [B, Tp, H*K] f32, dbeta's per-slice parts [B, H, NK, Tp, 1] f32.
+    dq, dk [B, Tp, H*K] (grad_dtype), dG [B, Tp, H*K] f32, dbeta's per-slice
+    parts [B, H, NK, Tp, 1] f32.
   """
   b, tp, hk = q.shape
   h, c = heads, chunk_size
@@ -276,8 +281,8 @@ def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *
       kernel, grid=(b, h, nc, nk),
       in_specs=[kslice, kslice, kslice, bfull, vfull, srows, srows, vfull, vfull] + [cfull] * 4,
       out_specs=[kslice] * 3 + [bpart],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), _F32)] * 3
-      + [jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), grad_dtype)] * 2
+      + [jax.ShapeDtypeStruct((b, tp, hk), _F32), jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
       compiler_params=cfg.compiler_params("intra_bwd_k", grid_rank=4),
       interpret=cfg.interpret, name="kda_intra_bwd_k",
   )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt)

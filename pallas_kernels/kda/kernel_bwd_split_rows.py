@@ -147,11 +147,13 @@ def _row_tile_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, vn_ref, vn_all_ref, 
 
 
 def intra_bwd_k_rows(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *, heads,
-                     chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig):
+                     chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig,
+                     grad_dtype=_F32):
   """Kernel 2 of the split backward by row tile, grid (B, H, NC, K / bwd_block_k, C / L).
 
-  Args and returns as `kernel_bwd_split.intra_bwd_k`: dq, dk, dG
-  [B, Tp, H*K] f32, dbeta's per-slice parts [B, H, NK, Tp, 1] f32.
+  Args and returns as `kernel_bwd_split.intra_bwd_k`: dq, dk [B, Tp, H*K]
+  (grad_dtype), dG [B, Tp, H*K] f32, dbeta's per-slice parts
+  [B, H, NK, Tp, 1] f32.
   """
   b, tp, hk = q.shape
   h, c, ell = heads, chunk_size, sub_chunk
@@ -178,8 +180,8 @@ def intra_bwd_k_rows(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, da
       in_specs=[chunk_k, chunk_k, chunk_k, chunk_b, tile_v, tile_v, chunk_v, tile_v, state,
                 state] + [tile_cc] * 4,
       out_specs=[tile_k] * 3 + [tile_b],
-      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), _F32)] * 3
-      + [jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
+      out_shape=[jax.ShapeDtypeStruct((b, tp, hk), grad_dtype)] * 2
+      + [jax.ShapeDtypeStruct((b, tp, hk), _F32), jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
       compiler_params=cfg.compiler_params("intra_bwd_k", grid_rank=5),
       interpret=cfg.interpret, name="kda_intra_bwd_k_rows",
   )(q, k, g_cum, beta, do, v_new, v_new, du, hs, dhs, da, daq, dat, daqt)

@@ -123,7 +123,9 @@ class KernelConfig:
       V' for the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
     residual_dtype: storage dtype of the saved M, entry states and V' (None:
-      as the forward kernels produce them, f32). With bf16 intra-backward
+      as the forward kernels produce them: M and the states f32, V' f32 from
+      the fused state kernel and in the intra-backward matmul dtype, its
+      only use, from the split pass). With bf16 intra-backward
       operands (`intra_bwd_mm_dtype`) bf16 storage loses nothing but the f32
       sum(dS * S) of the last gate row, since every other use casts to bf16.
   """

@@ -102,19 +102,20 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
 
 
 def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: KernelConfig,
-                     varlen: bool, state_dtype=_F32):
+                     varlen: bool, state_dtype=_F32, v_new_dtype=None):
   """Kernel 1: the state recurrence alone.
 
   Args:
     meta: (first_n, last_n, seq_n) int32 [NC], as for `kernel_fwd.state_fwd`.
     w, kg, g_cum: [B, Tp, H*K]; u: [B, Tp, H*V]; h0: [Nh, H, K, V] f32.
-    state_dtype: storage dtype of the entry states and V' (f32 when the
-      backward keeps them; the matmul dtype when only the output reads them).
+    state_dtype: storage dtype of the entry states (f32 when the backward
+      keeps them; the matmul dtype when only the output reads them).
+    v_new_dtype: storage dtype of V' (default state_dtype).
 
   Returns:
-    hs [B, H, NC*K, V] (entry state of every chunk), v_new [B, Tp, H*V]
-    (both state_dtype), ht [Nh, H, K, V] f32 (rows of sequences that end;
-    others untouched).
+    hs [B, H, NC*K, V] (entry state of every chunk; state_dtype), v_new
+    [B, Tp, H*V] (v_new_dtype), ht [Nh, H, K, V] f32 (rows of sequences that
+    end; others untouched).
   """
   if cfg.is_tpu:
     raise ValueError("the split state recurrence is not lowered for TPU")
@@ -129,7 +130,7 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
       in_specs=[grid.meta] * 3 + [grid.k, grid.v, grid.k, grid.k, grid.state],
       out_specs=[grid.chunk_states, grid.v, grid.state],
       out_shape=[jax.ShapeDtypeStruct((b, heads, nc * grid.dk, dv), state_dtype),
-                 jax.ShapeDtypeStruct((b, tp, heads * dv), state_dtype),
+                 jax.ShapeDtypeStruct((b, tp, heads * dv), v_new_dtype or state_dtype),
                  jax.ShapeDtypeStruct(h0.shape, _F32)],
       compiler_params=cfg.compiler_params("state_fwd"), interpret=cfg.interpret,
       name="kda_state_rec",

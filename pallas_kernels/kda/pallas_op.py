@@ -64,11 +64,13 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
                                diagonal=st.diagonal, save_m=save, save_kg=split, **kw)
   w, u, a_qk = intra[:3]
   if split:
-    # Entry states and V' are f32 when the backward keeps them; otherwise only
-    # the output kernel reads them, as matmul operands.
+    # Without the backward only the output kernel reads the entry states and
+    # V', as matmul operands. The backward keeps the states in f32 (dG's last
+    # row sums dS * S in f32) and V' in its matmul dtype, V''s only use there.
     hs, v_new, ht = kernel_state_split.state_recurrence(
         meta, w, u, intra[-1], g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
-        varlen=st.varlen, state_dtype=_F32 if save else cfg.mm_dtype)
+        varlen=st.varlen, state_dtype=_F32 if save else cfg.mm_dtype,
+        v_new_dtype=cfg.intra(backward=True).mm_dtype if save else cfg.mm_dtype)
     o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
   else:
     o, ht, *saved = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
@@ -102,7 +104,9 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
   not rerun the intra-chunk and state kernels: the cumulative gates G (f32,
   kept instead of g), W (cfg.mm_dtype), A_qk (cfg.mm_dtype, [C] per row), M
   (f32, [C] per row), the per-chunk entry states (f32, K*V per chunk) and V'
-  (f32). Per token and head that is 2K + 2C + 4C + 4KV/C + 4V bytes beyond
+  (f32; the split state pass, the GPU default, stores it in the intra
+  backward's matmul dtype, bf16 at K = V = 128 with bf16 inputs, 2V bytes
+  less than counted below). Per token and head that is 2K + 2C + 4C + 4KV/C + 4V bytes beyond
   the inputs with bf16 W and A_qk (G takes g's place); K = V = 128, C = 64:
   2176 bytes,
   1.7x the bf16 q, k, v plus f32 g themselves (1280 bytes), i.e. 1.14 GB at
@@ -142,9 +146,12 @@ def _core_bwd(st, res, cts):
   dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, r["q2"], r["k2"], r["g_cum"], r["w"],
                                           r["a_qk"], do2, dht.astype(_F32),
                                           varlen=st.varlen, **kw)
+  # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
+  same = q.dtype == k.dtype == v.dtype
   dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
-      r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal, **kw)
+      r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
+      grad_dtype=q.dtype if same else _F32, **kw)
   dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
   # Only rows of sequences that start somewhere were written by the kernel.
   if st.varlen:
