@@ -52,20 +52,17 @@ def _meta():
 
 @pytest.mark.parametrize("inverse", ["substitution", "blocked"])
 def test_intra_kernel_writes_decayed_keys(inverse):
-  """kg = k e^{G_last - G} and qg = (scale q) e^G per chunk, from both intra
-  bodies, K sliced."""
+  """kg = k e^{G_last - G} per chunk, from both intra bodies, K sliced."""
   q, k, v, g_cum, beta_t, _ = _kernel_inputs(0)
   cfg = _cfg(inverse=inverse)
   outs = jax.jit(functools.partial(
       kernel_fwd.intra_fwd, heads=H, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
-      scale=DK ** -0.5, cfg=cfg, save_m=True, save_gated=True))(q, k, v, g_cum, beta_t)
-  assert len(outs) == 6
+      scale=DK ** -0.5, cfg=cfg, save_m=True, save_kg=True))(q, k, v, g_cum, beta_t)
+  assert len(outs) == 5
   g_c = g_cum.reshape(B, T // CHUNK, CHUNK, H * DK)
-  kg = (k.reshape(g_c.shape) * jnp.exp(g_c[:, :, -1:] - g_c)).reshape(k.shape)
-  qg = q * DK ** -0.5 * jnp.exp(g_cum)
-  assert rel_max(outs[4], kg) < F32_TOL
-  assert rel_max(outs[5], qg) < F32_TOL
-  assert np.all(np.abs(np.asarray(outs[4])) <= 1.0 + 1e-6)  # unit-norm keys, decay <= 1
+  want = (k.reshape(g_c.shape) * jnp.exp(g_c[:, :, -1:] - g_c)).reshape(k.shape)
+  assert rel_max(outs[4], want) < F32_TOL
+  assert np.all(np.asarray(outs[4]) <= 1.0 + 1e-6)  # unit-norm keys, decay <= 1
 
 
 @pytest.mark.parametrize("save", [True, False])
@@ -74,8 +71,8 @@ def test_split_matches_fused(save):
   q, k, v, g_cum, beta_t, h0 = _kernel_inputs(1)
   cfg = _cfg()
   kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=cfg)
-  w, u, a_qk, kg, qg = jax.jit(functools.partial(
-      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_gated=True, **kw))(
+  w, u, a_qk, kg = jax.jit(functools.partial(
+      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_kg=True, **kw))(
           q, k, v, g_cum, beta_t)
   meta = _meta()
   fused = jax.jit(functools.partial(kernel_fwd.state_fwd, varlen=False, save=True,
@@ -83,15 +80,14 @@ def test_split_matches_fused(save):
                                         meta, q, k, g_cum, w, u, a_qk, h0)
 
   @jax.jit
-  def split(meta, qg, g_cum, w, u, kg, a_qk, h0):
+  def split(meta, q, g_cum, w, u, kg, a_qk, h0):
     hs, v_new, ht = kernel_state_split.state_recurrence(
         meta, w, u, kg, g_cum, h0, heads=H, chunk_size=CHUNK, cfg=cfg, varlen=False,
         state_dtype=jnp.float32 if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(qg, a_qk, hs, v_new, heads=H, chunk_size=CHUNK, cfg=cfg,
-                                      out_dtype=jnp.float32)
+    o = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32, **kw)
     return o, ht, hs, v_new
 
-  got = split(meta, qg, g_cum, w, u, kg, a_qk, h0)
+  got = split(meta, q, g_cum, w, u, kg, a_qk, h0)
   names = ("o", "ht", "hs", "v_new")
   for name, x, r in zip(names, got, fused):
     assert x.shape == r.shape, name

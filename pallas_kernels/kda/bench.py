@@ -161,45 +161,39 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   cums_rev = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, reverse=True, cfg=cfg))
   cums_xla = jax.jit(lambda x: kernel_cumsum.chunk_cumsum_xla(x, c))
   g_cum = cums(g2)
-  split_state = kernel_state_split.state_fwd_body(cfg) == "split"
-  # As the forward runs them: gated q/k for the split state pass, and always
-  # (with M) when the backward follows.
   intra = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                  save_gated=split_state, **kw))
+                                                  **kw))
+  split_state = kernel_state_split.state_fwd_body(cfg) == "split"
   intra_m = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                    save_m=True, save_gated=True, **kw))
-  w, u, a_qk, m, kg, qg = intra_m(q2, k2, v2, g_cum, beta_t)
+                                                    save_m=True, save_kg=split_state, **kw))
+  w, u, a_qk, m, *kg = intra_m(q2, k2, v2, g_cum, beta_t)
   state_split = {}
   if split_state:
     rec_kw = dict(heads=h, chunk_size=c, cfg=cfg, varlen=False)
-    out_kw = dict(heads=h, chunk_size=c, cfg=cfg, out_dtype=q.dtype)
-    bwd_dtype = cfg.intra(backward=True).mm_dtype
 
-    def split_pass(qg, g_cum, w, u, kg, a_qk, h0, save):
+    def split_pass(q2, g_cum, w, u, kg, a_qk, h0, save):
       hs, v_new, ht = kernel_state_split.state_recurrence(
           meta, w, u, kg, g_cum, h0, state_dtype=jnp.float32 if save else cfg.mm_dtype,
-          v_new_dtype=bwd_dtype if save else cfg.mm_dtype, **rec_kw)
-      o = kernel_state_split.output_fwd(qg, a_qk, hs, v_new, **out_kw)
+          **rec_kw)
+      o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
       return o, ht, hs, v_new
 
-    args = (qg, g_cum, w, u, kg, a_qk, h0)
+    args = (q2, g_cum, w, u, kg[0], a_qk, h0)
     state = jax.jit(lambda *a: split_pass(*a, save=False)[:2])
     state_s = jax.jit(lambda *a: split_pass(*a, save=True))
     _, _, hs, v_new = state_s(*args)
-    rec = jax.jit(lambda *a: kernel_state_split.state_recurrence(
-        meta, *a, v_new_dtype=bwd_dtype, **rec_kw))
-    out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, **out_kw))
-    state_split = {"state_rec": time_ms(rec, w, u, kg, g_cum, h0, iters=iters),
-                   "output_fwd": time_ms(out, qg, a_qk, hs, v_new, iters=iters)}
+    rec = jax.jit(lambda *a: kernel_state_split.state_recurrence(meta, *a, **rec_kw))
+    out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, out_dtype=q.dtype, **kw))
+    state_split = {"state_rec": time_ms(rec, w, u, kg[0], g_cum, h0, iters=iters),
+                   "output_fwd": time_ms(out, q2, g_cum, a_qk, hs, v_new, iters=iters)}
   else:
     args = (q2, k2, g_cum, w, u, a_qk, h0)
     state = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, **kw))
     state_s = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, save=True, **kw))
     _, _, hs, v_new = state_s(*args)
   do2 = v2
-  sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, heads=h, chunk_size=c, cfg=cfg,
-                                               varlen=False))
-  dv_new, dhs, _ = sb(qg, kg, g_cum, w, a_qk, do2, h0)
+  sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False, **kw))
+  dv_new, dhs, _ = sb(q2, k2, g_cum, w, a_qk, do2, h0)
   ib = jax.jit(lambda *a: kernel_bwd.intra_bwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                **kw))
   split = {}
@@ -222,7 +216,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
       "intra_fwd+M": time_ms(intra_m, q2, k2, v2, g_cum, beta_t, iters=iters),
       "state_fwd+save": time_ms(state_s, *args, iters=iters),
       **state_split,
-      "state_bwd": time_ms(sb, qg, kg, g_cum, w, a_qk, do2, h0, iters=iters),
+      "state_bwd": time_ms(sb, q2, k2, g_cum, w, a_qk, do2, h0, iters=iters),
       "intra_bwd": time_ms(ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m,
                            iters=iters),
       **split,

@@ -43,15 +43,14 @@ _F32 = jnp.float32
 # ---------------------------------------------------------------------------
 
 
-def state_bwd_chunk(ds, rows, last_row, qg_ref, kg_ref, g_ref, w_ref, aqk_ref, do_ref,
-                    dvn_ref, *, cfg: KernelConfig):
+def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_ref, dvn_ref,
+                    *, scale, cfg: KernelConfig):
   """One chunk of the reverse state recurrence (shared by the GPU and TPU kernels).
 
-  Writes dV' = A_qk^T dO + sum_kb kg_kb dS_kb into dvn_ref's `rows`. The gated
-  queries and keys (qg = (scale q) e^G, kg = k e^{G_last - G}) come from the
-  forward's intra kernel, so the loop forms no exp on a [C, K] tile; only
-  the last gate row is read. dS is handled in K slices of cfg.block_k
-  (`kernel_fwd.k_slices`).
+  Writes dV' = A_qk^T dO + sum_kb (k e^{G_last - G})_kb dS_kb into dvn_ref's
+  `rows`. Every element-wise factor is formed on a [C, BK] column slice
+  (BK = cfg.block_k; see `kernel_fwd.k_slices`) so only [C, BK] f32
+  tiles are live at once.
 
   Args:
     ds: tuple of K/BK f32 [BK, BV] slices of dS [K, BV], the gradient of the
@@ -59,28 +58,33 @@ def state_bwd_chunk(ds, rows, last_row, qg_ref, kg_ref, g_ref, w_ref, aqk_ref, d
 
   Returns:
     dS entering the chunk as a tuple of [BK, BV] slices:
-    dS_kb <- e^{G_last,kb} dS_kb + qg_kb^T dO - W_kb^T dV'.
+    dS_kb <- e^{G_last,kb} dS_kb + (q e^G)_kb^T dO - W_kb^T dV'.
   """
-  slices = k_slices(cfg, qg_ref.shape[-1])
+  slices = k_slices(cfg, q_ref.shape[-1])
   if len(ds) != len(slices):
     raise ValueError(f"dS has {len(ds)} K slices, expected {len(slices)}")
   do = do_ref[rows, :]
   dvn = dot(aqk_ref[rows, :], do, cfg, ta=True)
   for ks, ds_kb in zip(slices, ds):
-    dvn = dvn + dot(kg_ref[rows, ks], ds_kb, cfg)
+    g = g_ref[rows, ks]
+    g_last = g_ref[last_row, ks]
+    k = k_ref[rows, ks].astype(_F32)
+    dvn = dvn + dot(k * jnp.exp(g_last - g), ds_kb, cfg)
   dvn_ref[rows, :] = dvn.astype(dvn_ref.dtype)
   ds_prev = []
   for ks, ds_kb in zip(slices, ds):
+    g = g_ref[rows, ks]
     g_last = g_ref[last_row, ks]
-    ds_prev.append(jnp.transpose(jnp.exp(g_last)) * ds_kb + dot(qg_ref[rows, ks], do, cfg, ta=True)
+    q = q_ref[rows, ks].astype(_F32) * scale
+    ds_prev.append(jnp.transpose(jnp.exp(g_last)) * ds_kb + dot(q * jnp.exp(g), do, cfg, ta=True)
                    - dot(w_ref[rows, ks], dvn, cfg, ta=True))
   return tuple(ds_prev)
 
 
-def _state_bwd_kernel(first_ref, last_ref, seq_ref, qg_ref, kg_ref, g_ref, w_ref, aqk_ref,
-                      do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, chunk_size, cfg):
+def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
+                      do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, scale, chunk_size, cfg):
   c = chunk_size
-  tp, dk = qg_ref.shape
+  tp, dk = q_ref.shape
   nc = tp // c
   bv = do_ref.shape[-1]
   slices = k_slices(cfg, dk)
@@ -95,8 +99,8 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, qg_ref, kg_ref, g_ref, w_ref
     for ks, ds_kb in zip(slices, ds):
       dhs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = ds_kb
     start = pl.multiple_of(i * c, c)
-    ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), qg_ref, kg_ref, g_ref,
-                         w_ref, aqk_ref, do_ref, dvn_ref, cfg=cfg)
+    ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
+                         w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, cfg=cfg)
 
     @pl.when(first_ref[i] != 0)
     def _():
@@ -108,8 +112,8 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, qg_ref, kg_ref, g_ref, w_ref
   lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
 
 
-def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, qg_ref, kg_ref, g_ref, w_ref, aqk_ref,
-                          do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, ds_ref, *, cfg):
+def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
+                          do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, ds_ref, *, scale, cfg):
   """One chunk per grid step, last chunk first; dS in VMEM scratch.
 
   The scratch holds the whole [K, BV] dS; it is read and written in the same
@@ -117,9 +121,9 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, qg_ref, kg_ref, g_ref, w
   """
   nc = pl.num_programs(3)
   i = nc - 1 - pl.program_id(3)
-  c = qg_ref.shape[0]
+  c = q_ref.shape[0]
   seq = seq_ref[i]
-  slices = k_slices(cfg, qg_ref.shape[-1])
+  slices = k_slices(cfg, q_ref.shape[-1])
 
   @pl.when(last_ref[i] != 0)
   def _():
@@ -128,8 +132,8 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, qg_ref, kg_ref, g_ref, w
   ds = tuple(ds_ref[ks, :] for ks in slices)
   for ks, ds_kb in zip(slices, ds):
     dhs_ref[ks, :] = ds_kb
-  ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), qg_ref, kg_ref, g_ref, w_ref, aqk_ref,
-                       do_ref, dvn_ref, cfg=cfg)
+  ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref, aqk_ref,
+                       do_ref, dvn_ref, scale=scale, cfg=cfg)
   for ks, ds_kb in zip(slices, ds):
     ds_ref[ks, :] = ds_kb
 
@@ -139,18 +143,16 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, qg_ref, kg_ref, g_ref, w
       dh0_ref[seq, ks, :] = ds_kb
 
 
-def state_bwd(meta, qg, kg, g_cum, w, a_qk, do, dht, *, heads, chunk_size,
+def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool):
   """Runs the reverse state kernel.
 
-  Each program carries dS [K, BV] as K/block_k slices of [block_k, BV]
-  (`kernel_fwd.k_slices`).
+  Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
+  does the per-channel work on [C, block_k] tiles (`kernel_fwd.k_slices`).
 
   Args:
     meta: (first_n, last_n, seq_n) int32 [NC], as for `state_fwd`.
-    qg, kg: [B, Tp, H*K] gated queries (scale q) e^G and keys
-      k e^{G_last - G} (`kernel_fwd.intra_fwd(save_gated=True)`); g_cum, w:
-      [B, Tp, H*K]; a_qk: [B, H, Tp, C]; do: [B, Tp, H*V].
+    q, k, g_cum, w: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; do: [B, Tp, H*V].
     dht: [Nh, H, K, V] f32, gradient of the final states.
 
   Returns:
@@ -160,14 +162,14 @@ def state_bwd(meta, qg, kg, g_cum, w, a_qk, do, dht, *, heads, chunk_size,
     [B, H, NC*K, V] f32 (gradient of the state leaving each chunk), dh0
     [Nh, H, K, V] f32 (rows of sequences that start; others untouched).
   """
-  b, tp, _ = qg.shape
+  b, tp, _ = q.shape
   dv = do.shape[-1] // heads
-  grid = state_grid(qg.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
+  grid = state_grid(q.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
                     num_state_rows=dht.shape[0], reverse=True)
   if cfg.is_tpu:
-    kernel = functools.partial(_state_bwd_kernel_tpu, cfg=cfg)
+    kernel = functools.partial(_state_bwd_kernel_tpu, scale=scale, cfg=cfg)
   else:
-    kernel = functools.partial(_state_bwd_kernel, chunk_size=chunk_size, cfg=cfg)
+    kernel = functools.partial(_state_bwd_kernel, scale=scale, chunk_size=chunk_size, cfg=cfg)
   return pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.a, grid.v, grid.state],
@@ -177,7 +179,7 @@ def state_bwd(meta, qg, kg, g_cum, w, a_qk, do, dht, *, heads, chunk_size,
                  jax.ShapeDtypeStruct(dht.shape, _F32)],
       interpret=cfg.interpret, name="kda_state_bwd",
       **state_launch_options(cfg, "state_bwd", grid),
-  )(*meta, qg, kg, g_cum, w, a_qk, do, dht)
+  )(*meta, q, k, g_cum, w, a_qk, do, dht)
 
 
 # ---------------------------------------------------------------------------

@@ -288,7 +288,7 @@ def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict
 
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
-                      *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
+                      *opt_refs, scale, ell, diagonal, cfg, save_m, save_kg):
   """Row-block scores and full-tile forward substitution (`inverse="substitution"`)."""
   cfg = cfg.intra()
   c = q_ref.shape[0]
@@ -319,8 +319,8 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
   m = unit_lower_inverse(akk_blocks)
   w_ref[...] = dot(m, beta * k * jnp.exp(g), cfg).astype(w_ref.dtype)
   u_ref[...] = dot(m, beta * v, cfg).astype(u_ref.dtype)
-  _write_optional(opt_refs, m, q_ref, k_ref, g_ref, [pl.ds(0, k_ref.shape[1])], scale=scale,
-                  save_m=save_m, save_gated=save_gated)
+  _write_optional(opt_refs, m, k_ref, g_ref, [pl.ds(0, k_ref.shape[1])], save_m=save_m,
+                  save_kg=save_kg)
 
 
 def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell,
@@ -380,7 +380,7 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
 
 
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
-                              *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
+                              *opt_refs, scale, ell, diagonal, cfg, save_m, save_kg):
   """K-sliced scores and the blocked inverse (`inverse="blocked"`).
 
   Scores, with a_r = G[r L] the first row of tile r and t(i) the tile of row i:
@@ -432,44 +432,38 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
   for vb in range(dv // bv):
     vs = pl.ds(vb * bv, bv)
     u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
-  _write_optional(opt_refs, m, q_ref, k_ref, g_ref, slices, scale=scale, save_m=save_m,
-                  save_gated=save_gated)
+  _write_optional(opt_refs, m, k_ref, g_ref, slices, save_m=save_m, save_kg=save_kg)
 
 
-def _write_optional(opt_refs, m, q_ref, k_ref, g_ref, slices, *, scale, save_m, save_gated):
-  """Writes the intra kernel's optional outputs, in order: M, then the gated keys
-  kg = k e^{G_last - G} and queries qg = (scale q) e^G (per K slice; both
-  factors <= 1), the state passes' operands: rounding them to the matmul dtype
-  here is what those passes' products did to the same f32 values."""
+def _write_optional(opt_refs, m, k_ref, g_ref, slices, *, save_m, save_kg):
+  """Writes the intra kernel's optional outputs, in order: M, then the decayed keys
+  k e^{G_last - G} (the split state recurrence's operand; per K slice, <= 1)."""
   opt_refs = list(opt_refs)
   if save_m:
     opt_refs.pop(0)[...] = m
-  if save_gated:
-    kg_ref, qg_ref = opt_refs.pop(0), opt_refs.pop(0)
+  if save_kg:
+    kg_ref = opt_refs.pop(0)
     last = pl.ds(k_ref.shape[0] - 1, 1)
     for ks in slices:
-      g = g_ref[:, ks]
-      kg_ref[:, ks] = (k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[last, ks] - g)).astype(
-          kg_ref.dtype)
-      qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * scale * jnp.exp(g)).astype(qg_ref.dtype)
+      decay = jnp.exp(g_ref[last, ks] - g_ref[:, ks])
+      kg_ref[:, ks] = (k_ref[:, ks].astype(_F32) * decay).astype(kg_ref.dtype)
 
 
 def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
-              cfg: KernelConfig, save_m: bool = False, save_gated: bool = False):
+              cfg: KernelConfig, save_m: bool = False, save_kg: bool = False):
   """Runs the intra-chunk kernel.
 
   Args:
     q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
       cumsum; beta: [B, H, Tp, 1] f32.
     save_m: also return M = (I + A_kk)^-1 for the backward.
-    save_gated: also return the gated keys kg = k e^{G_last - G} (G_last
-      the chunk's last row) and queries qg = (scale q) e^G, the operands of
-      the split forward state pass (`kernel_state_split`) and of `state_bwd`.
+    save_kg: also return the decayed keys k e^{G_last - G} (G_last the
+      chunk's last row) for `kernel_state_split`.
 
   Returns:
     w [B, Tp, H*K], u [B, Tp, H*V] (cfg.mm_dtype), a_qk [B, H, Tp, C]
-    (cfg.mm_dtype), then m [B, H, Tp, C] f32 if save_m and kg, qg
-    [B, Tp, H*K] (cfg.mm_dtype) if save_gated.
+    (cfg.mm_dtype), then m [B, H, Tp, C] f32 if save_m and kg [B, Tp, H*K]
+    (cfg.mm_dtype) if save_kg.
   """
   b, tp, hk = q.shape
   h, c = heads, chunk_size
@@ -486,12 +480,12 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
   if save_m:
     out_shape.append(jax.ShapeDtypeStruct((b, h, tp, c), _F32))
     out_specs.append(cspec)
-  if save_gated:
-    out_shape += [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * 2
-    out_specs += [kspec] * 2
+  if save_kg:
+    out_shape.append(jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype))
+    out_specs.append(kspec)
   body = _intra_fwd_blocked_kernel if cfg.inverse == "blocked" else _intra_fwd_kernel
   kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg,
-                             save_m=save_m, save_gated=save_gated)
+                             save_m=save_m, save_kg=save_kg)
   return pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec],

@@ -7,11 +7,10 @@ parallel kernel forms the outputs:
 
 1. `state_recurrence`, grid (B, H, V/BV), chunks in order: per chunk
      V' = U - W S,   S <- e^{G_last} S + kg^T V',
-   with kg = k e^{G_last - G} written by the intra kernel (`save_gated`), so
-   the loop reads W, U, kg and one gate row per chunk, and does no exp on a
+   with kg = k e^{G_last - G} written by the intra kernel (`save_kg`), so the
+   loop reads W, U, kg and one gate row per chunk, and does no exp on a
    [C, K] tile. It writes the entry state of every chunk and V'.
-2. `output_fwd`, grid (B, H, NC): O = qg S_entry + A_qk V', with the gated
-   queries qg = (scale q) e^G also from the intra kernel.
+2. `output_fwd`, grid (B, H, NC): O = (q e^G) S_entry + A_qk V'.
 
 On the H200 (bf16, B16 T2048 H16 D128, 2026-11-30, scratch kernels of this
 design in one run) the fused kernel took 1.74 ms (2.32 ms saving the states
@@ -19,9 +18,8 @@ and V' for the backward); the recurrence 0.55 ms (f32 states) or 0.44 ms
 (bf16) and the output kernel 0.58 / 0.44 ms. Computing kg inside the loop
 instead of reading it took the recurrence to 0.87 ms.
 
-Numerics match the fused kernel: it rounds S, V', k e^{G_last - G} and
-(scale q) e^G to the matmul dtype as operands, which is what storing them in
-that dtype does (the f32 sums may differ in order).
+Numerics match the fused kernel: it rounds S, V' and k e^{G_last - G} to the
+matmul dtype as operands, which is what storing them in that dtype does.
 
 GPU (Triton) and interpret mode only; the TPU state kernels already stream
 one chunk per grid step (`kernel_fwd.state_grid`) and stay fused there.
@@ -139,25 +137,28 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
   )(*meta, w, u, kg, g_cum, h0)
 
 
-def _output_kernel(qg_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, cfg):
-  """Block shapes: qg_ref [C, K]; aqk_ref [C, C]; hs_ref [K, V]; vn_ref, o_ref
-  [C, V]. O = A_qk V' + qg S."""
-  o = dot(aqk_ref[...], vn_ref[...], cfg) + dot(qg_ref[...], hs_ref[...], cfg)
+def _output_kernel(q_ref, g_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, scale, cfg):
+  """Block shapes: q_ref, g_ref [C, K]; aqk_ref [C, C]; hs_ref [K, V]; vn_ref,
+  o_ref [C, V]. O = A_qk V' + sum_kb (q e^G)_kb S_kb, element-wise work per K slice."""
+  o = dot(aqk_ref[...], vn_ref[...], cfg)
+  for ks in k_slices(cfg, q_ref.shape[-1]):
+    qg = q_ref[:, ks].astype(_F32) * scale * jnp.exp(g_ref[:, ks])
+    o = o + dot(qg, hs_ref[ks, :], cfg)
   o_ref[...] = o.astype(o_ref.dtype)
 
 
-def output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg: KernelConfig, out_dtype):
+def output_fwd(q, g_cum, a_qk, hs, v_new, *, heads, chunk_size, scale, cfg: KernelConfig,
+               out_dtype):
   """Kernel 2: the outputs of all chunks in parallel.
 
   Args:
-    qg: [B, Tp, H*K] gated queries (scale q) e^G (`kernel_fwd.intra_fwd`,
-      save_gated); a_qk: [B, H, Tp, C]; hs: [B, H, NC*K, V] entry states;
-      v_new: [B, Tp, H*V].
+    q, g_cum: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; hs: [B, H, NC*K, V] entry
+      states; v_new: [B, Tp, H*V].
 
   Returns:
     o [B, Tp, H*V] in out_dtype.
   """
-  b, tp, hk = qg.shape
+  b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk, dv = hk // h, v_new.shape[-1] // h
   kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih))
@@ -165,9 +166,9 @@ def output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg: KernelConfig, out
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
   sspec = pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0))
   return pl.pallas_call(
-      functools.partial(_output_kernel, cfg=cfg), grid=(b, h, tp // c),
-      in_specs=[kspec, cspec, sspec, vspec], out_specs=vspec,
+      functools.partial(_output_kernel, scale=scale, cfg=cfg), grid=(b, h, tp // c),
+      in_specs=[kspec, kspec, cspec, sspec, vspec], out_specs=vspec,
       out_shape=jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype),
       compiler_params=cfg.compiler_params("output_fwd"), interpret=cfg.interpret,
       name="kda_output_fwd",
-  )(qg, a_qk, hs, v_new)
+  )(q, g_cum, a_qk, hs, v_new)

@@ -60,22 +60,18 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
                                      cfg=cfg)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   split = kernel_state_split.state_fwd_body(cfg) == "split"
-  # The gated keys and queries feed the split state pass and the backward's.
-  gated = split or save
   intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
-                               diagonal=st.diagonal, save_m=save, save_gated=gated, **kw)
+                               diagonal=st.diagonal, save_m=save, save_kg=split, **kw)
   w, u, a_qk = intra[:3]
-  kg, qg = intra[-2:] if gated else (None, None)
   if split:
     # Without the backward only the output kernel reads the entry states and
     # V', as matmul operands. The backward keeps the states in f32 (dG's last
     # row sums dS * S in f32) and V' in its matmul dtype, V''s only use there.
     hs, v_new, ht = kernel_state_split.state_recurrence(
-        meta, w, u, kg, g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
+        meta, w, u, intra[-1], g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
         varlen=st.varlen, state_dtype=_F32 if save else cfg.mm_dtype,
         v_new_dtype=cfg.intra(backward=True).mm_dtype if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(qg, a_qk, hs, v_new, heads=h, chunk_size=st.chunk_size,
-                                      cfg=cfg, out_dtype=q.dtype)
+    o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
   else:
     o, ht, *saved = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
                                          save=save, out_dtype=q.dtype, **kw)
@@ -84,8 +80,7 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   o = o.reshape(b, tp, h, dv)
   if not save:
     return o, ht
-  return o, ht, dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=hs, v_new=v_new, kg=kg,
-                     qg=qg)
+  return o, ht, dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=hs, v_new=v_new)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -107,16 +102,17 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
 
   save_residuals=True keeps the forward's intermediates so the backward need
   not rerun the intra-chunk and state kernels: the cumulative gates G (f32,
-  kept instead of g), W, A_qk ([C] per row) and the gated keys and queries
-  kg, qg (cfg.mm_dtype), M (f32, [C] per row), the per-chunk entry states
-  (f32, K*V per chunk) and V' (the split state pass, the GPU default: the
-  intra backward's matmul dtype; the fused kernel: f32). With bf16 inputs,
-  bf16 V', K = V = 128 and C = 64 that is, per token and head beyond the
-  inputs, 2K (W) + 2C (A_qk) + 4K (kg, qg) + 4C (M) + 4KV/C (states) + 2V
-  (V') = 2432 bytes, 1.9x the bf16 q, k, v plus f32 g themselves (1280
-  bytes), i.e. 1.28 GB at B16 T2048 H16. cfg.residual_dtype=bf16 stores M
-  and the states in bf16 too: 1792 bytes there (0.94 GB), for one extra
-  cast pass in the forward. save_residuals=False keeps only the
+  kept instead of g), W (cfg.mm_dtype), A_qk (cfg.mm_dtype, [C] per row), M
+  (f32, [C] per row), the per-chunk entry states (f32, K*V per chunk) and V'
+  (f32; the split state pass, the GPU default, stores it in the intra
+  backward's matmul dtype, bf16 at K = V = 128 with bf16 inputs, 2V bytes
+  less than counted below). Per token and head that is 2K + 2C + 4C + 4KV/C + 4V bytes beyond
+  the inputs with bf16 W and A_qk (G takes g's place); K = V = 128, C = 64:
+  2176 bytes,
+  1.7x the bf16 q, k, v plus f32 g themselves (1280 bytes), i.e. 1.14 GB at
+  B16 T2048 H16. cfg.residual_dtype=bf16 stores M, the states and V' in
+  bf16: 2K + 2C + 2C + 2KV/C + 2V = 1280 bytes there (0.67 GB), for one
+  extra cast pass over them in the forward. save_residuals=False keeps only the
   inputs and recomputes everything in the backward (costing a second
   forward's intra and state kernels).
   """
@@ -125,7 +121,7 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
     out = _forward(st, q, k, v, g, beta, h0, meta)
     return out, (q, k, v, g, beta, h0, meta, None)
   o, ht, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
-  saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "kg", "qg")}
+  saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new")}
   if st.cfg.residual_dtype is not None:
     for name in ("m", "hs", "v_new"):
       saved[name] = saved[name].astype(st.cfg.residual_dtype)
@@ -147,9 +143,9 @@ def _core_bwd(st, res, cts):
     r = dict(saved, **_kernel_layout(q, k, v, beta))  # what _forward(save=True) returns
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   do2 = do.reshape(b, tp, h * dv).astype(cfg.mm_dtype)
-  dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, r["qg"], r["kg"], r["g_cum"], r["w"],
-                                          r["a_qk"], do2, dht.astype(_F32), heads=h,
-                                          chunk_size=st.chunk_size, cfg=cfg, varlen=st.varlen)
+  dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, r["q2"], r["k2"], r["g_cum"], r["w"],
+                                          r["a_qk"], do2, dht.astype(_F32),
+                                          varlen=st.varlen, **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
   dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
