@@ -6,9 +6,9 @@ benchmarked carry None and the command that measures them.
 """
 
 KERNEL_TIMES = {
-    "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 4.746, "fwd_bwd_ms": 12.639,
+    "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 2.844, "fwd_bwd_ms": 10.049,
                "note": "docs/benchmarks.md, current KDA kernels table"},
-    "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 10.583, "fwd_bwd_ms": 37.334,
+    "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 9.393, "fwd_bwd_ms": 35.134,
                  "note": "docs/benchmarks.md; pairwise diagonal, the only path for an unbounded gate "
                          "(its cost does not depend on the gate values)"},
     "g2.5_t32": {"path": "pallas dense, tile 32", "fwd_ms": None, "fwd_bwd_ms": None,
@@ -18,7 +18,7 @@ KERNEL_TIMES = {
                  "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-1.3 --sub_chunk=64 --peer=false`"},
 }
-KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Current figures: split backward and Pallas "
-                       "cumsum, fla in the same run (H200 x2, 2026-11-30 19:30 UTC)\", shape B16 "
-                       "T2048 H16 K=V=128, C=64; medians of 10 calls. Same GPU run for both measured "
-                       "rows.")
+KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Current figures: bf16 intra operands and the "
+                       "split state pass, fla in the same run (H200 x2, 2026-11-30 21:45 UTC)\", shape "
+                       "B16 T2048 H16 K=V=128, C=64; medians of 10 calls. Same GPU run for both "
+                       "measured rows.")

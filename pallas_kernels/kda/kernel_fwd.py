@@ -16,6 +16,9 @@ Two kernels, chunk length C, sub-tile (diagonal tile) length L:
   sequential chunk axis). Carries the f32 state S [K, BV] through the
   chunks: V' = U - W S; O = (q e^G) S + A_qk V';
   S <- e^{G_last} S + (k e^{G_last - G})^T V'.
+  The TPU default; on the GPU and in interpret mode `kernel_state_split`
+  (recurrence alone, then a parallel output kernel) runs instead
+  (`KernelConfig.state_fwd_impl`).
 
 Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u, o as
 [B, Tp, H*V]; beta as [B, H, Tp, 1]; A_qk and M as [B, H, Tp, C]; states as

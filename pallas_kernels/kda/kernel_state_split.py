@@ -16,7 +16,9 @@ On the H200 (bf16, B16 T2048 H16 D128, 2026-11-30, scratch kernels of this
 design in one run) the fused kernel took 1.74 ms (2.32 ms saving the states
 and V' for the backward); the recurrence 0.55 ms (f32 states) or 0.44 ms
 (bf16) and the output kernel 0.58 / 0.44 ms. Computing kg inside the loop
-instead of reading it took the recurrence to 0.87 ms.
+instead of reading it took the recurrence to 0.87 ms. In-tree, in the
+training forward (states and V' kept), the pass took 1.43-1.50 ms against
+2.15-2.26 ms fused (`tune_kda.py`, same shape, 21:40 UTC; docs/benchmarks.md).
 
 Numerics match the fused kernel: it rounds S, V' and k e^{G_last - G} to the
 matmul dtype as operands, which is what storing them in that dtype does.
