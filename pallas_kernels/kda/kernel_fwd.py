@@ -540,6 +540,21 @@ def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_re
   return v_new, tuple(s_next)
 
 
+def entry_state(s, starts, h0_ref, seq, slices):
+  """The state entering a chunk: h0's row `seq` where the chunk starts a
+  sequence (`starts`, a traced bool), else the carried K slices `s`."""
+  return tuple(jnp.where(starts, h0_ref[seq, ks, :].astype(_F32), s_kb)
+               for ks, s_kb in zip(slices, s))
+
+
+def store_exit_state(s, ends, ht_ref, seq, slices):
+  """Writes the K slices `s` to ht's row `seq` where the chunk ends a sequence."""
+  @pl.when(ends)
+  def _():
+    for ks, s_kb in zip(slices, s):
+      ht_ref[seq, ks, :] = s_kb
+
+
 def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
                       aqk_ref, h0_ref, o_ref, ht_ref, *save_refs, scale, chunk_size,
                       cfg):
@@ -551,9 +566,7 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
 
   def body(i, s):
     seq = seq_ref[i]
-    start_seq = first_ref[i] != 0
-    s = tuple(jnp.where(start_seq, h0_ref[seq, ks, :].astype(_F32), s_kb)
-              for ks, s_kb in zip(slices, s))
+    s = entry_state(s, first_ref[i] != 0, h0_ref, seq, slices)
     start = pl.multiple_of(i * c, c)
     rows = pl.ds(start, c)
     v_new, s_next = state_fwd_chunk(s, rows, pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
@@ -566,12 +579,7 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
         hs_ref[pl.ds(at, ks.size), :] = s_kb.astype(hs_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
     s = s_next
-
-    @pl.when(last_ref[i] != 0)
-    def _():
-      for ks, s_kb in zip(slices, s):
-        ht_ref[seq, ks, :] = s_kb
-
+    store_exit_state(s, last_ref[i] != 0, ht_ref, seq, slices)
     return s
 
   lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))

@@ -36,7 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import dot, k_slices, state_grid
+from pallas_kernels.kda.kernel_fwd import (dot, entry_state, k_slices, state_grid,
+                                           store_exit_state)
 
 _F32 = jnp.float32
 
@@ -75,9 +76,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
 
   def body(i, s):
     seq = seq_ref[i]
-    start_seq = first_ref[i] != 0
-    s = tuple(jnp.where(start_seq, h0_ref[seq, ks, :].astype(_F32), s_kb)
-              for ks, s_kb in zip(slices, s))
+    s = entry_state(s, first_ref[i] != 0, h0_ref, seq, slices)
     start = pl.multiple_of(i * c, c)
     rows = pl.ds(start, c)
     v_new = u_ref[rows, :].astype(_F32)
@@ -92,12 +91,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
     s = tuple(jnp.transpose(jnp.exp(g_ref[last, ks])) * s_kb
               + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
               for ks, s_kb in zip(slices, s))
-
-    @pl.when(last_ref[i] != 0)
-    def _():
-      for ks, s_kb in zip(slices, s):
-        ht_ref[seq, ks, :] = s_kb
-
+    store_exit_state(s, last_ref[i] != 0, ht_ref, seq, slices)
     return s
 
   lax.fori_loop(0, tp // c, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
