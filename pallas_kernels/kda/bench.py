@@ -136,7 +136,8 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   (intra_bwd_cc, intra_bwd_k), and the reverse cumsum giving dg
   (dg_cumsum). With the split forward state pass (`kernel_state_split`),
   state_fwd is its two kernels together, also timed alone (state_rec and
-  output_fwd, as in training: f32 states). `interpret` runs the kernels emulated (CPU smoke tests; the times mean nothing).
+  output_fwd, with the storage dtypes of training). `interpret` runs the
+  kernels emulated (CPU smoke tests; the times mean nothing).
   """
   b, t, h, dk = q.shape
   dv = v.shape[-1]
@@ -169,12 +170,14 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   w, u, a_qk, m, *kg = intra_m(q2, k2, v2, g_cum, beta_t)
   state_split = {}
   if split_state:
+    # Storage dtypes as `pallas_op._forward` picks them.
     rec_kw = dict(heads=h, chunk_size=c, cfg=cfg, varlen=False)
+    train_kw = dict(state_dtype=jnp.float32, v_new_dtype=cfg.intra(backward=True).mm_dtype)
 
     def split_pass(q2, g_cum, w, u, kg, a_qk, h0, save):
-      hs, v_new, ht = kernel_state_split.state_recurrence(
-          meta, w, u, kg, g_cum, h0, state_dtype=jnp.float32 if save else cfg.mm_dtype,
-          **rec_kw)
+      dtypes = train_kw if save else dict(state_dtype=cfg.mm_dtype)
+      hs, v_new, ht = kernel_state_split.state_recurrence(meta, w, u, kg, g_cum, h0, **dtypes,
+                                                          **rec_kw)
       o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
       return o, ht, hs, v_new
 
@@ -182,7 +185,8 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
     state = jax.jit(lambda *a: split_pass(*a, save=False)[:2])
     state_s = jax.jit(lambda *a: split_pass(*a, save=True))
     _, _, hs, v_new = state_s(*args)
-    rec = jax.jit(lambda *a: kernel_state_split.state_recurrence(meta, *a, **rec_kw))
+    rec = jax.jit(lambda *a: kernel_state_split.state_recurrence(meta, *a, **train_kw,
+                                                                 **rec_kw))
     out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, out_dtype=q.dtype, **kw))
     state_split = {"state_rec": time_ms(rec, w, u, kg[0], g_cum, h0, iters=iters),
                    "output_fwd": time_ms(out, q2, g_cum, a_qk, hs, v_new, iters=iters)}

@@ -97,10 +97,11 @@ class KernelConfig:
       Why bf16 for bf16 inputs (with intra_mm_dtype): on the H200 (B16 T2048
       H16 D128, 2026-11-30) intra_fwd took 3.22 ms with both f32 (3xTF32)
       and 1.36 ms with both bf16; the forward 4.90 -> 3.21 ms, forward+
-      backward 12.63 -> 10.60 ms. The cost is accuracy, from rounding M to
-      bf16 in W and U (the inverse's dtype alone changed no error): relative
-      L2 errors vs the f32 recurrence at B1 T1024 H4 D128 (dense; o / dq /
-      dk / dv / dg / dbeta, x1e-3) went from 3.70 / 3.28 / 3.31 / 3.71 /
+      backward 12.63 -> 10.60 ms (with the fused state kernel of then). The
+      cost is accuracy, from rounding M to bf16 in W and U (the inverse's
+      dtype alone changed no error): relative L2 errors vs the f32
+      recurrence at B1 T1024 H4 D128 (dense; o / dq / dk / dv / dg / dbeta,
+      x1e-3) went from 3.70 / 3.28 / 3.31 / 3.71 /
       3.33 / 3.68 to 3.71 / 3.27 / 3.31 / 3.71 / 3.35 / 3.68 with gates near
       the bound, and from 3.70 / 3.30-3.70 (gradients) to 4.04 / 3.64-3.72
       with the GPU test's spread gates (`TestKdaPallasGpu`; bound 5e-3).

@@ -104,14 +104,13 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
   not rerun the intra-chunk and state kernels: the cumulative gates G (f32,
   kept instead of g), W (cfg.mm_dtype), A_qk (cfg.mm_dtype, [C] per row), M
   (f32, [C] per row), the per-chunk entry states (f32, K*V per chunk) and V'
-  (f32; the split state pass, the GPU default, stores it in the intra
-  backward's matmul dtype, bf16 at K = V = 128 with bf16 inputs, 2V bytes
-  less than counted below). Per token and head that is 2K + 2C + 4C + 4KV/C + 4V bytes beyond
-  the inputs with bf16 W and A_qk (G takes g's place); K = V = 128, C = 64:
-  2176 bytes,
-  1.7x the bf16 q, k, v plus f32 g themselves (1280 bytes), i.e. 1.14 GB at
-  B16 T2048 H16. cfg.residual_dtype=bf16 stores M, the states and V' in
-  bf16: 2K + 2C + 2C + 2KV/C + 2V = 1280 bytes there (0.67 GB), for one
+  (the split state pass, the GPU default: the intra backward's matmul dtype,
+  bf16 at K = V = 128 with bf16 inputs; the fused kernel: f32). Per token and
+  head beyond the inputs, with bf16 inputs and bf16 V', that is
+  2K + 2C + 4C + 4KV/C + 2V bytes (G takes g's place); K = V = 128, C = 64:
+  1920 bytes, 1.5x the bf16 q, k, v plus f32 g themselves (1280 bytes), i.e.
+  1.0 GB at B16 T2048 H16. cfg.residual_dtype=bf16 stores M, the states and
+  V' in bf16: 2K + 2C + 2C + 2KV/C + 2V = 1280 bytes there (0.67 GB), for one
   extra cast pass over them in the forward. save_residuals=False keeps only the
   inputs and recomputes everything in the backward (costing a second
   forward's intra and state kernels).
