@@ -96,6 +96,16 @@ def rel_max(x, ref) -> float:
   return float(np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+def rel_err(x, ref, dtype) -> float:
+  """`rel_max` for float32 `dtype`, `rel_l2` otherwise; fails on non-finite x
+  (an unwritten output) either way."""
+  x = jnp.asarray(x, jnp.float32)
+  if jnp.dtype(dtype) == jnp.float32:
+    return rel_max(x, ref)
+  assert np.all(np.isfinite(np.asarray(x, np.float64))), "non-finite values (unwritten output?)"
+  return rel_l2(x, ref)
+
+
 def bounded_gates(key, shape, at_bound: bool, g_min: float = -5.0):
   """g_min * sigmoid(.): at the bound (sigmoid(6 + z)) or spread (sigmoid(2 z))."""
   z = jax.random.normal(key, shape)

@@ -19,6 +19,7 @@ from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+from tests.kda_inputs import rel_err
 
 LOWER_BOUND = -5.0
 # max|x - ref| / max|ref| for f32 kernels (GPU f32 matmuls are 3xTF32);
@@ -90,14 +91,6 @@ def _intra_reference(q2, k2, v2, g_cum, beta_t, *, heads, chunk, scale):
   return w, u, a_qk, m
 
 
-def _rel(x, ref, dtype):
-  x, ref = np.asarray(jnp.asarray(x, jnp.float32), np.float64), np.asarray(ref, np.float64)
-  assert np.all(np.isfinite(x)), "non-finite values (unwritten output?)"
-  if jnp.dtype(dtype) == jnp.float32:
-    return np.max(np.abs(x - ref)) / max(np.max(np.abs(ref)), 1e-30)
-  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
-
-
 def _check_intra(backend, shape, dtype, diagonal, inverse, seed, **overrides):
   """Runs intra_fwd (save_m) and compares all four outputs with the f64 reference."""
   b, t, h, dk, dv, chunk = shape
@@ -116,7 +109,7 @@ def _check_intra(backend, shape, dtype, diagonal, inverse, seed, **overrides):
   for name, x, r in zip(("w", "u", "a_qk", "m"), got, want):
     assert x.shape == r.shape, name
     # M is always f32; the others are stored in the matmul dtype.
-    errs[name] = _rel(x, r, jnp.float32 if name == "m" else dtype)
+    errs[name] = rel_err(x, r, jnp.float32 if name == "m" else dtype)
   # Strictly above the diagonal, A_qk and M are exact zeros.
   c = chunk
   upper = np.triu(np.ones((c, c), bool), 1)
@@ -174,8 +167,8 @@ def test_blocked_forward_matches_naive(dtype, inverse_mm, block_k):
                                                 output_final_state=True)
   assert o.dtype == dtype and o.shape == o_ref.shape
   tol = TOL[("interpret", "float32")] if dtype == jnp.float32 else BF16_FWD_BOUND
-  assert _rel(o, o_ref, dtype) < tol
-  assert _rel(ht, ht_ref, dtype) < tol
+  assert rel_err(o, o_ref, dtype) < tol
+  assert rel_err(ht, ht_ref, dtype) < tol
 
 
 def test_blocked_causal_under_future_gates():
@@ -250,10 +243,10 @@ def test_gpu_bf16_accuracy_issue_shape(inverse_mm):
   o_ref, grads_ref = jax.jit(functools.partial(o_and_grads, reference.naive_recurrent_kda))(
       f32, do.astype(jnp.float32))
   name = jnp.dtype(inverse_mm).name
-  err = _rel(o, o_ref, jnp.bfloat16)
+  err = rel_err(o, o_ref, jnp.bfloat16)
   print(f"blocked inverse ({name} operands) bf16 o rel L2: {err:.2e}")
   assert err < BF16_FWD_BOUND
   for gname, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
-    gerr = _rel(a.astype(jnp.float32), r, jnp.bfloat16)
+    gerr = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
     print(f"blocked inverse ({name} operands) bf16 {gname} rel L2: {gerr:.2e}")
     assert gerr < 1e-2, f"{gname}: {gerr:.2e}"

@@ -20,7 +20,7 @@ from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
-from tests.kda_inputs import rel_l2, rel_max
+from tests.kda_inputs import rel_err
 
 LOWER_BOUND = -5.0
 # Relative errors: max|x - ref| / max|ref| for f32, ||x - ref|| / ||ref|| for bf16.
@@ -65,14 +65,6 @@ def _o_and_vjp(fn, xs, do):
   return jax.jit(run)(xs, do)
 
 
-def _rel(x, ref, dtype):
-  """rel_max for f32, relative L2 for bf16; either fails on non-finite x."""
-  if jnp.dtype(dtype) == jnp.float32:
-    return rel_max(x, ref)
-  assert np.all(np.isfinite(np.asarray(x, np.float64))), "non-finite values (unwritten output?)"
-  return rel_l2(x, ref)
-
-
 class KdaPallasChecks:
   """Checks shared by the interpret and GPU twins. Subclasses set the fields."""
   interpret: bool
@@ -105,11 +97,11 @@ class KdaPallasChecks:
     (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
     tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
     assert o.shape == o_r.shape and o.dtype == q.dtype
-    assert _rel(o, o_r, jnp.float32) < tol
-    assert _rel(ht, ht_r, jnp.float32) < tol
+    assert rel_err(o, o_r, jnp.float32) < tol
+    assert rel_err(ht, ht_r, jnp.float32) < tol
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
       assert a.shape == r.shape, name
-      err = _rel(a, r, jnp.float32)
+      err = rel_err(a, r, jnp.float32)
       assert err < gtol, f"{name}: {err:.2e}"
 
   def test_varlen_matches_naive(self):
@@ -132,10 +124,10 @@ class KdaPallasChecks:
     (_, (o, ht)), got = _jit_vg(functools.partial(loss, self._pallas("dense")))(*xs)
     (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
     tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
-    assert _rel(o, o_r, jnp.float32) < tol
-    assert _rel(ht, ht_r, jnp.float32) < tol
+    assert rel_err(o, o_r, jnp.float32) < tol
+    assert rel_err(ht, ht_r, jnp.float32) < tol
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
-      err = _rel(a, r, jnp.float32)
+      err = rel_err(a, r, jnp.float32)
       assert err < gtol, f"{name}: {err:.2e}"
 
   def test_bf16_forward_and_vjp(self):
@@ -146,9 +138,9 @@ class KdaPallasChecks:
     f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
     o_ref, grads_ref = _o_and_vjp(reference.naive_recurrent_kda, f32, do.astype(jnp.float32))
     assert o.dtype == jnp.bfloat16
-    assert _rel(o, o_ref, jnp.bfloat16) < TOL[(self.backend, "bfloat16")]
+    assert rel_err(o, o_ref, jnp.bfloat16) < TOL[(self.backend, "bfloat16")]
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
-      err = _rel(a.astype(jnp.float32), r, jnp.bfloat16)
+      err = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
       assert err < GRAD_TOL[(self.backend, "bfloat16")], f"{name}: {err:.2e}"
 
   def test_causal_under_future_gates(self):
@@ -237,11 +229,11 @@ class TestKdaPallasGpu(KdaPallasChecks):
     o, grads = _o_and_vjp(self._pallas(diagonal), (q, k, v, g, beta), do)
     f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
     o_ref, grads_ref = _o_and_vjp(reference.naive_recurrent_kda, f32, do.astype(jnp.float32))
-    err = _rel(o, o_ref, jnp.bfloat16)
+    err = rel_err(o, o_ref, jnp.bfloat16)
     print(f"bf16 fwd rel L2 ({diagonal}): {err:.2e}")
     assert err < 5e-3
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
-      gerr = _rel(a.astype(jnp.float32), r, jnp.bfloat16)
+      gerr = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
       print(f"bf16 {name} rel L2 ({diagonal}): {gerr:.2e}")
       assert gerr < GRAD_TOL[("triton", "bfloat16")], f"{name}: {gerr:.2e}"
 
@@ -257,11 +249,11 @@ class TestKdaPallasGpu(KdaPallasChecks):
     ref = functools.partial(reference.chunk_kda_xla, chunk_size=64, diagonal="dense",
                             lower_bound=LOWER_BOUND)
     o_ref, grads_ref = _o_and_vjp(ref, f32, do.astype(jnp.float32))
-    err = _rel(o, o_ref, jnp.bfloat16)
+    err = rel_err(o, o_ref, jnp.bfloat16)
     print(f"{shape} bf16 fwd rel L2: {err:.2e}")
     assert err < 5e-3
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
-      gerr = _rel(a.astype(jnp.float32), r, jnp.bfloat16)
+      gerr = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
       print(f"{shape} bf16 {name} rel L2: {gerr:.2e}")
       assert gerr < GRAD_TOL[("triton", "bfloat16")], f"{name}: {gerr:.2e}"
 
