@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.kda import kernel_bwd
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import kernel_state_split
@@ -84,14 +85,50 @@ def test_split_matches_fused(save):
     hs, v_new, ht = kernel_state_split.state_recurrence(
         meta, w, u, kg, g_cum, h0, heads=H, chunk_size=CHUNK, cfg=cfg, varlen=False,
         state_dtype=jnp.float32 if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32, **kw)
+    o = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32,
+                                      save_qg=save, **kw)
     return o, ht, hs, v_new
 
   got = split(meta, q, g_cum, w, u, kg, a_qk, h0)
+  if save:
+    (o, qg), *rest = got
+    got = (o, *rest)
+    want = q * DK ** -0.5 * jnp.exp(g_cum)
+    assert qg.dtype == cfg.mm_dtype and qg.shape == q.shape
+    assert rel_max(qg, want) < F32_TOL, f"qg: {rel_max(qg, want):.2e}"
   names = ("o", "ht", "hs", "v_new")
   for name, x, r in zip(names, got, fused):
     assert x.shape == r.shape, name
     assert rel_max(x, r) < F32_TOL, f"{name}: {rel_max(x, r):.2e}"
+
+
+def test_state_bwd_reads_the_gated_operands():
+  """The reverse state kernel given qg and kg (as the split pass keeps them)
+  gives the gradients it forms from q, k and G itself: dV', every chunk's dS
+  and dh0."""
+  q, k, v, g_cum, beta_t, h0 = _kernel_inputs(2)
+  cfg = _cfg()
+  kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=cfg)
+  w, u, a_qk, kg = jax.jit(functools.partial(
+      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_kg=True, **kw))(
+          q, k, v, g_cum, beta_t)
+  hs, v_new, _ = kernel_state_split.state_recurrence(
+      _meta(), w, u, kg, g_cum, h0, heads=H, chunk_size=CHUNK, cfg=cfg, varlen=False)
+  _, qg = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32,
+                                        save_qg=True, **kw)
+  do = jax.random.normal(jax.random.key(3), v.shape, jnp.float32)
+  dht = jax.random.normal(jax.random.key(4), h0.shape, jnp.float32)
+  run = lambda x, y, gated: jax.jit(functools.partial(
+      kernel_bwd.state_bwd, varlen=False, gated=gated, **kw))(
+          _meta(), x, y, g_cum, w, a_qk, do, dht)
+  want = run(q, k, False)
+  got = run(qg, kg, True)
+  for name, x, r in zip(("dv_new", "dhs", "dh0"), got, want):
+    assert np.all(np.isfinite(np.asarray(x))), name
+    assert rel_max(x, r) < F32_TOL, f"{name}: {rel_max(x, r):.2e}"
+  # The gated kernel does read qg: queries it was not given change dS.
+  other = run(qg * 0.5, kg, True)
+  assert rel_max(other[1], want[1]) > 1e-2
 
 
 def test_state_fwd_body_choice():

@@ -178,16 +178,19 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
       dtypes = train_kw if save else dict(state_dtype=cfg.mm_dtype)
       hs, v_new, ht = kernel_state_split.state_recurrence(meta, w, u, kg, g_cum, h0, **dtypes,
                                                           **rec_kw)
-      o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
+      o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype,
+                                        save_qg=save, **kw)
       return o, ht, hs, v_new
 
     args = (q2, g_cum, w, u, kg[0], a_qk, h0)
     state = jax.jit(lambda *a: split_pass(*a, save=False)[:2])
     state_s = jax.jit(lambda *a: split_pass(*a, save=True))
-    _, _, hs, v_new = state_s(*args)
+    (_, qg), _, hs, v_new = state_s(*args)
+    gated_qk = (qg, kg[0])
     rec = jax.jit(lambda *a: kernel_state_split.state_recurrence(meta, *a, **train_kw,
                                                                  **rec_kw))
-    out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, out_dtype=q.dtype, **kw))
+    out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, out_dtype=q.dtype, save_qg=True,
+                                                           **kw))
     state_split = {"state_rec": time_ms(rec, w, u, kg[0], g_cum, h0, iters=iters),
                    "output_fwd": time_ms(out, q2, g_cum, a_qk, hs, v_new, iters=iters)}
   else:
@@ -195,9 +198,14 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
     state = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, **kw))
     state_s = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, save=True, **kw))
     _, _, hs, v_new = state_s(*args)
+    gated_qk = None
   do2 = v2
-  sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False, **kw))
-  dv_new, dhs, _ = sb(q2, k2, g_cum, w, a_qk, do2, h0)
+  # The reverse state kernel reads what the forward kept: the gated queries and
+  # keys after the split pass, q and k after the fused one.
+  sb_args = (*(gated_qk or (q2, k2)), g_cum, w, a_qk, do2, h0)
+  sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False,
+                                               gated=gated_qk is not None, **kw))
+  dv_new, dhs, _ = sb(*sb_args)
   ib = jax.jit(lambda *a: kernel_bwd.intra_bwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                **kw))
   split = {}
@@ -220,7 +228,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
       "intra_fwd+M": time_ms(intra_m, q2, k2, v2, g_cum, beta_t, iters=iters),
       "state_fwd+save": time_ms(state_s, *args, iters=iters),
       **state_split,
-      "state_bwd": time_ms(sb, q2, k2, g_cum, w, a_qk, do2, h0, iters=iters),
+      "state_bwd": time_ms(sb, *sb_args, iters=iters),
       "intra_bwd": time_ms(ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m,
                            iters=iters),
       **split,

@@ -44,7 +44,7 @@ _F32 = jnp.float32
 
 
 def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_ref, dvn_ref,
-                    *, scale, cfg: KernelConfig):
+                    *, scale, gated: bool, cfg: KernelConfig):
   """One chunk of the reverse state recurrence (shared by the GPU and TPU kernels).
 
   Writes dV' = A_qk^T dO + sum_kb (k e^{G_last - G})_kb dS_kb into dvn_ref's
@@ -55,6 +55,10 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
   Args:
     ds: tuple of K/BK f32 [BK, BV] slices of dS [K, BV], the gradient of the
       state leaving the chunk.
+    q_ref, k_ref: the queries and keys, or, when `gated`, the gated queries
+      qg = (scale q) e^G and keys kg = k e^{G_last - G} the forward stored
+      (cfg.mm_dtype, the dtype these products round them to anyway): then
+      no exp is formed on a [C, BK] tile and `scale` is unused.
 
   Returns:
     dS entering the chunk as a tuple of [BK, BV] slices:
@@ -63,26 +67,33 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
   slices = k_slices(cfg, q_ref.shape[-1])
   if len(ds) != len(slices):
     raise ValueError(f"dS has {len(ds)} K slices, expected {len(slices)}")
+
+  def gated_k(ks):
+    if gated:
+      return k_ref[rows, ks]
+    return k_ref[rows, ks].astype(_F32) * jnp.exp(g_ref[last_row, ks] - g_ref[rows, ks])
+
+  def gated_q(ks):
+    if gated:
+      return q_ref[rows, ks]
+    return q_ref[rows, ks].astype(_F32) * scale * jnp.exp(g_ref[rows, ks])
+
   do = do_ref[rows, :]
   dvn = dot(aqk_ref[rows, :], do, cfg, ta=True)
   for ks, ds_kb in zip(slices, ds):
-    g = g_ref[rows, ks]
-    g_last = g_ref[last_row, ks]
-    k = k_ref[rows, ks].astype(_F32)
-    dvn = dvn + dot(k * jnp.exp(g_last - g), ds_kb, cfg)
+    dvn = dvn + dot(gated_k(ks), ds_kb, cfg)
   dvn_ref[rows, :] = dvn.astype(dvn_ref.dtype)
   ds_prev = []
   for ks, ds_kb in zip(slices, ds):
-    g = g_ref[rows, ks]
     g_last = g_ref[last_row, ks]
-    q = q_ref[rows, ks].astype(_F32) * scale
-    ds_prev.append(jnp.transpose(jnp.exp(g_last)) * ds_kb + dot(q * jnp.exp(g), do, cfg, ta=True)
+    ds_prev.append(jnp.transpose(jnp.exp(g_last)) * ds_kb + dot(gated_q(ks), do, cfg, ta=True)
                    - dot(w_ref[rows, ks], dvn, cfg, ta=True))
   return tuple(ds_prev)
 
 
 def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
-                      do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, scale, chunk_size, cfg):
+                      do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, scale, gated, chunk_size,
+                      cfg):
   c = chunk_size
   tp, dk = q_ref.shape
   nc = tp // c
@@ -100,7 +111,7 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
       dhs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = ds_kb
     start = pl.multiple_of(i * c, c)
     ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
-                         w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, cfg=cfg)
+                         w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
 
     @pl.when(first_ref[i] != 0)
     def _():
@@ -113,7 +124,8 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
 
 
 def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
-                          do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, ds_ref, *, scale, cfg):
+                          do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, ds_ref, *, scale, gated,
+                          cfg):
   """One chunk per grid step, last chunk first; dS in VMEM scratch.
 
   The scratch holds the whole [K, BV] dS; it is read and written in the same
@@ -133,7 +145,7 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
   for ks, ds_kb in zip(slices, ds):
     dhs_ref[ks, :] = ds_kb
   ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref, aqk_ref,
-                       do_ref, dvn_ref, scale=scale, cfg=cfg)
+                       do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
   for ks, ds_kb in zip(slices, ds):
     ds_ref[ks, :] = ds_kb
 
@@ -144,7 +156,7 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
 
 
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
-              cfg: KernelConfig, varlen: bool):
+              cfg: KernelConfig, varlen: bool, gated: bool = False):
   """Runs the reverse state kernel.
 
   Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
@@ -153,6 +165,11 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
   Args:
     meta: (first_n, last_n, seq_n) int32 [NC], as for `state_fwd`.
     q, k, g_cum, w: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; do: [B, Tp, H*V].
+      With `gated`, q and k are the gated queries (scale q) e^G and keys
+      k e^{G_last - G} in cfg.mm_dtype (`kernel_state_split.output_fwd`'s
+      save_qg and `kernel_fwd.intra_fwd`'s save_kg): the chunk loop then
+      forms no exp on a [C, K] tile, the same products with the same
+      rounded operands.
     dht: [Nh, H, K, V] f32, gradient of the final states.
 
   Returns:
@@ -167,9 +184,10 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
   grid = state_grid(q.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
                     num_state_rows=dht.shape[0], reverse=True)
   if cfg.is_tpu:
-    kernel = functools.partial(_state_bwd_kernel_tpu, scale=scale, cfg=cfg)
+    kernel = functools.partial(_state_bwd_kernel_tpu, scale=scale, gated=gated, cfg=cfg)
   else:
-    kernel = functools.partial(_state_bwd_kernel, scale=scale, chunk_size=chunk_size, cfg=cfg)
+    kernel = functools.partial(_state_bwd_kernel, scale=scale, gated=gated,
+                               chunk_size=chunk_size, cfg=cfg)
   return pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.a, grid.v, grid.state],

@@ -133,26 +133,32 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
   )(*meta, w, u, kg, g_cum, h0)
 
 
-def _output_kernel(q_ref, g_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, scale, cfg):
-  """Block shapes: q_ref, g_ref [C, K]; aqk_ref [C, C]; hs_ref [K, V]; vn_ref,
-  o_ref [C, V]. O = A_qk V' + sum_kb (q e^G)_kb S_kb, element-wise work per K slice."""
+def _output_kernel(q_ref, g_ref, aqk_ref, hs_ref, vn_ref, o_ref, *qg_ref, scale, cfg):
+  """Block shapes: q_ref, g_ref, qg_ref [C, K]; aqk_ref [C, C]; hs_ref [K, V];
+  vn_ref, o_ref [C, V]. O = A_qk V' + sum_kb (q e^G)_kb S_kb, element-wise
+  work per K slice; qg_ref (optional) receives the gated queries."""
   o = dot(aqk_ref[...], vn_ref[...], cfg)
   for ks in k_slices(cfg, q_ref.shape[-1]):
     qg = q_ref[:, ks].astype(_F32) * scale * jnp.exp(g_ref[:, ks])
     o = o + dot(qg, hs_ref[ks, :], cfg)
+    if qg_ref:
+      qg_ref[0][:, ks] = qg.astype(qg_ref[0].dtype)
   o_ref[...] = o.astype(o_ref.dtype)
 
 
 def output_fwd(q, g_cum, a_qk, hs, v_new, *, heads, chunk_size, scale, cfg: KernelConfig,
-               out_dtype):
+               out_dtype, save_qg: bool = False):
   """Kernel 2: the outputs of all chunks in parallel.
 
   Args:
     q, g_cum: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; hs: [B, H, NC*K, V] entry
       states; v_new: [B, Tp, H*V].
+    save_qg: also return the gated queries qg = (scale q) e^G [B, Tp, H*K] in
+      cfg.mm_dtype, which the reverse state kernel reads (`kernel_bwd.state_bwd`,
+      gated) instead of forming the exps again in its sequential loop.
 
   Returns:
-    o [B, Tp, H*V] in out_dtype.
+    o [B, Tp, H*V] in out_dtype; (o, qg) if save_qg.
   """
   b, tp, hk = q.shape
   h, c = heads, chunk_size
@@ -161,10 +167,13 @@ def output_fwd(q, g_cum, a_qk, hs, v_new, *, heads, chunk_size, scale, cfg: Kern
   vspec = pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih))
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
   sspec = pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0))
-  return pl.pallas_call(
+  out_specs = [vspec] + [kspec] * save_qg
+  out_shape = ([jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype)]
+               + [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * save_qg)
+  out = pl.pallas_call(
       functools.partial(_output_kernel, scale=scale, cfg=cfg), grid=(b, h, tp // c),
-      in_specs=[kspec, kspec, cspec, sspec, vspec], out_specs=vspec,
-      out_shape=jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype),
+      in_specs=[kspec, kspec, cspec, sspec, vspec], out_specs=out_specs, out_shape=out_shape,
       compiler_params=cfg.compiler_params("output_fwd"), interpret=cfg.interpret,
       name="kda_output_fwd",
   )(q, g_cum, a_qk, hs, v_new)
+  return tuple(out) if save_qg else out[0]

@@ -71,16 +71,22 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
         meta, w, u, intra[-1], g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
         varlen=st.varlen, state_dtype=_F32 if save else cfg.mm_dtype,
         v_new_dtype=cfg.intra(backward=True).mm_dtype if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype, **kw)
+    o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype,
+                                      save_qg=save, **kw)
+    if save:
+      # The reverse state kernel reads the gated queries and keys instead of
+      # forming e^G and e^{G_last - G} on [C, K] tiles in its sequential loop.
+      o, gated = o[0], dict(qg=o[1], kg=intra[-1])
   else:
     o, ht, *saved = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
                                          save=save, out_dtype=q.dtype, **kw)
     if save:
       hs, v_new = saved
+      gated = dict(qg=None, kg=None)
   o = o.reshape(b, tp, h, dv)
   if not save:
     return o, ht
-  return o, ht, dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=hs, v_new=v_new)
+  return o, ht, dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=hs, v_new=v_new, **gated)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -105,22 +111,25 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
   kept instead of g), W (cfg.mm_dtype), A_qk (cfg.mm_dtype, [C] per row), M
   (f32, [C] per row), the per-chunk entry states (f32, K*V per chunk) and V'
   (the split state pass, the GPU default: the intra backward's matmul dtype,
-  bf16 at K = V = 128 with bf16 inputs; the fused kernel: f32). Per token and
-  head beyond the inputs, with bf16 inputs and bf16 V', that is
-  2K + 2C + 4C + 4KV/C + 2V bytes (G takes g's place); K = V = 128, C = 64:
-  1920 bytes, 1.5x the bf16 q, k, v plus f32 g themselves (1280 bytes), i.e.
-  1.0 GB at B16 T2048 H16. cfg.residual_dtype=bf16 stores M, the states and
-  V' in bf16: 2K + 2C + 2C + 2KV/C + 2V = 1280 bytes there (0.67 GB), for one
-  extra cast pass over them in the forward. save_residuals=False keeps only the
-  inputs and recomputes everything in the backward (costing a second
-  forward's intra and state kernels).
+  bf16 at K = V = 128 with bf16 inputs; the fused kernel: f32). The split
+  pass also keeps the gated queries and keys qg = (scale q) e^G and
+  kg = k e^{G_last - G} (cfg.mm_dtype) for the reverse state kernel. Per
+  token and head beyond the inputs, with bf16 inputs, the split pass and
+  bf16 V', that is 2K + 2C + 4C + 4KV/C + 2V + 4K bytes (G takes g's place);
+  K = V = 128, C = 64: 2432 bytes, 1.9x the bf16 q, k, v plus f32 g
+  themselves (1280 bytes), i.e. 1.3 GB at B16 T2048 H16 (the fused pass:
+  4K bytes less). cfg.residual_dtype=bf16 stores M, the states and V' in
+  bf16: 1792 bytes there (0.94 GB), for one extra cast pass over them in the
+  forward. save_residuals=False keeps only the inputs and recomputes
+  everything in the backward (costing a second forward's intra and state
+  kernels).
   """
   meta = (first_n, last_n, seq_n)
   if not st.cfg.save_residuals:
     out = _forward(st, q, k, v, g, beta, h0, meta)
     return out, (q, k, v, g, beta, h0, meta, None)
   o, ht, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
-  saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new")}
+  saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "qg", "kg")}
   if st.cfg.residual_dtype is not None:
     for name in ("m", "hs", "v_new"):
       saved[name] = saved[name].astype(st.cfg.residual_dtype)
@@ -142,9 +151,11 @@ def _core_bwd(st, res, cts):
     r = dict(saved, **_kernel_layout(q, k, v, beta))  # what _forward(save=True) returns
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   do2 = do.reshape(b, tp, h * dv).astype(cfg.mm_dtype)
-  dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, r["q2"], r["k2"], r["g_cum"], r["w"],
+  gated = r["qg"] is not None
+  q_state, k_state = (r["qg"], r["kg"]) if gated else (r["q2"], r["k2"])
+  dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, q_state, k_state, r["g_cum"], r["w"],
                                           r["a_qk"], do2, dht.astype(_F32),
-                                          varlen=st.varlen, **kw)
+                                          varlen=st.varlen, gated=gated, **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
   dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
