@@ -309,15 +309,6 @@ class TestKdaPallasGpuSplitRowsBackward(TestKdaPallasGpu):
 
 
 @pytest.mark.gpu
-class TestKdaPallasGpuSplitLoopBackward(TestKdaPallasGpu):
-  """The GPU checks with the split backward's second kernel looping over row
-  tiles inside one (chunk, K slice) program (`intra_bwd_impl="split_loop"`)."""
-
-  def _pallas(self, diagonal, **kw):
-    return super()._pallas(diagonal, config_overrides={"intra_bwd_impl": "split_loop"}, **kw)
-
-
-@pytest.mark.gpu
 class TestKdaPallasGpuSubstitutionInverse(TestKdaPallasGpu):
   """The GPU checks, gradients included, with the substitution inverse forced
   (the GPU default is "blocked")."""

@@ -543,7 +543,7 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
 
 
 # Intra-chunk backward bodies (KernelConfig.intra_bwd_impl, besides "auto").
-INTRA_BWD_BODIES = ("rows", "tiles", "split", "split_rows", "split_loop")
+INTRA_BWD_BODIES = ("rows", "tiles", "split", "split_rows")
 
 
 def intra_bwd_body(cfg: KernelConfig, sub_chunk: int) -> str:

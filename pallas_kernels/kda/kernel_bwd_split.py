@@ -275,12 +275,8 @@ def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *
   bfull = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic, ik: (ib, ih, ic, 0))
   srows = pl.BlockSpec((None, None, bk, dv_), lambda ib, ih, ic, ik: (ib, ih, ic * nk + ik, 0))
   bpart = pl.BlockSpec((None, None, None, c, 1), lambda ib, ih, ic, ik: (ib, ih, ik, ic, 0))
-  if cfg.intra_bwd_impl == "split_loop":
-    from pallas_kernels.kda import kernel_bwd_split_rows  # pylint: disable=g-import-not-at-top
-    body = kernel_bwd_split_rows.row_loop_kernel
-  else:
-    body = _intra_bwd_k_kernel
-  kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg)
+  kernel = functools.partial(_intra_bwd_k_kernel, scale=scale, ell=sub_chunk,
+                             diagonal=diagonal, cfg=cfg)
   return pl.pallas_call(
       kernel, grid=(b, h, nc, nk),
       in_specs=[kslice, kslice, kslice, bfull, vfull, srows, srows, vfull, vfull] + [cfull] * 4,
