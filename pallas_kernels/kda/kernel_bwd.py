@@ -279,10 +279,9 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (anchors and the
       pairwise diagonal read them).
     tile_lhs(r): row tile r's left operands, whatever tile_products takes.
-    tile_products(r, lhs, yk, xq, xk): (dA_qk_r yk, dA_qk_r^T xq, dA_r yk,
+    tile_products(lhs, yk, xq, xk): (dA_qk_r yk, dA_qk_r^T xq, dA_r yk,
       dA_r^T xk), [C, K'] f32 each, with dA_r the rows of tile r and operands
-      in the score dtype (xq, xk are zero off tile r's rows, so the column
-      sides may instead take their [L, K'] rows, `tile_row_operands`).
+      in the score dtype.
     pair_blocks(r, e_cl): the [L, L] diagonal blocks (dA_qk, dA) of tile r,
       f32 (`pairwise` only; e_cl is the tile's exact one-hot embedding).
 
@@ -295,9 +294,11 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
   q_ref, k_ref, g_ref, beta_ref = refs
   c = q.shape[0]
   rnd = lambda x: x.astype(cfg.score_mm_dtype).astype(_F32)
-  # Straight into the running gradients: one [C, K'] accumulator (R) beyond
-  # them, as the kernels that call this sit at the register limit.
+  dq_a = jnp.zeros_like(q)
+  dk_a = jnp.zeros_like(q)
   r_acc = jnp.zeros_like(q)
+  dk_col = jnp.zeros_like(q)
+  dg_sc = jnp.zeros_like(q)
   bk = beta * k
   for r in range(c // ell):
     anchor = g_ref[pl.ds(r * ell, 1), :]
@@ -306,39 +307,27 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     yk = rnd(k * col_f)
     xq = rnd(q * row_f)
     xk = rnd(bk * row_f)
-    t_q, t_qc, t_k, t_kc = tile_products(r, lhs, yk, xq, xk)
-    dq = dq + row_f * t_q
-    dk = dk + col_f * (t_qc + t_kc)
-    r_acc = r_acc + row_f * t_k
-    dgc = dgc + (xq * t_q + xk * t_k - yk * (t_qc + t_kc))
+    t_q, t_qc, t_k, t_kc = tile_products(lhs, yk, xq, xk)
+    dq_a += row_f * t_q
+    dk_a += col_f * t_qc
+    r_acc += row_f * t_k
+    dk_col += col_f * t_kc
+    dg_sc += xq * t_q - yk * t_qc + xk * t_k - yk * t_kc
     if diagonal == "pairwise":
       e_cl = onehot_rows(c, ell, r)
       daq_l, da_l = pair_blocks(r, e_cl)
       parts = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
       p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
-      dq = dq + p_q
-      dk = dk + p_qc + p_kc
-      r_acc = r_acc + p_k
-      dgc = dgc + (q * p_q - k * (p_qc + p_kc) + bk * p_k)
-  dk = dk + beta * r_acc
+      dq_a += p_q
+      dk_a += p_qc
+      r_acc += p_k
+      dk_col += p_kc
+      dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
+  dq = dq + dq_a
+  dk = dk + dk_a + beta * r_acc + dk_col
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
+  dgc = dgc + dg_sc
   return dq, dk, dbeta, dgc
-
-
-def tile_row_operands(r: int, refs, *, ell: int, scale, cfg: KernelConfig):
-  """Row tile r's anchored row operands on its own L rows, [L, K'] each:
-  rnd((scale q) e^{G - a_r}) and rnd(beta k e^{G - a_r}), a_r the tile's
-  first-row gates. The same f32 operations as `add_score_grads`' xq, xk on
-  those rows (zero elsewhere there), so both sides of each score pair see
-  identical rounded operands."""
-  q_ref, k_ref, g_ref, beta_ref = refs
-  rows = pl.ds(r * ell, ell)
-  anchor = g_ref[pl.ds(r * ell, 1), :]
-  row_f = jnp.exp(g_ref[rows, :] - anchor)
-  rnd = lambda x: x.astype(cfg.score_mm_dtype).astype(_F32)
-  q_l = q_ref[rows, :].astype(_F32) * scale
-  bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
-  return rnd(q_l * row_f), rnd(bk_l * row_f)
 
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref,
@@ -397,8 +386,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
     in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
     return rnd(jnp.where(in_r, daq, 0.0)), rnd(jnp.where(in_r, da, 0.0))
 
-  def tile_products(r, lhs, yk, xq, xk):
-    del r
+  def tile_products(lhs, yk, xq, xk):
     daq_r, da_r = lhs
     return (dot(daq_r, yk, cfg, dtype=sdt), dot(daq_r, xq, cfg, ta=True, dtype=sdt),
             dot(da_r, yk, cfg, dtype=sdt), dot(da_r, xk, cfg, ta=True, dtype=sdt))

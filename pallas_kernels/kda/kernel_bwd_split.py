@@ -24,7 +24,7 @@ products with a transposed [C, C] left operand and N = block_k < K (see
 docs/benchmarks.md). Here the only transposed-left products (M^T dM,
 M^T dV') have N = C or V and live in kernel 1; kernel 2 gets the column-side
 score gradients as plain products with the stored transposes,
-t_qc = (dAqk^T's [C, L] columns of tile r) @ (tile r's [L, BK] rows of xq).
+t_qc = (dAqk^T masked to the columns of tile r) @ xq.
 
 The Triton default (`kernel_bwd.intra_bwd_body`); not lowered for TPU
 (Mosaic), where it is a ValueError.
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
-from pallas_kernels.kda.kernel_bwd import add_score_grads, tile_row_operands
+from pallas_kernels.kda.kernel_bwd import add_score_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
 
@@ -119,6 +119,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   s = hs_ref[...]           # [BK, V] rows of the state entering the chunk
   ds = dhs_ref[...]         # [BK, V] rows of the gradient of the state leaving it
   row_c = iota((c, 1), 0)
+  col_c = iota((1, c), 1)
   eg = jnp.exp(g)
   g_last = g_ref[pl.ds(c - 1, 1), :]
   kdec = jnp.exp(g_last - g)
@@ -141,27 +142,24 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   dgc = dgc + beta * k * eg * dbkg
 
   # Scores (`kernel_bwd.add_score_grads`): the row side takes dA's rows
-  # of tile r (masked [C, C] x [C, BK]), the column side the [C, L] columns
-  # of tile r of dA^T (= (dA's rows)^T) times the tile's [L, BK] row
-  # operands, so every product is a plain one. The [C, C] operands are read
-  # at each use, not held across the tile loop (as f32 at C = 64 and 8 warps,
-  # 16 registers per thread each).
+  # of tile r, the column side dA^T's columns of tile r (= (dA's rows)^T), so
+  # every product is a plain one. The four [C, C] operands are read at each
+  # use, not held across the tile loop (as f32 at C = 64 and 8 warps, 16
+  # registers per thread each, next to the five [C, BK] accumulators).
   sdt = cfg.score_mm_dtype
   rnd = lambda x: x.astype(sdt).astype(_F32)
   cc = lambda ref, mask: rnd(jnp.where(mask, ref[...].astype(_F32), 0.0))
-  refs = (q_ref, k_ref, g_ref, beta_ref)
 
   def tile_lhs(r):
-    return (row_c >= r * ell) & (row_c < (r + 1) * ell)
+    return ((row_c >= r * ell) & (row_c < (r + 1) * ell),
+            (col_c >= r * ell) & (col_c < (r + 1) * ell))
 
-  def tile_products(r, in_r, yk, xq, xk):
-    del xq, xk  # zero off tile r's rows: the column side takes those rows alone
-    xq_l, xk_l = tile_row_operands(r, refs, ell=ell, scale=scale, cfg=cfg)
-    cols = (slice(None), pl.ds(r * ell, ell))
+  def tile_products(lhs, yk, xq, xk):
+    in_r, col_in_r = lhs
     return (dot(cc(daq_ref, in_r), yk, cfg, dtype=sdt),
-            dot(rnd(daqt_ref[cols].astype(_F32)), xq_l, cfg, dtype=sdt),
+            dot(cc(daqt_ref, col_in_r), xq, cfg, dtype=sdt),
             dot(cc(da_ref, in_r), yk, cfg, dtype=sdt),
-            dot(rnd(dat_ref[cols].astype(_F32)), xk_l, cfg, dtype=sdt))
+            dot(cc(dat_ref, col_in_r), xk, cfg, dtype=sdt))
 
   def pair_blocks(r, e_cl):
     del e_cl  # the diagonal blocks are read straight from the refs
@@ -169,7 +167,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
     return daq_ref[diag].astype(_F32), da_ref[diag].astype(_F32)
 
   dq, dk, dbeta, dgc = add_score_grads(
-      (dq, dk, dbeta, dgc), q, k, g, beta, refs, ell=ell,
+      (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
       diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_products=tile_products,
       pair_blocks=pair_blocks)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
