@@ -10,7 +10,11 @@ parallel kernel forms the outputs:
    with kg = k e^{G_last - G} written by the intra kernel (`save_kg`), so the
    loop reads W, U, kg and one gate row per chunk, and does no exp on a
    [C, K] tile. It writes the entry state of every chunk and V'.
-2. `output_fwd`, grid (B, H, NC): O = (q e^G) S_entry + A_qk V'.
+2. `output_fwd`, grid (B, H, NC): O = (q e^G) S_entry + A_qk V'. In
+   training it also writes qg = (scale q) e^G, which the reverse state
+   kernel reads with kg (`kernel_bwd.state_bwd`, gated): state_bwd took
+   0.93 ms against 1.82 ms forming both exps in its loop (H200, bf16,
+   B16 T2048 H16 D128, `tune_kda.py`; docs/benchmarks.md).
 
 On the H200 (bf16, B16 T2048 H16 D128, 2026-11-30, scratch kernels of this
 design in one run) the fused kernel took 1.74 ms (2.32 ms saving the states
