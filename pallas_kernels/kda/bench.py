@@ -132,11 +132,9 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   Stages: the g cumsum (`kernel_cumsum`; cumsum_xla is XLA's, for
   comparison), intra_fwd, state_fwd, the training forward's variants
   (intra_fwd with M, state_fwd saving the entry states and V'), state_bwd,
-  intra_bwd (dg included: the split body's second kernel forms dG's suffix
-  sums itself, the others run the reverse cumsum kernel after), when the
-  split backward runs its two kernels alone (intra_bwd_cc, intra_bwd_k),
-  and the reverse cumsum kernel alone (dg_cumsum, for reference: part of
-  intra_bwd where it runs). With the split forward state pass (`kernel_state_split`),
+  intra_bwd, when the split backward runs its two kernels alone
+  (intra_bwd_cc, intra_bwd_k), and the reverse cumsum giving dg
+  (dg_cumsum). With the split forward state pass (`kernel_state_split`),
   state_fwd is its two kernels together, also timed alone (state_rec and
   output_fwd, with the storage dtypes of training). `interpret` runs the
   kernels emulated (CPU smoke tests; the times mean nothing).
@@ -271,7 +269,7 @@ def parse_overrides(items):
 
 # Stages of the default path (saved residuals): the recompute stages are not run there.
 FWD_STAGES = ("cumsum", "intra_fwd", "state_fwd")
-BWD_STAGES = ("state_bwd", "intra_bwd")  # intra_bwd returns dg (no separate dg_cumsum)
+BWD_STAGES = ("state_bwd", "intra_bwd", "dg_cumsum")
 
 
 def parse_grid(text: str) -> list[list[str]]:

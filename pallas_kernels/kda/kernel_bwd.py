@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import (dot, iota, k_slices, onehot_rows, state_grid,
                                            state_launch_options, tile_factors)
@@ -597,11 +596,8 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
 
   Returns:
     dq, dk [B, Tp, H*K] (dq w.r.t. the unscaled q), dv [B, Tp, H*V], all
-    grad_dtype; dg [B, Tp, H*K] f32 (w.r.t. the per-step gates: the suffix
-    sums within each chunk of dG, the gradient w.r.t. their within-chunk
-    cumsum G), dbeta [B, H, Tp, 1] f32. The split body's second kernel forms
-    the suffix sums on its [C, bwd_block_k] tiles before storing them; the
-    others store dG and `kernel_cumsum.chunk_cumsum` (reverse) follows.
+    grad_dtype; dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum),
+    dbeta [B, H, Tp, 1] f32.
   """
   impl = intra_bwd_body(cfg, sub_chunk)
   if impl.startswith("split"):
@@ -621,7 +617,7 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
   sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
   body = _intra_bwd_rows_kernel if impl == "rows" else _intra_bwd_kernel
   kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg)
-  dq, dk, dv, dg_cum, dbeta = pl.pallas_call(
+  return pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec, vspec, sspec, sspec, vspec, vspec, cspec],
       out_specs=[kspec, kspec, vspec, kspec, bspec],
@@ -633,4 +629,3 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
       compiler_params=cfg.compiler_params("intra_bwd"),
       interpret=cfg.interpret, name="kda_intra_bwd",
   )(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
-  return dq, dk, dv, kernel_cumsum.chunk_cumsum(dg_cum, c, reverse=True, cfg=cfg), dbeta

@@ -15,8 +15,7 @@ The same gradients as `kernel_bwd._intra_bwd_kernel`, in two pallas_calls:
    program, every per-channel tile [C, bwd_block_k]: the state terms, the W term
    d(beta k e^G) = -dU~ S_kb^T, the anchored score gradients and the pairwise
    diagonal, giving dq, dk, dG of the slice and a partial dbeta (summed over
-   the slices by the wrapper); it stores dg, dG's suffix sums within the
-   chunk, so no reverse-cumsum pass follows.
+   the slices by the wrapper).
 
 Why split: the one-program body holds [C, K] f32 tiles next to the [C, C]
 ones. A K-sliced single kernel gave wrong f32 gradients on the H200 while
@@ -41,7 +40,6 @@ from jax.experimental import pallas as pl
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
 from pallas_kernels.kda.kernel_bwd import add_score_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_cumsum import suffix_sum_rows
 from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
 
 _F32 = jnp.float32
@@ -109,8 +107,8 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   q_ref, k_ref, g_ref [C, BK] (BK = cfg.bwd_block_k); beta_ref [C, 1]; do_ref,
   vn_ref, du_ref [C, V]; hs_ref, dhs_ref [BK, V] (rows of the entry state and
   of the exit-state gradient); da_ref, daq_ref, dat_ref, daqt_ref [C, C].
-  Outputs: dq_ref, dk_ref [C, BK], dg_ref [C, BK] f32 (w.r.t. the per-step
-  gates), dbeta_ref [C, 1] f32 (this slice's part).
+  Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32 (this
+  slice's part).
   """
   cfg = cfg.intra(backward=True)
   c = q_ref.shape[0]
@@ -176,9 +174,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
 
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
-  # dg = suffix sums of dG within the chunk, on the tile already in registers:
-  # no separate reverse-cumsum pass over an f32 [B, Tp, H*K] array.
-  dg_ref[...] = suffix_sum_rows(dgc)
+  dg_ref[...] = dgc
   dbeta_ref[...] = dbeta
 
 
@@ -195,7 +191,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
 
   Returns:
     dq, dk [B, Tp, H*K] (dq w.r.t. the unscaled q), dv [B, Tp, H*V], all
-    grad_dtype; dg [B, Tp, H*K] f32 (w.r.t. the per-step gates), dbeta
+    grad_dtype; dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta
     [B, H, Tp, 1] f32.
 
   Intermediates in HBM: dU~ [B, Tp, H*V] (intra-bwd matmul dtype, the dtype
@@ -264,8 +260,7 @@ def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *
   Args: as `intra_bwd_split`, plus kernel 1's dU~, dA, dAqk, dA^T, dAqk^T.
 
   Returns:
-    dq, dk [B, Tp, H*K] (grad_dtype), dg [B, Tp, H*K] f32 (w.r.t. the per-step
-    gates: suffix sums of dG within each chunk), dbeta's per-slice
+    dq, dk [B, Tp, H*K] (grad_dtype), dG [B, Tp, H*K] f32, dbeta's per-slice
     parts [B, H, NK, Tp, 1] f32.
   """
   b, tp, hk = q.shape

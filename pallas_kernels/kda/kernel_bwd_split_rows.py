@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda.kernel_bwd import fold_pair_tile_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
@@ -153,9 +152,8 @@ def intra_bwd_k_rows(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, da
   """Kernel 2 of the split backward by row tile, grid (B, H, NC, K / bwd_block_k, C / L).
 
   Args and returns as `kernel_bwd_split.intra_bwd_k`: dq, dk [B, Tp, H*K]
-  (grad_dtype), dg [B, Tp, H*K] f32, dbeta's per-slice parts
-  [B, H, NK, Tp, 1] f32. A program holds one row tile, so dG's suffix sums
-  over the chunk run after the kernel (`kernel_cumsum.chunk_cumsum`).
+  (grad_dtype), dG [B, Tp, H*K] f32, dbeta's per-slice parts
+  [B, H, NK, Tp, 1] f32.
   """
   b, tp, hk = q.shape
   h, c, ell = heads, chunk_size, sub_chunk
@@ -177,7 +175,7 @@ def intra_bwd_k_rows(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, da
   tile_b = pl.BlockSpec((None, None, None, ell, 1),
                         lambda ib, ih, ic, ik, ir: (ib, ih, ik, ic * nr + ir, 0))
   kernel = functools.partial(_row_tile_kernel, scale=scale, ell=ell, diagonal=diagonal, cfg=cfg)
-  dq, dk, dg_cum, dbeta = pl.pallas_call(
+  return pl.pallas_call(
       kernel, grid=grid,
       in_specs=[chunk_k, chunk_k, chunk_k, chunk_b, tile_v, tile_v, chunk_v, tile_v, state,
                 state] + [tile_cc] * 4,
@@ -187,4 +185,3 @@ def intra_bwd_k_rows(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, da
       compiler_params=cfg.compiler_params("intra_bwd_k", grid_rank=5),
       interpret=cfg.interpret, name="kda_intra_bwd_k_rows",
   )(q, k, g_cum, beta, do, v_new, v_new, du, hs, dhs, da, daq, dat, daqt)
-  return dq, dk, kernel_cumsum.chunk_cumsum(dg_cum, c, reverse=True, cfg=cfg), dbeta

@@ -56,21 +56,17 @@ def chunk_cumsum_xla(g_btf, chunk_size: int, *, reverse: bool = False):
   return jax.lax.cumsum(g, axis=2, reverse=reverse).reshape(b, tp, f)
 
 
-def suffix_sum_rows(x_cf):
-  """Suffix sums along the rows of a [C, F] f32 tile, inside a kernel.
-
-  The Triton lowering has forward cumsum only (it raises on reverse), and a
-  row flip does not lower either, so the suffix sum is total - prefix + x.
-  Its rounding differs from a sequential suffix sum by up to about f32 eps
-  times the chunk's total magnitude (a small suffix after a large prefix
-  keeps the prefix's absolute rounding error).
-  """
-  return jnp.sum(x_cf, axis=0, keepdims=True) - jnp.cumsum(x_cf, axis=0) + x_cf
-
-
 def _cumsum_kernel(x_ref, o_ref, *, reverse: bool):
   x = x_ref[...]
-  o_ref[...] = suffix_sum_rows(x) if reverse else jnp.cumsum(x, axis=0)
+  c = jnp.cumsum(x, axis=0)
+  if reverse:
+    # The Triton lowering has forward cumsum only (it raises on reverse), and
+    # a row flip does not lower either, so the suffix sum is total - prefix + x.
+    # Its rounding differs from a sequential suffix sum by up to about
+    # f32 eps times the chunk's total magnitude (a small suffix after a large
+    # prefix keeps the prefix's absolute rounding error).
+    c = jnp.sum(x, axis=0, keepdims=True) - c + x
+  o_ref[...] = c
 
 
 def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelConfig,
@@ -90,7 +86,7 @@ def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelCo
   Returns:
     [B, Tp, F] f32. Forward: out[t] = sum of g over the chunk's rows <= t;
     reverse: over rows >= t, computed as chunk total - prefix + g (see
-    `suffix_sum_rows` for its rounding).
+    `_cumsum_kernel` for its rounding).
 
   Raises:
     ValueError: wrong rank or dtype, Tp not a multiple of C, bad block_f.

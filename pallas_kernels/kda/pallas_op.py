@@ -7,9 +7,8 @@ This module
 * pads T (fixed length) or gathers packed sequences onto the grid
   (`tiling.pack_varlen`), and scatters the outputs back; plain autodiff
   differentiates these gathers;
-* computes the within-chunk cumsum G of the gates with `kernel_cumsum` (XLA
-  on TPU; the backward's reverse cumsum of dG is part of
-  `kernel_bwd.intra_bwd`);
+* computes the within-chunk cumsum G of the gates (and the reverse cumsum of
+  dG in the backward) with `kernel_cumsum` (XLA on TPU);
 * joins the forward and backward kernels with `jax.custom_vjp`.
 """
 from __future__ import annotations
@@ -159,10 +158,11 @@ def _core_bwd(st, res, cts):
                                           varlen=st.varlen, gated=gated, **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
-  dq, dk_, dv_, dg, dbeta = kernel_bwd.intra_bwd(
+  dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
       grad_dtype=q.dtype if same else _F32, **kw)
+  dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
   # Only rows of sequences that start somewhere were written by the kernel.
   if st.varlen:
     started = jnp.zeros((h0.shape[0],), jnp.int32).at[seq_n].max(first_n)
