@@ -66,15 +66,21 @@ def test_intra_kernel_writes_decayed_keys(inverse):
   assert np.all(np.abs(np.asarray(outs[4])) <= 1.0 + 1e-6)  # unit-norm keys, decay <= 1
 
 
+def _intra_outputs(seed):
+  """(kernel inputs, state-kernel kwargs, (W, U, A_qk, kg) of the intra kernel)."""
+  q, k, v, g_cum, beta_t, h0 = _kernel_inputs(seed)
+  kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=_cfg())
+  intra = jax.jit(functools.partial(
+      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_kg=True, **kw))(
+          q, k, v, g_cum, beta_t)
+  return (q, k, v, g_cum, beta_t, h0), kw, tuple(intra)
+
+
 @pytest.mark.parametrize("save", [True, False])
 def test_split_matches_fused(save):
   """o and ht (and with save, the entry states and V') of both state passes."""
-  q, k, v, g_cum, beta_t, h0 = _kernel_inputs(1)
-  cfg = _cfg()
-  kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=cfg)
-  w, u, a_qk, kg = jax.jit(functools.partial(
-      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_kg=True, **kw))(
-          q, k, v, g_cum, beta_t)
+  (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg) = _intra_outputs(1)
+  cfg = kw["cfg"]
   meta = _meta()
   fused = jax.jit(functools.partial(kernel_fwd.state_fwd, varlen=False, save=True,
                                     out_dtype=jnp.float32, **kw))(
@@ -106,12 +112,8 @@ def test_state_bwd_reads_the_gated_operands():
   """The reverse state kernel given qg and kg (as the split pass keeps them)
   gives the gradients it forms from q, k and G itself: dV', every chunk's dS
   and dh0."""
-  q, k, v, g_cum, beta_t, h0 = _kernel_inputs(2)
-  cfg = _cfg()
-  kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=cfg)
-  w, u, a_qk, kg = jax.jit(functools.partial(
-      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_kg=True, **kw))(
-          q, k, v, g_cum, beta_t)
+  (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg) = _intra_outputs(2)
+  cfg = kw["cfg"]
   hs, v_new, _ = kernel_state_split.state_recurrence(
       _meta(), w, u, kg, g_cum, h0, heads=H, chunk_size=CHUNK, cfg=cfg, varlen=False)
   _, qg = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32,
