@@ -121,7 +121,8 @@ class KernelConfig:
       or "auto": split on Triton and in interpret mode, fused on TPU. See
       `kernel_state_split` for the H200 times.
     save_residuals: the forward keeps M, W, A_qk, per-chunk entry states and
-      V' for the backward instead of recomputing them there; see
+      V' (and, with the split state pass, the gated queries and keys) for
+      the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
     residual_dtype: storage dtype of the saved M, entry states and V' (None:
       as the forward kernels produce them: M and the states f32, V' f32 from
