@@ -540,37 +540,35 @@ def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_re
   return v_new, tuple(s_next)
 
 
-def entry_state(s, starts, h0_ref, seq, slices):
-  """The state entering a chunk: h0's row `seq` where the chunk starts a
-  sequence (`starts`, a traced bool), else the carried K slices `s`."""
-  return tuple(jnp.where(starts, h0_ref[seq, ks, :].astype(_F32), s_kb)
-               for ks, s_kb in zip(slices, s))
+def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chunks: int,
+                     chunk_size: int, slices, block_v: int):
+  """The GPU forward state kernels' loop over one program's chunks, in order.
 
+  Per chunk i: the entering state is h0's row seq_n[i] where the chunk starts
+  a sequence, else the carried one; `chunk_fn` advances it; with `save_refs`
+  the entering state and V' are stored; the leaving state is written to ht's
+  row seq_n[i] where the chunk ends a sequence.
 
-def store_exit_state(s, ends, ht_ref, seq, slices):
-  """Writes the K slices `s` to ht's row `seq` where the chunk ends a sequence."""
-  @pl.when(ends)
-  def _():
-    for ks, s_kb in zip(slices, s):
-      ht_ref[seq, ks, :] = s_kb
-
-
-def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
-                      aqk_ref, h0_ref, o_ref, ht_ref, *save_refs, scale, chunk_size,
-                      cfg):
+  Args:
+    chunk_fn(s, rows, last_row) -> (v_new [C, BV] f32, s_next): one chunk;
+      s and s_next are tuples of [block_k, BV] f32 K slices of the state,
+      rows / last_row the chunk's row slice and its last row.
+    meta_refs: (first_ref, last_ref, seq_ref), int32 [NC] each.
+    h0_ref, ht_ref: [Nh', K, BV] initial and final states.
+    save_refs: () or (hs_ref [NC*K, BV], vn_ref [Tp, BV]).
+    slices: the K slices (`k_slices`).
+  """
+  first_ref, last_ref, seq_ref = meta_refs
   c = chunk_size
-  tp, dk = q_ref.shape
-  nc = tp // c
-  bv = u_ref.shape[-1]
-  slices = k_slices(cfg, dk)
+  dk = sum(ks.size for ks in slices)
 
   def body(i, s):
     seq = seq_ref[i]
-    s = entry_state(s, first_ref[i] != 0, h0_ref, seq, slices)
+    s = tuple(jnp.where(first_ref[i] != 0, h0_ref[seq, ks, :].astype(_F32), s_kb)
+              for ks, s_kb in zip(slices, s))
     start = pl.multiple_of(i * c, c)
     rows = pl.ds(start, c)
-    v_new, s_next = state_fwd_chunk(s, rows, pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
-                                    w_ref, u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
+    v_new, s_next = chunk_fn(s, rows, pl.ds(start + c - 1, 1))
     if save_refs:
       hs_ref, vn_ref = save_refs
       base = pl.multiple_of(i * dk, dk)
@@ -578,11 +576,30 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
         at = pl.multiple_of(base + ks.start, ks.size)
         hs_ref[pl.ds(at, ks.size), :] = s_kb.astype(hs_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    s = s_next
-    store_exit_state(s, last_ref[i] != 0, ht_ref, seq, slices)
-    return s
 
-  lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
+    @pl.when(last_ref[i] != 0)
+    def _():
+      for ks, s_kb in zip(slices, s_next):
+        ht_ref[seq, ks, :] = s_kb
+
+    return s_next
+
+  lax.fori_loop(0, num_chunks, body,
+                tuple(jnp.zeros((ks.size, block_v), _F32) for ks in slices))
+
+
+def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
+                      aqk_ref, h0_ref, o_ref, ht_ref, *save_refs, scale, chunk_size,
+                      cfg):
+  tp, dk = q_ref.shape
+
+  def chunk(s, rows, last_row):
+    return state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_ref,
+                           o_ref, scale=scale, cfg=cfg)
+
+  chunk_state_loop(chunk, (first_ref, last_ref, seq_ref), h0_ref, ht_ref, save_refs,
+                   num_chunks=tp // chunk_size, chunk_size=chunk_size,
+                   slices=k_slices(cfg, dk), block_v=u_ref.shape[-1])
 
 
 def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,

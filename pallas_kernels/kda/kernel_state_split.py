@@ -36,12 +36,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import (dot, entry_state, k_slices, state_grid,
-                                           store_exit_state)
+from pallas_kernels.kda.kernel_fwd import chunk_state_loop, dot, k_slices, state_grid
 
 _F32 = jnp.float32
 
@@ -73,32 +71,21 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
   """Block shapes: w_ref, kg_ref, g_ref [Tp, K]; u_ref, vn_ref [Tp, BV];
   h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]. The state is carried as
   K/block_k slices of [block_k, BV] f32 (`kernel_fwd.k_slices`)."""
-  c = chunk_size
   tp, dk = w_ref.shape
-  bv = u_ref.shape[-1]
   slices = k_slices(cfg, dk)
 
-  def body(i, s):
-    seq = seq_ref[i]
-    s = entry_state(s, first_ref[i] != 0, h0_ref, seq, slices)
-    start = pl.multiple_of(i * c, c)
-    rows = pl.ds(start, c)
+  def chunk(s, rows, last_row):
     v_new = u_ref[rows, :].astype(_F32)
     for ks, s_kb in zip(slices, s):
       v_new = v_new - dot(w_ref[rows, ks], s_kb, cfg)
-    base = pl.multiple_of(i * dk, dk)
-    for ks, s_kb in zip(slices, s):
-      hs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = (
-          s_kb.astype(hs_ref.dtype))
-    vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    last = pl.ds(start + c - 1, 1)
-    s = tuple(jnp.transpose(jnp.exp(g_ref[last, ks])) * s_kb
-              + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
-              for ks, s_kb in zip(slices, s))
-    store_exit_state(s, last_ref[i] != 0, ht_ref, seq, slices)
-    return s
+    s_next = tuple(jnp.transpose(jnp.exp(g_ref[last_row, ks])) * s_kb
+                   + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
+                   for ks, s_kb in zip(slices, s))
+    return v_new, s_next
 
-  lax.fori_loop(0, tp // c, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
+  chunk_state_loop(chunk, (first_ref, last_ref, seq_ref), h0_ref, ht_ref, (hs_ref, vn_ref),
+                   num_chunks=tp // chunk_size, chunk_size=chunk_size, slices=slices,
+                   block_v=u_ref.shape[-1])
 
 
 def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: KernelConfig,
