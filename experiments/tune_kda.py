@@ -8,10 +8,12 @@ GPU machine, from the repository root:
   python experiments/tune_kda.py --shape=16x2048x16x128 \\
       --grid="block_v=32,64,128;warps.state_fwd=4,8;warps.state_bwd=4,8"
   python experiments/tune_kda.py --grid="inverse=substitution,blocked;intra_bwd_impl=tiles,rows"
+  python experiments/tune_kda.py --stages=state_rec,output_fwd \\
+      --grid="rec_block_v=32,64;warps.state_rec=2,4;pipe.state_rec=1,2,3"
 
 Grid syntax: `;` separates fields, `,` separates a field's values; fields
-are KernelConfig names or `warps.<stage>` (as `bench_kernels.py
---overrides`). A combination that fails (an invalid tile, a compiler error)
+are KernelConfig names, `warps.<stage>` or `pipe.<stage>` (as
+`bench_kernels.py --overrides`). A combination that fails (an invalid tile, a compiler error)
 prints an error row and the sweep goes on. Timings only: correctness of a
 new choice is the job of the `gpu` tests.
 """
@@ -34,6 +36,8 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per stage (median).")
 _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Chunk length C.")
 _SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
 _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
+_STAGES = flags.DEFINE_list("stages", [], "Time only these stages (names as in the table; "
+                            "empty: all). Kernels producing their inputs still run once.")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Emulate the kernels (CPU smoke run; the "
                                "times mean nothing).")
 
@@ -58,7 +62,8 @@ def main(argv):
       times = bench.stage_times_ms(*args, diagonal=_DIAGONAL.value, chunk_size=_CHUNK.value,
                                    sub_chunk=_SUB.value, iters=_ITERS.value,
                                    config_overrides=bench.parse_overrides(items),
-                                   interpret=_INTERPRET.value)
+                                   interpret=_INTERPRET.value,
+                                   stages=_STAGES.value or None)
       rows.append((label, times))
       print(f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()), flush=True)
     except Exception as e:  # pylint: disable=broad-except

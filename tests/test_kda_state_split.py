@@ -11,6 +11,7 @@ as the interpret default in `test_kda_state_slices.py` and
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -76,12 +77,20 @@ def _intra_outputs(seed):
   return (q, k, v, g_cum, beta_t, h0), kw, tuple(intra)
 
 
-@pytest.mark.parametrize("save", [True, False])
-def test_split_matches_fused(save):
-  """o and ht (and with save, the entry states and V') of both state passes."""
+@pytest.mark.parametrize("save,tiles", [(True, None), (False, None), (True, (16, 8))])
+def test_split_matches_fused(save, tiles):
+  """o and ht (and with save, the entry states and V') of both state passes.
+
+  tiles: (rec_block_v, out_block_v) other than the defaults (block_v = 8 and
+  the whole V): one recurrence tile and two output tiles, of which only the
+  first writes qg.
+  """
   (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg) = _intra_outputs(1)
   cfg = kw["cfg"]
   meta = _meta()
+  if tiles:
+    cfg = dataclasses.replace(cfg, rec_block_v=tiles[0], out_block_v=tiles[1])
+    kw = dict(kw, cfg=cfg)
   fused = jax.jit(functools.partial(kernel_fwd.state_fwd, varlen=False, save=True,
                                     out_dtype=jnp.float32, **kw))(
                                         meta, q, k, g_cum, w, u, a_qk, h0)

@@ -126,7 +126,7 @@ def roofline_ms(cost, ceil: Ceilings):
 
 
 def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, iters=10,
-                   config_overrides=None, interpret=False):
+                   config_overrides=None, interpret=False, stages=None):
   """Per-kernel times (ms) of the Pallas path on the current backend.
 
   Stages: the g cumsum (`kernel_cumsum`; cumsum_xla is XLA's, for
@@ -137,8 +137,21 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   (dg_cumsum). With the split forward state pass (`kernel_state_split`),
   state_fwd is its two kernels together, also timed alone (state_rec and
   output_fwd, with the storage dtypes of training). `interpret` runs the
-  kernels emulated (CPU smoke tests; the times mean nothing).
+  kernels emulated (CPU smoke tests; the times mean nothing). `stages`
+  (names as returned) times only those: the kernels producing their inputs
+  still run once, the others are neither compiled nor timed.
   """
+  if stages is not None:
+    unknown = set(stages) - set(ALL_STAGES)
+    if unknown:
+      raise ValueError(f"unknown stages {sorted(unknown)}; stages are {ALL_STAGES}")
+  want = lambda name: stages is None or name in stages
+  times = {}
+
+  def timed(name, fn, *args):
+    if want(name):
+      times[name] = time_ms(fn, *args, iters=iters)
+
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   c = chunk_size
@@ -191,8 +204,8 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
                                                                  **rec_kw))
     out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, out_dtype=q.dtype, save_qg=True,
                                                            **kw))
-    state_split = {"state_rec": time_ms(rec, w, u, kg[0], g_cum, h0, iters=iters),
-                   "output_fwd": time_ms(out, q2, g_cum, a_qk, hs, v_new, iters=iters)}
+    state_split = {"state_rec": (rec, w, u, kg[0], g_cum, h0),
+                   "output_fwd": (out, q2, g_cum, a_qk, hs, v_new)}
   else:
     args = (q2, k2, g_cum, w, u, a_qk, h0)
     state = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, **kw))
@@ -205,43 +218,52 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   sb_args = (*(gated_qk or (q2, k2)), g_cum, w, a_qk, do2, h0)
   sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False,
                                                gated=gated_qk is not None, **kw))
-  dv_new, dhs, _ = sb(*sb_args)
+  needs_bwd = stages is None or {"state_bwd", "intra_bwd", "intra_bwd_cc",
+                                 "intra_bwd_k"} & set(stages)
+  dv_new, dhs, _ = sb(*sb_args) if needs_bwd else (None, None, None)
   ib = jax.jit(lambda *a: kernel_bwd.intra_bwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                **kw))
   split = {}
-  if kernel_bwd.intra_bwd_body(cfg, sub_chunk).startswith("split"):
+  if needs_bwd and kernel_bwd.intra_bwd_body(cfg, sub_chunk).startswith("split"):
     # Its two kernels on their own (their sum is the "intra_bwd" stage).
     cc_args = (k2, v2, g_cum, beta_t, do2, hs, v_new, dv_new, m)
     cc_kw = {n: kw[n] for n in ("heads", "chunk_size", "cfg")}
     cc_fn = jax.jit(lambda *a: kernel_bwd_split.intra_bwd_cc(*a, diagonal=diagonal, **cc_kw))
-    cc = cc_fn(*cc_args)[2:]
     k_fn = jax.jit(lambda *a: kernel_bwd_split.second_kernel(cfg)(
         *a, sub_chunk=sub_chunk, diagonal=diagonal, **kw))
-    split = {"intra_bwd_cc": time_ms(cc_fn, *cc_args, iters=iters),
-             "intra_bwd_k": time_ms(k_fn, q2, k2, g_cum, beta_t, do2, hs, dhs, v_new, *cc,
-                                    iters=iters)}
-  return {
-      "cumsum": time_ms(cums, g2, iters=iters),
-      "cumsum_xla": time_ms(cums_xla, g2, iters=iters),
-      "intra_fwd": time_ms(intra, q2, k2, v2, g_cum, beta_t, iters=iters),
-      "state_fwd": time_ms(state, *args, iters=iters),
-      "intra_fwd+M": time_ms(intra_m, q2, k2, v2, g_cum, beta_t, iters=iters),
-      "state_fwd+save": time_ms(state_s, *args, iters=iters),
-      **state_split,
-      "state_bwd": time_ms(sb, *sb_args, iters=iters),
-      "intra_bwd": time_ms(ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m,
-                           iters=iters),
-      **split,
-      "dg_cumsum": time_ms(cums_rev, g2, iters=iters),
-  }
+    split = {"intra_bwd_cc": (cc_fn, *cc_args)}
+    if want("intra_bwd_k"):
+      split["intra_bwd_k"] = (k_fn, q2, k2, g_cum, beta_t, do2, hs, dhs, v_new,
+                              *cc_fn(*cc_args)[2:])
+  timed("cumsum", cums, g2)
+  timed("cumsum_xla", cums_xla, g2)
+  timed("intra_fwd", intra, q2, k2, v2, g_cum, beta_t)
+  timed("state_fwd", state, *args)
+  timed("intra_fwd+M", intra_m, q2, k2, v2, g_cum, beta_t)
+  timed("state_fwd+save", state_s, *args)
+  for name, (fn, *fn_args) in state_split.items():
+    timed(name, fn, *fn_args)
+  timed("state_bwd", sb, *sb_args)
+  timed("intra_bwd", ib, q2, k2, v2, g_cum, beta_t, do2, hs, dhs, v_new, dv_new, m)
+  for name, (fn, *fn_args) in split.items():
+    timed(name, fn, *fn_args)
+  timed("dg_cumsum", cums_rev, g2)
+  return times
+
+
+# Every stage `stage_times_ms` can time, in its order.
+ALL_STAGES = ("cumsum", "cumsum_xla", "intra_fwd", "state_fwd", "intra_fwd+M", "state_fwd+save",
+              "state_rec", "output_fwd", "state_bwd", "intra_bwd", "intra_bwd_cc",
+              "intra_bwd_k", "dg_cumsum")
 def parse_overrides(items):
   """`name=value` strings -> KernelConfig fields (benchmark and tuning flags).
 
   `name=value` sets a field: dtype fields take a dtype name, `true`/`false`
   are booleans, integers are ints, anything else a string (e.g.
-  `inverse=blocked`). `warps.<stage>=N` sets one stage's Triton warps.
+  `inverse=blocked`). `warps.<stage>=N` sets one stage's Triton warps,
+  `pipe.<stage>=N` its software-pipelining stages.
   """
-  overrides, warps = {}, {}
+  overrides, warps, pipe = {}, {}, {}
   for item in items:
     name, sep, value = item.partition("=")
     if not sep:
@@ -251,6 +273,11 @@ def parse_overrides(items):
       if stage not in kernel_config.STAGES:
         raise ValueError(f"override {item!r}: stage must be one of {kernel_config.STAGES}")
       warps[stage] = int(value)
+    elif name.startswith("pipe."):
+      stage = name[len("pipe."):]
+      if stage not in kernel_config.STAGES:
+        raise ValueError(f"override {item!r}: stage must be one of {kernel_config.STAGES}")
+      pipe[stage] = int(value)
     elif name.endswith("dtype"):
       overrides[name] = jnp.dtype(value)
     elif value.lower() in ("true", "false"):
@@ -264,6 +291,8 @@ def parse_overrides(items):
     default = next(f.default for f in dataclasses.fields(kernel_config.KernelConfig)
                    if f.name == "num_warps")
     overrides["num_warps"] = tuple((st, warps.get(st, n)) for st, n in default)
+  if pipe:
+    overrides["pipeline_stages"] = tuple(sorted(pipe.items()))
   return overrides
 
 

@@ -27,10 +27,11 @@ BACKENDS = ("triton", "tpu", "interpret", "tpu_interpret")
 INVERSES = ("blocked", "substitution")
 
 # Kernel stages, each a separate pallas_call ("intra_bwd_k" is the second
-# kernel of the split intra backward, "output_fwd" that of the split forward
-# state pass, "cumsum" the within-chunk gate cumsum).
-STAGES = ("cumsum", "intra_fwd", "state_fwd", "output_fwd", "state_bwd", "intra_bwd",
-          "intra_bwd_k")
+# kernel of the split intra backward, "state_rec" and "output_fwd" the two
+# kernels of the split forward state pass, "cumsum" the within-chunk gate
+# cumsum).
+STAGES = ("cumsum", "intra_fwd", "state_fwd", "state_rec", "output_fwd", "state_bwd",
+          "intra_bwd", "intra_bwd_k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,17 @@ class KernelConfig:
       T2048 H16 D128, 8 warps) intra_bwd took 5.93 ms at 32 and 7.20 ms at
       64; at 4 warps 9.55 and 14.08 ms.
     num_warps: Triton warps per stage, as ((stage, warps), ...).
-    num_stages: Triton software-pipelining stages of the state kernels' loop.
+    num_stages: Triton software-pipelining stages (what the state kernels'
+      chunk loops prefetch), for every stage not in `pipeline_stages`.
+    pipeline_stages: per-stage overrides of num_stages, as ((stage, n), ...).
+    rec_block_v: V-tile of the split forward recurrence
+      (`kernel_state_split.state_recurrence`; None: block_v). Its grid is
+      B x H x V/rec_block_v sequential chunk loops, so a narrower tile gives
+      more loops to run side by side.
+    out_block_v: V-tile of the split pass's output kernel (grid
+      B x H x NC x V/out_block_v; None: the whole V).
+    cumsum_block_f: F-width of a gate-cumsum program (None:
+      `kernel_cumsum.default_block_f`).
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
       intermediates (bf16 for bf16 inputs; f32 inputs keep f32).
     intra_mm_dtype: operand dtype of the intra-chunk forward's other matmuls
@@ -136,9 +147,13 @@ class KernelConfig:
   block_k: int = 64
   bwd_block_k: int = 32
   num_warps: tuple[tuple[str, int], ...] = (
-      ("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("output_fwd", 4), ("state_bwd", 4),
-      ("intra_bwd", 8), ("intra_bwd_k", 8))
+      ("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("state_rec", 4), ("output_fwd", 4),
+      ("state_bwd", 4), ("intra_bwd", 8), ("intra_bwd_k", 8))
   num_stages: int = 2
+  pipeline_stages: tuple[tuple[str, int], ...] = ()
+  rec_block_v: int | None = None
+  out_block_v: int | None = None
+  cumsum_block_f: int | None = None
   mm_dtype: jnp.dtype = jnp.float32
   intra_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_mm_dtype: jnp.dtype = jnp.float32
@@ -182,8 +197,9 @@ class KernelConfig:
       raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     if self.backend == "triton":
       from jax.experimental.pallas import triton as pltriton
-      return pltriton.CompilerParams(num_warps=dict(self.num_warps)[stage],
-                                     num_stages=self.num_stages)
+      return pltriton.CompilerParams(
+          num_warps=dict(self.num_warps)[stage],
+          num_stages=dict(self.pipeline_stages).get(stage, self.num_stages))
     if self.is_tpu:
       from jax.experimental.pallas import tpu as pltpu
       sem = ("parallel",) * (grid_rank - 1) + ("arbitrary" if sequential_last else "parallel",)
@@ -282,6 +298,16 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   # After the overrides: a benchmark's block_v must meet the same rule.
   if not is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
+  for name, dim in (("rec_block_v", head_v), ("out_block_v", head_v)):
+    width = getattr(cfg, name)
+    if width is not None and (not is_pow2(width) or dim % width
+                              or (backend == "triton" and width < 16)):
+      raise ValueError(f"{name} must be None or a power of two dividing V={dim} (>= 16 on "
+                       f"the GPU: a dot dim), got {width}")
+  for field in ("num_warps", "pipeline_stages"):
+    unknown = {stage for stage, _ in getattr(cfg, field)} - set(STAGES)
+    if unknown:
+      raise ValueError(f"{field} names unknown stages {sorted(unknown)}; stages are {STAGES}")
   for name in ("block_k", "bwd_block_k"):
     width = getattr(cfg, name)
     if not is_pow2(width) or head_k % width or (backend == "triton" and width < 16):

@@ -32,6 +32,7 @@ one chunk per grid step (`kernel_fwd.state_grid`) and stay fused there.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -108,6 +109,8 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
     raise ValueError("the split state recurrence is not lowered for TPU")
   b, tp, hk = w.shape
   dv = u.shape[-1] // heads
+  if cfg.rec_block_v is not None:
+    cfg = dataclasses.replace(cfg, block_v=cfg.rec_block_v)
   grid = state_grid(w.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
                     num_state_rows=h0.shape[0])
   nc = tp // chunk_size
@@ -119,21 +122,24 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
       out_shape=[jax.ShapeDtypeStruct((b, heads, nc * grid.dk, dv), state_dtype),
                  jax.ShapeDtypeStruct((b, tp, heads * dv), v_new_dtype or state_dtype),
                  jax.ShapeDtypeStruct(h0.shape, _F32)],
-      compiler_params=cfg.compiler_params("state_fwd"), interpret=cfg.interpret,
+      compiler_params=cfg.compiler_params("state_rec"), interpret=cfg.interpret,
       name="kda_state_rec",
   )(*meta, w, u, kg, g_cum, h0)
 
 
 def _output_kernel(q_ref, g_ref, aqk_ref, hs_ref, vn_ref, o_ref, *qg_ref, scale, cfg):
-  """Block shapes: q_ref, g_ref, qg_ref [C, K]; aqk_ref [C, C]; hs_ref [K, V];
-  vn_ref, o_ref [C, V]. O = A_qk V' + sum_kb (q e^G)_kb S_kb, element-wise
-  work per K slice; qg_ref (optional) receives the gated queries."""
+  """Block shapes: q_ref, g_ref, qg_ref [C, K]; aqk_ref [C, C]; hs_ref [K, BV];
+  vn_ref, o_ref [C, BV]. O = A_qk V' + sum_kb (q e^G)_kb S_kb, element-wise
+  work per K slice; qg_ref (optional) receives the gated queries from the
+  first V tile's program (every program forms the same values)."""
   o = dot(aqk_ref[...], vn_ref[...], cfg)
   for ks in k_slices(cfg, q_ref.shape[-1]):
     qg = q_ref[:, ks].astype(_F32) * scale * jnp.exp(g_ref[:, ks])
     o = o + dot(qg, hs_ref[ks, :], cfg)
     if qg_ref:
-      qg_ref[0][:, ks] = qg.astype(qg_ref[0].dtype)
+      @pl.when(pl.program_id(3) == 0)
+      def _(qg=qg, ks=ks):
+        qg_ref[0][:, ks] = qg.astype(qg_ref[0].dtype)
   o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -154,15 +160,17 @@ def output_fwd(q, g_cum, a_qk, hs, v_new, *, heads, chunk_size, scale, cfg: Kern
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk, dv = hk // h, v_new.shape[-1] // h
-  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih))
-  vspec = pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih))
-  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
-  sspec = pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0))
+  bv = cfg.out_block_v or dv
+  nv = dv // bv
+  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic, iv: (ib, ic, ih))
+  vspec = pl.BlockSpec((None, c, bv), lambda ib, ih, ic, iv: (ib, ic, ih * nv + iv))
+  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic, iv: (ib, ih, ic, 0))
+  sspec = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, ic, iv: (ib, ih, ic, iv))
   out_specs = [vspec] + [kspec] * save_qg
   out_shape = ([jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype)]
                + [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * save_qg)
   out = pl.pallas_call(
-      functools.partial(_output_kernel, scale=scale, cfg=cfg), grid=(b, h, tp // c),
+      functools.partial(_output_kernel, scale=scale, cfg=cfg), grid=(b, h, tp // c, nv),
       in_specs=[kspec, kspec, cspec, sspec, vspec], out_specs=out_specs, out_shape=out_shape,
       compiler_params=cfg.compiler_params("output_fwd"), interpret=cfg.interpret,
       name="kda_output_fwd",

@@ -1,0 +1,94 @@
+"""Per-kernel GPU times of the peer, fla `chunk_kda`, for comparison with ours.
+
+`tune_kda.py` prints our per-stage times; this prints the peer's kernels at
+the same shape, from the PyTorch profiler over `--calls` timed calls (after
+`--warmup` calls that absorb Triton's autotuning), as a table sorted by
+time. Needs torch and fla (GPU machine only; see docs/benchmarks.md for the
+wheels):
+
+  python experiments/peer_kernel_times.py --shape=16x2048x16x128 --modes=safe
+
+Times are CUDA kernel times averaged per call (ms); "share" is the kernel's
+part of the pass's summed kernel time. Kernel names are fla's.
+"""
+from __future__ import annotations
+
+import collections
+
+from absl import app
+from absl import flags
+
+_SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D).")
+_MODES = flags.DEFINE_list("modes", ["safe"], "fla safe_gate modes: safe, unsafe.")
+_LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
+_WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed calls first (autotuning).")
+_CALLS = flags.DEFINE_integer("calls", 10, "Profiled calls.")
+
+
+def _kernel_table(prof, calls: int) -> tuple[str, float]:
+  """(markdown table of CUDA kernels by total time, summed ms per call)."""
+  per_kernel = collections.defaultdict(lambda: [0.0, 0])
+  for evt in prof.events():
+    if str(evt.device_type).split(".")[-1] != "CUDA":
+      continue
+    # The attribute's name differs across torch versions; both are in us.
+    us = getattr(evt, "device_time", None)
+    if us is None:
+      us = evt.cuda_time
+    entry = per_kernel[evt.name]
+    entry[0] += us / 1e3
+    entry[1] += 1
+  total = sum(t for t, _ in per_kernel.values()) / calls
+  lines = ["| kernel | ms per call | launches per call | share |", "|---|---|---|---|"]
+  for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
+    lines.append(f"| {name[:70]} | {t / calls:.3f} | {n / calls:g} | {t / calls / total:.0%} |")
+  return "\n".join(lines), total
+
+
+def main(argv):
+  del argv
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
+  from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
+  from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
+
+  b, t, h, d = (int(x) for x in _SHAPE.value.split("x"))
+  torch.manual_seed(0)
+  q = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
+  k = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
+  v = torch.randn(b, t, h, d, device="cuda").bfloat16()
+  g = (_LOWER_BOUND.value * torch.sigmoid(torch.randn(b, t, h, d, device="cuda"))).float()
+  beta = torch.sigmoid(torch.randn(b, t, h, device="cuda")).bfloat16()
+  do = torch.randn_like(v)
+  print(f"device: {torch.cuda.get_device_name()}; fla chunk_kda, shape {_SHAPE.value} bf16",
+        flush=True)
+  for mode in _MODES.value:
+    if mode not in ("safe", "unsafe"):
+      raise ValueError(f"--modes takes safe and unsafe, got {mode!r}")
+    kw = (dict(safe_gate=True, lower_bound=_LOWER_BOUND.value) if mode == "safe"
+          else dict(safe_gate=False))
+    xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+
+    def fwd():
+      with torch.no_grad():
+        chunk_kda(q, k, v, g, beta, **kw)
+
+    def fwd_bwd():
+      for x in xs:
+        x.grad = None
+      chunk_kda(*xs, **kw)[0].backward(do)
+
+    for label, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
+      for _ in range(_WARMUP.value):
+        fn()
+      torch.cuda.synchronize()
+      with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(_CALLS.value):
+          fn()
+        torch.cuda.synchronize()
+      table, total = _kernel_table(prof, _CALLS.value)
+      print(f"\n{mode} {label}: {total:.3f} ms of kernel time per call\n{table}", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
