@@ -98,6 +98,27 @@ def test_block_k_override_is_validated(backend, block_k):
                               chunk_size=64, sub_chunk=16, overrides={"block_k": block_k})
 
 
+@pytest.mark.parametrize("overrides, match", [
+    ({"rec_block_v": 24}, "rec_block_v must be None or a power of two dividing V=64"),
+    ({"out_block_v": 8}, "out_block_v must be None or a power of two dividing V=64"),
+    ({"pipeline_stages": (("state_recc", 1),)}, "pipeline_stages names unknown stages"),
+])
+def test_state_pass_tiles_are_validated(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    kernel_config.make_config(backend="triton", dtype=jnp.float32, head_k=64, head_v=64,
+                              chunk_size=64, sub_chunk=16, overrides=overrides)
+
+
+def test_pipeline_stages_override_one_stage():
+  got = bench.parse_overrides(["pipe.state_rec=3", "warps.state_rec=2"])
+  assert got["pipeline_stages"] == (("state_rec", 3),)
+  cfg = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=64, head_v=64,
+                                  chunk_size=64, sub_chunk=16, overrides=got)
+  rec, other = cfg.compiler_params("state_rec"), cfg.compiler_params("state_bwd")
+  assert (rec.num_stages, rec.num_warps) == (3, 2)
+  assert (other.num_stages, other.num_warps) == (cfg.num_stages, 4)
+
+
 def test_bwd_block_k_override_is_validated():
   with pytest.raises(ValueError, match="bwd_block_k must be a power of two dividing K=64"):
     kernel_config.make_config(backend="triton", dtype=jnp.float32, head_k=64, head_v=64,
@@ -141,4 +162,12 @@ def test_stage_times_smoke_with_split_backward():
   assert set(times) == {"cumsum", "cumsum_xla", "intra_fwd", "state_fwd", "intra_fwd+M",
                         "state_fwd+save", "state_rec", "output_fwd", "state_bwd", "intra_bwd",
                         "intra_bwd_cc", "intra_bwd_k", "dg_cumsum"}
+  assert set(times) == set(bench.ALL_STAGES)
   assert all(t > 0 for t in times.values())
+  only = bench.stage_times_ms(*args, diagonal="dense", chunk_size=16, sub_chunk=8, iters=1,
+                              config_overrides={"bwd_block_k": 8}, interpret=True,
+                              stages=["state_rec", "intra_bwd_k"])
+  assert set(only) == {"state_rec", "intra_bwd_k"}
+  with pytest.raises(ValueError, match="unknown stages"):
+    bench.stage_times_ms(*args, diagonal="dense", chunk_size=16, sub_chunk=8, iters=1,
+                         interpret=True, stages=["state_recc"])
