@@ -165,7 +165,8 @@ def test_stage_times_smoke_with_split_backward():
   assert set(times) == set(bench.ALL_STAGES)
   assert all(t > 0 for t in times.values())
   only = bench.stage_times_ms(*args, diagonal="dense", chunk_size=16, sub_chunk=8, iters=1,
-                              config_overrides={"bwd_block_k": 8}, interpret=True,
+                              config_overrides={"intra_bwd_impl": "split", "bwd_block_k": 8},
+                              interpret=True,
                               stages=["state_rec", "intra_bwd_k"])
   assert set(only) == {"state_rec", "intra_bwd_k"}
   with pytest.raises(ValueError, match="unknown stages"):
