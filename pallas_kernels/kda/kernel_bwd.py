@@ -93,7 +93,10 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
 
 def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
                       do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, scale, gated, chunk_size,
-                      cfg):
+                      cfg, varlen):
+  """Chunks last to first. Fixed length (not `varlen`) the rows are one
+  sequence: dht enters the last chunk and dh0 is stored after the loop (as in
+  `kernel_fwd.chunk_state_loop`), without per-chunk metadata reads."""
   c = chunk_size
   tp, dk = q_ref.shape
   nc = tp // c
@@ -102,10 +105,10 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
 
   def body(j, ds):
     i = nc - 1 - j
-    seq = seq_ref[i]
-    end_seq = last_ref[i] != 0
-    ds = tuple(jnp.where(end_seq, dht_ref[seq, ks, :].astype(_F32), ds_kb)
-               for ks, ds_kb in zip(slices, ds))
+    if varlen:
+      seq = seq_ref[i]
+      ds = tuple(jnp.where(last_ref[i] != 0, dht_ref[seq, ks, :].astype(_F32), ds_kb)
+                 for ks, ds_kb in zip(slices, ds))
     base = pl.multiple_of(i * dk, dk)
     for ks, ds_kb in zip(slices, ds):
       dhs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = ds_kb
@@ -113,14 +116,21 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
     ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
                          w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
 
-    @pl.when(first_ref[i] != 0)
-    def _():
-      for ks, ds_kb in zip(slices, ds):
-        dh0_ref[seq, ks, :] = ds_kb
+    if varlen:
+      @pl.when(first_ref[i] != 0)
+      def _():
+        for ks, ds_kb in zip(slices, ds):
+          dh0_ref[seq, ks, :] = ds_kb
 
     return ds
 
-  lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
+  if varlen:
+    lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
+    return
+  ds_first = lax.fori_loop(0, nc, body,
+                           tuple(dht_ref[0, ks, :].astype(_F32) for ks in slices))
+  for ks, ds_kb in zip(slices, ds_first):
+    dh0_ref[0, ks, :] = ds_kb
 
 
 def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
@@ -187,7 +197,7 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
     kernel = functools.partial(_state_bwd_kernel_tpu, scale=scale, gated=gated, cfg=cfg)
   else:
     kernel = functools.partial(_state_bwd_kernel, scale=scale, gated=gated,
-                               chunk_size=chunk_size, cfg=cfg)
+                               chunk_size=chunk_size, cfg=cfg, varlen=varlen)
   return pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.a, grid.v, grid.state],

@@ -541,7 +541,7 @@ def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_re
 
 
 def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chunks: int,
-                     chunk_size: int, slices, block_v: int):
+                     chunk_size: int, slices, block_v: int, varlen: bool):
   """The GPU forward state kernels' loop over one program's chunks, in order.
 
   Per chunk i: the entering state is h0's row seq_n[i] where the chunk starts
@@ -549,23 +549,32 @@ def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chun
   the entering state and V' are stored; the leaving state is written to ht's
   row seq_n[i] where the chunk ends a sequence.
 
+  Fixed length (not `varlen`) the program's rows are one sequence: h0's only
+  row enters chunk 0 and the last chunk's state goes to ht, outside the loop,
+  and the metadata is not read. Inside the loop the per-chunk selection would
+  load a whole [K, BV] f32 h0 block every chunk (registers and pipelined
+  shared memory the loop needs for its operands).
+
   Args:
     chunk_fn(s, rows, last_row) -> (v_new [C, BV] f32, s_next): one chunk;
       s and s_next are tuples of [block_k, BV] f32 K slices of the state,
       rows / last_row the chunk's row slice and its last row.
     meta_refs: (first_ref, last_ref, seq_ref), int32 [NC] each.
-    h0_ref, ht_ref: [Nh', K, BV] initial and final states.
+    h0_ref, ht_ref: [Nh', K, BV] initial and final states (Nh' = 1 when not
+      varlen).
     save_refs: () or (hs_ref [NC*K, BV], vn_ref [Tp, BV]).
     slices: the K slices (`k_slices`).
+    varlen: the chunks hold several sequences (the metadata says where).
   """
   first_ref, last_ref, seq_ref = meta_refs
   c = chunk_size
   dk = sum(ks.size for ks in slices)
 
   def body(i, s):
-    seq = seq_ref[i]
-    s = tuple(jnp.where(first_ref[i] != 0, h0_ref[seq, ks, :].astype(_F32), s_kb)
-              for ks, s_kb in zip(slices, s))
+    if varlen:
+      seq = seq_ref[i]
+      s = tuple(jnp.where(first_ref[i] != 0, h0_ref[seq, ks, :].astype(_F32), s_kb)
+                for ks, s_kb in zip(slices, s))
     start = pl.multiple_of(i * c, c)
     rows = pl.ds(start, c)
     v_new, s_next = chunk_fn(s, rows, pl.ds(start + c - 1, 1))
@@ -576,21 +585,27 @@ def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chun
         at = pl.multiple_of(base + ks.start, ks.size)
         hs_ref[pl.ds(at, ks.size), :] = s_kb.astype(hs_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-
-    @pl.when(last_ref[i] != 0)
-    def _():
-      for ks, s_kb in zip(slices, s_next):
-        ht_ref[seq, ks, :] = s_kb
+    if varlen:
+      @pl.when(last_ref[i] != 0)
+      def _():
+        for ks, s_kb in zip(slices, s_next):
+          ht_ref[seq, ks, :] = s_kb
 
     return s_next
 
-  lax.fori_loop(0, num_chunks, body,
-                tuple(jnp.zeros((ks.size, block_v), _F32) for ks in slices))
+  if varlen:
+    lax.fori_loop(0, num_chunks, body,
+                  tuple(jnp.zeros((ks.size, block_v), _F32) for ks in slices))
+    return
+  s_last = lax.fori_loop(0, num_chunks, body,
+                         tuple(h0_ref[0, ks, :].astype(_F32) for ks in slices))
+  for ks, s_kb in zip(slices, s_last):
+    ht_ref[0, ks, :] = s_kb
 
 
 def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
                       aqk_ref, h0_ref, o_ref, ht_ref, *save_refs, scale, chunk_size,
-                      cfg):
+                      cfg, varlen):
   tp, dk = q_ref.shape
 
   def chunk(s, rows, last_row):
@@ -599,7 +614,7 @@ def _state_fwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
 
   chunk_state_loop(chunk, (first_ref, last_ref, seq_ref), h0_ref, ht_ref, save_refs,
                    num_chunks=tp // chunk_size, chunk_size=chunk_size,
-                   slices=k_slices(cfg, dk), block_v=u_ref.shape[-1])
+                   slices=k_slices(cfg, dk), block_v=u_ref.shape[-1], varlen=varlen)
 
 
 def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
@@ -670,7 +685,8 @@ def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
   if cfg.is_tpu:
     kernel = functools.partial(_state_fwd_kernel_tpu, scale=scale, cfg=cfg, save=save)
   else:
-    kernel = functools.partial(_state_fwd_kernel, scale=scale, chunk_size=chunk_size, cfg=cfg)
+    kernel = functools.partial(_state_fwd_kernel, scale=scale, chunk_size=chunk_size, cfg=cfg,
+                               varlen=varlen)
   return pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.v, grid.a, grid.state],

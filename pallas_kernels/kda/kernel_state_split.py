@@ -68,7 +68,7 @@ def state_fwd_body(cfg: KernelConfig) -> str:
 
 
 def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref, h0_ref,
-                       hs_ref, vn_ref, ht_ref, *, chunk_size, cfg):
+                       hs_ref, vn_ref, ht_ref, *, chunk_size, cfg, varlen):
   """Block shapes: w_ref, kg_ref, g_ref [Tp, K]; u_ref, vn_ref [Tp, BV];
   h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]. The state is carried as
   K/block_k slices of [block_k, BV] f32 (`kernel_fwd.k_slices`)."""
@@ -86,7 +86,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
 
   chunk_state_loop(chunk, (first_ref, last_ref, seq_ref), h0_ref, ht_ref, (hs_ref, vn_ref),
                    num_chunks=tp // chunk_size, chunk_size=chunk_size, slices=slices,
-                   block_v=u_ref.shape[-1])
+                   block_v=u_ref.shape[-1], varlen=varlen)
 
 
 def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: KernelConfig,
@@ -114,7 +114,7 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
   grid = state_grid(w.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
                     num_state_rows=h0.shape[0])
   nc = tp // chunk_size
-  kernel = functools.partial(_recurrence_kernel, chunk_size=chunk_size, cfg=cfg)
+  kernel = functools.partial(_recurrence_kernel, chunk_size=chunk_size, cfg=cfg, varlen=varlen)
   return pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k, grid.v, grid.k, grid.k, grid.state],
