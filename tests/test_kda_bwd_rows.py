@@ -127,6 +127,21 @@ def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
   # (q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
   assert dtypes is not None and [dtypes[i] for i in (6, 8, 10)] == [want] * 3, dtypes
   assert dtypes[7] == dtypes[9] == "float32"  # gradients stay f32
+  # M and the entry states leave their forward kernels in it (no cast pass):
+  # (w, u, a_qk, m, kg) and (hs, v_new, ht).
+  assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_fwd", "outvars")[3] == want
+  assert _pallas_call_inputs(jaxpr.jaxpr, "kda_state_rec", "outvars")[0] == want
+
+
+def test_residual_dtype_defaults_to_the_intra_backward_operands():
+  """bf16 where the intra backward's products take bf16 operands (the GPU at
+  K*V >= 128*128 with bf16 inputs), else None (f32 residuals)."""
+  make = lambda backend, dtype, d: kernel_config.make_config(
+      backend=backend, dtype=dtype, head_k=d, head_v=d, chunk_size=64, sub_chunk=16)
+  assert make("triton", jnp.bfloat16, 128).residual_dtype == jnp.bfloat16
+  assert make("triton", jnp.bfloat16, 64).residual_dtype is None
+  assert make("triton", jnp.float32, 128).residual_dtype is None
+  assert make("interpret", jnp.bfloat16, 128).residual_dtype is None
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

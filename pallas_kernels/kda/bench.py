@@ -179,13 +179,16 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
                                                   **kw))
   split_state = kernel_state_split.state_fwd_body(cfg) == "split"
   intra_m = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                    save_m=True, save_kg=split_state, **kw))
+                                                    save_m=True, save_kg=split_state,
+                                                    m_dtype=cfg.residual_dtype or jnp.float32,
+                                                    **kw))
   w, u, a_qk, m, *kg = intra_m(q2, k2, v2, g_cum, beta_t)
   state_split = {}
   if split_state:
     # Storage dtypes as `pallas_op._forward` picks them.
     rec_kw = dict(heads=h, chunk_size=c, cfg=cfg, varlen=False)
-    train_kw = dict(state_dtype=jnp.float32, v_new_dtype=cfg.intra(backward=True).mm_dtype)
+    train_kw = dict(state_dtype=cfg.residual_dtype or jnp.float32,
+                    v_new_dtype=cfg.intra(backward=True).mm_dtype)
 
     def split_pass(q2, g_cum, w, u, kg, a_qk, h0, save):
       dtypes = train_kw if save else dict(state_dtype=cfg.mm_dtype)

@@ -136,11 +136,15 @@ class KernelConfig:
       the backward instead of recomputing them there; see
       `pallas_op._core_fwd` for the memory it costs.
     residual_dtype: storage dtype of the saved M, entry states and V' (None:
-      as the forward kernels produce them: M and the states f32, V' f32 from
-      the fused state kernel and in the intra-backward matmul dtype, its
-      only use, from the split pass). With bf16 intra-backward
-      operands (`intra_bwd_mm_dtype`) bf16 storage loses nothing but the f32
-      sum(dS * S) of the last gate row, since every other use casts to bf16.
+      M and the states f32, V' f32 from the fused state kernel and in the
+      intra-backward matmul dtype, its only use, from the split pass). The
+      intra and split-recurrence kernels write M and the states in it
+      directly. Default: `intra_bwd_mm_dtype` when that is not f32 (the GPU
+      with bf16 inputs and K*V >= 128*128), else None. With bf16
+      intra-backward operands bf16 storage loses nothing but the f32
+      sum(dS * S) of the last gate row, since every other use casts to bf16;
+      it halves the saved bytes of M and the states (the state recurrence
+      writes NC*K*V of them per head).
   """
   backend: str
   block_v: int
@@ -289,7 +293,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k,
                      bwd_block_k=bwd_block_k, inverse=inverse,
                      mm_dtype=mm_dtype, intra_mm_dtype=mm_dtype, inverse_mm_dtype=mm_dtype,
-                     intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype)
+                     intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype,
+                     residual_dtype=None if intra_bwd == jnp.float32 else intra_bwd)
   if overrides:
     unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
     if unknown:

@@ -443,7 +443,8 @@ def _write_optional(opt_refs, m, k_ref, g_ref, slices, *, save_m, save_kg):
   k e^{G_last - G} (the split state recurrence's operand; per K slice, <= 1)."""
   opt_refs = list(opt_refs)
   if save_m:
-    opt_refs.pop(0)[...] = m
+    m_ref = opt_refs.pop(0)
+    m_ref[...] = m.astype(m_ref.dtype)
   if save_kg:
     kg_ref = opt_refs.pop(0)
     last = pl.ds(k_ref.shape[0] - 1, 1)
@@ -453,19 +454,22 @@ def _write_optional(opt_refs, m, k_ref, g_ref, slices, *, save_m, save_kg):
 
 
 def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
-              cfg: KernelConfig, save_m: bool = False, save_kg: bool = False):
+              cfg: KernelConfig, save_m: bool = False, save_kg: bool = False,
+              m_dtype=_F32):
   """Runs the intra-chunk kernel.
 
   Args:
     q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
       cumsum; beta: [B, H, Tp, 1] f32.
-    save_m: also return M = (I + A_kk)^-1 for the backward.
+    save_m: also return M = (I + A_kk)^-1 for the backward, stored in
+      m_dtype (formed in f32; bf16 when the backward only uses it as a bf16
+      matmul operand, see `KernelConfig.residual_dtype`).
     save_kg: also return the decayed keys k e^{G_last - G} (G_last the
       chunk's last row) for `kernel_state_split`.
 
   Returns:
     w [B, Tp, H*K], u [B, Tp, H*V] (cfg.mm_dtype), a_qk [B, H, Tp, C]
-    (cfg.mm_dtype), then m [B, H, Tp, C] f32 if save_m and kg [B, Tp, H*K]
+    (cfg.mm_dtype), then m [B, H, Tp, C] (m_dtype) if save_m and kg [B, Tp, H*K]
     (cfg.mm_dtype) if save_kg.
   """
   b, tp, hk = q.shape
@@ -481,7 +485,7 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
                jax.ShapeDtypeStruct((b, h, tp, c), cfg.mm_dtype)]
   out_specs = [kspec, vspec, cspec]
   if save_m:
-    out_shape.append(jax.ShapeDtypeStruct((b, h, tp, c), _F32))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, tp, c), m_dtype))
     out_specs.append(cspec)
   if save_kg:
     out_shape.append(jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype))

@@ -60,16 +60,21 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
                                      cfg=cfg)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   split = kernel_state_split.state_fwd_body(cfg) == "split"
+  # Kept for the backward: M and (split pass) the entry states are written
+  # straight in cfg.residual_dtype when it is set (bf16 by default on the GPU
+  # with bf16 intra-backward operands).
+  res_dtype = cfg.residual_dtype or _F32
   intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
-                               diagonal=st.diagonal, save_m=save, save_kg=split, **kw)
+                               diagonal=st.diagonal, save_m=save, save_kg=split,
+                               m_dtype=res_dtype, **kw)
   w, u, a_qk = intra[:3]
   if split:
     # Without the backward only the output kernel reads the entry states and
-    # V', as matmul operands. The backward keeps the states in f32 (dG's last
-    # row sums dS * S in f32) and V' in its matmul dtype, V''s only use there.
+    # V', as matmul operands. The backward keeps the states in res_dtype and
+    # V' in its matmul dtype, V''s only use there.
     hs, v_new, ht = kernel_state_split.state_recurrence(
         meta, w, u, intra[-1], g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
-        varlen=st.varlen, state_dtype=_F32 if save else cfg.mm_dtype,
+        varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
         v_new_dtype=cfg.intra(backward=True).mm_dtype if save else cfg.mm_dtype)
     o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype,
                                       save_qg=save, **kw)
@@ -109,18 +114,20 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
   save_residuals=True keeps the forward's intermediates so the backward need
   not rerun the intra-chunk and state kernels: the cumulative gates G (f32,
   kept instead of g), W (cfg.mm_dtype), A_qk (cfg.mm_dtype, [C] per row), M
-  (f32, [C] per row), the per-chunk entry states (f32, K*V per chunk) and V'
-  (the split state pass, the GPU default: the intra backward's matmul dtype,
-  bf16 at K = V = 128 with bf16 inputs; the fused kernel: f32). The split
-  pass also keeps the gated queries and keys qg = (scale q) e^G and
+  ([C] per row) and the per-chunk entry states (K*V per chunk), both in
+  cfg.residual_dtype (f32 when None; the GPU default with bf16 intra-backward
+  operands is bf16, written so by the kernels), and V' (the split state
+  pass, the GPU default: the intra backward's matmul dtype, bf16 at
+  K = V = 128 with bf16 inputs; the fused kernel: f32). The split pass also
+  keeps the gated queries and keys qg = (scale q) e^G and
   kg = k e^{G_last - G} (cfg.mm_dtype) for the reverse state kernel. Per
   token and head beyond the inputs, with bf16 inputs, the split pass and
-  bf16 V', that is 2K + 2C + 4C + 4KV/C + 2V + 4K bytes (G takes g's place);
-  K = V = 128, C = 64: 2432 bytes, 1.9x the bf16 q, k, v plus f32 g
-  themselves (1280 bytes), i.e. 1.3 GB at B16 T2048 H16 (the fused pass:
-  4K bytes less). cfg.residual_dtype=bf16 stores M, the states and V' in
-  bf16: 1792 bytes there (0.94 GB), for one extra cast pass over them in the
-  forward. save_residuals=False keeps only the inputs and recomputes
+  bf16 M, states and V', that is 2K + 2C + 2C + 2KV/C + 2V + 4K bytes (G
+  takes g's place); K = V = 128, C = 64: 1792 bytes, 1.4x the bf16 q, k, v
+  plus f32 g themselves (1280 bytes), i.e. 0.94 GB at B16 T2048 H16 (f32 M
+  and states: 2432 bytes, 1.3 GB; the fused pass: 4K bytes less, and its f32
+  states and V' take one cast pass to residual_dtype).
+  save_residuals=False keeps only the inputs and recomputes
   everything in the backward (costing a second forward's intra and state
   kernels).
   """
