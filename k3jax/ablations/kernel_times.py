@@ -6,9 +6,9 @@ benchmarked carry None and the command that measures them.
 """
 
 KERNEL_TIMES = {
-    "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 2.544, "fwd_bwd_ms": 8.782,
+    "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 2.700, "fwd_bwd_ms": 8.368,
                "note": "docs/benchmarks.md, current KDA kernels table"},
-    "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 9.420, "fwd_bwd_ms": 33.828,
+    "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 9.288, "fwd_bwd_ms": 33.518,
                  "note": "docs/benchmarks.md; pairwise diagonal, the only path for an unbounded gate "
                          "(its cost does not depend on the gate values)"},
     "g2.5_t32": {"path": "pallas dense, tile 32", "fwd_ms": None, "fwd_bwd_ms": None,
@@ -18,8 +18,7 @@ KERNEL_TIMES = {
                  "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-1.3 --sub_chunk=64 --peer=false`"},
 }
-KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Current figures: the reverse state kernel reads "
-                       "the gated queries and keys, fla in the same run (H200 x2, 2026-11-30 23:27 "
-                       "UTC)\", the call just before its table (dense and pairwise in one run), shape "
-                       "B16 T2048 H16 K=V=128, C=64; medians of 10 calls. Same GPU run for both "
-                       "measured rows.")
+KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Current figures: state loops without "
+                       "per-chunk initial-state loads, bf16 residuals, fla in the same run (H200, "
+                       "2026-12-01)\", the dense-and-pairwise call, shape B16 T2048 H16 K=V=128, "
+                       "C=64; medians of 10 calls. Same GPU run for both measured rows.")
