@@ -324,3 +324,12 @@ class TestKdaPallasGpuFusedState(TestKdaPallasGpu):
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"state_fwd_impl": "fused"}, **kw)
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuSplitIntraForward(TestKdaPallasGpu):
+  """The GPU checks with the intra forward as two kernels (scores and
+  inverse, then W/U; `kernel_intra_split`, opt-in)."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"intra_fwd_impl": "split"}, **kw)

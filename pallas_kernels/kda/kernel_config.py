@@ -29,9 +29,12 @@ INVERSES = ("blocked", "substitution")
 # Kernel stages, each a separate pallas_call ("intra_bwd_k" is the second
 # kernel of the split intra backward, "state_rec" and "output_fwd" the two
 # kernels of the split forward state pass, "cumsum" the within-chunk gate
-# cumsum).
-STAGES = ("cumsum", "intra_fwd", "state_fwd", "state_rec", "output_fwd", "state_bwd",
-          "intra_bwd", "intra_bwd_k")
+# cumsum, "intra_wu" the W/U kernel of the split intra forward).
+STAGES = ("cumsum", "intra_fwd", "intra_wu", "state_fwd", "state_rec", "output_fwd",
+          "state_bwd", "intra_bwd", "intra_bwd_k")
+
+# Intra-chunk forward bodies (KernelConfig.intra_fwd_impl).
+INTRA_FWD_IMPLS = ("fused", "split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,13 @@ class KernelConfig:
       (bf16, B16 T2048 H16 D128, 2026-11-30) intra_fwd took 5.26-5.59 ms
       with "substitution" and 3.30-3.94 ms with "blocked" (block_k 32-64);
       the GPU twin tests check both.
+    intra_fwd_impl: "fused" (one intra-chunk forward kernel: scores,
+      inverse, W and U; the default) or "split" (`kernel_intra_split`: a
+      scores-and-inverse kernel writing A_qk and M, then a W/U kernel reading
+      M; needs inverse="blocked"). Opt-in and not yet timed on the GPU: it
+      trades one [C] per row write and read of M for fewer live tiles per
+      program (the fused kernel runs at the 255-register cap with 260 MB of
+      spills each way at B16 T2048 H16 D128; docs/benchmarks.md).
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
       below the diagonal tiles (f32 accumulation either way; the diagonal
       tiles' substitution is always f32). Default the input dtype.
@@ -151,8 +161,8 @@ class KernelConfig:
   block_k: int = 64
   bwd_block_k: int = 32
   num_warps: tuple[tuple[str, int], ...] = (
-      ("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("state_rec", 4), ("output_fwd", 4),
-      ("state_bwd", 4), ("intra_bwd", 8), ("intra_bwd_k", 8))
+      ("cumsum", 4), ("intra_fwd", 4), ("intra_wu", 4), ("state_fwd", 4), ("state_rec", 4),
+      ("output_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8), ("intra_bwd_k", 8))
   num_stages: int = 2
   pipeline_stages: tuple[tuple[str, int], ...] = ()
   rec_block_v: int | None = None
@@ -163,6 +173,7 @@ class KernelConfig:
   intra_bwd_mm_dtype: jnp.dtype = jnp.float32
   score_mm_dtype: jnp.dtype = jnp.float32
   inverse: str = "substitution"
+  intra_fwd_impl: str = "fused"
   inverse_mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_impl: str = "auto"
   state_fwd_impl: str = "auto"
@@ -179,6 +190,12 @@ class KernelConfig:
       raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
     if self.inverse not in INVERSES:
       raise ValueError(f"inverse must be one of {INVERSES}, got {self.inverse!r}")
+    if self.intra_fwd_impl not in INTRA_FWD_IMPLS:
+      raise ValueError(f"intra_fwd_impl must be one of {INTRA_FWD_IMPLS}, got "
+                       f"{self.intra_fwd_impl!r}")
+    if self.intra_fwd_impl == "split" and self.inverse != "blocked":
+      raise ValueError("intra_fwd_impl='split' runs the blocked inverse; set inverse='blocked' "
+                       f"(got {self.inverse!r})")
 
   @property
   def interpret(self):

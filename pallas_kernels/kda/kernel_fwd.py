@@ -11,7 +11,8 @@ Two kernels, chunk length C, sub-tile (diagonal tile) length L:
   "blocked" (whole-tile score products summed over K slices of
   `KernelConfig.block_k` channels; diagonal L x L blocks of M by an L-step
   substitution on their [C, L] stack, the rest by block products, every step
-  a tensor-core product).
+  a tensor-core product). `KernelConfig.intra_fwd_impl="split"` runs the
+  blocked body as two kernels instead (`kernel_intra_split`).
 * `state_fwd`: grid (B, H, V/BV) (GPU; on TPU (B, H, V/BV, chunks) with a
   sequential chunk axis). Carries the f32 state S [K, BV] through the
   chunks: V' = U - W S; O = (q e^G) S + A_qk V';
@@ -322,7 +323,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
   m = unit_lower_inverse(akk_blocks)
   w_ref[...] = dot(m, beta * k * jnp.exp(g), cfg).astype(w_ref.dtype)
   u_ref[...] = dot(m, beta * v, cfg).astype(u_ref.dtype)
-  _write_optional(opt_refs, m, k_ref, g_ref, [pl.ds(0, k_ref.shape[1])], save_m=save_m,
+  write_optional(opt_refs, m, k_ref, g_ref, [pl.ds(0, k_ref.shape[1])], save_m=save_m,
                   save_kg=save_kg)
 
 
@@ -384,7 +385,17 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
 
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
                               *opt_refs, scale, ell, diagonal, cfg, save_m, save_kg):
-  """K-sliced scores and the blocked inverse (`inverse="blocked"`).
+  """K-sliced scores and the blocked inverse (`inverse="blocked"`), then W and U:
+  `blocked_scores_inverse` followed by `write_w_u` in one program."""
+  cfg = cfg.intra()
+  m = blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, scale=scale, ell=ell,
+                             diagonal=diagonal, cfg=cfg)
+  slices = write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg)
+  write_optional(opt_refs, m, k_ref, g_ref, slices, save_m=save_m, save_kg=save_kg)
+
+
+def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell, diagonal, cfg):
+  """One chunk's anchored scores and M = (I + A_kk)^-1; writes A_qk.
 
   Scores, with a_r = G[r L] the first row of tile r and t(i) the tile of row i:
   * diagonal tiles (dense), all at once: (x e^{G - a_t(i)}) (k e^{a_t(j) - G})^T
@@ -398,18 +409,21 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
   so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
   each score matrix takes C/L products of [C, BK] x [BK, C]. The pairwise
   diagonal (`pair_tile_scores`) stays over the full K. Then
-  M = (I + A_kk)^-1 on [C, C], and W = M (beta k e^G) per K slice,
-  U = M (beta v) per V slice (of block_k channels when K is sliced, else the
-  whole V: one slice, as on TPU, keeps one product each).
+  M = (I + A_kk)^-1 by `blocked_unit_lower_inverse`.
+
+  Args:
+    q_ref, k_ref, g_ref: [C, K] refs of one chunk; beta_ref [C, 1];
+    aqk_ref: [C, C] output ref of A_qk (lower triangle, zero above).
+    cfg: the intra config (`KernelConfig.intra()`).
+
+  Returns:
+    M [C, C] f32.
   """
-  cfg = cfg.intra()
   c, dk = q_ref.shape
-  dv = v_ref.shape[1]
   bk = cfg.block_k
   if bk > dk:
     raise ValueError(f"block_k must divide K={dk}, got {bk}")
   slices = k_slices(cfg, dk)
-  bv = min(bk, dv) if bk < dk else dv
   row, col = iota((c, 1), 0), iota((1, c), 1)
   p_qk = p_kk = jnp.zeros((c, c), _F32)
   for ks in slices:
@@ -426,19 +440,39 @@ def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref
       p_qk = p_qk + dot(e_cl, t_qk, cfg, dtype=_F32)
       p_kk = p_kk + dot(e_cl, t_kk, cfg, dtype=_F32)
   aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
-  m = blocked_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
-                                 dtype=cfg.inverse_mm_dtype)
-  # Operands reloaded per slice: nothing [C, K]-sized is live across the inverse.
+  return blocked_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
+                                    dtype=cfg.inverse_mm_dtype)
+
+
+def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg):
+  """W = M (beta k e^G) per K slice and U = M (beta v) per V slice.
+
+  The V slices are block_k wide when K is sliced, else the whole V (one
+  slice, as on TPU, keeps one product each). Operands are read per slice, so
+  nothing [C, K]-sized is live next to M.
+
+  Args:
+    m: [C, C] (f32, or as stored; cast to cfg.mm_dtype as a matmul operand).
+    k_ref, g_ref, w_ref: [C, K]; v_ref, u_ref: [C, V]; beta_ref [C, 1].
+    cfg: the intra config (`KernelConfig.intra()`).
+
+  Returns:
+    The K slices (`k_slices`) used.
+  """
+  dk, dv = k_ref.shape[1], v_ref.shape[1]
+  bk = cfg.block_k
+  slices = k_slices(cfg, dk)
+  bv = min(bk, dv) if bk < dk else dv
   for ks in slices:
     x_w = beta_ref[...] * k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[:, ks])
     w_ref[:, ks] = dot(m, x_w, cfg).astype(w_ref.dtype)
   for vb in range(dv // bv):
     vs = pl.ds(vb * bv, bv)
     u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
-  _write_optional(opt_refs, m, k_ref, g_ref, slices, save_m=save_m, save_kg=save_kg)
+  return slices
 
 
-def _write_optional(opt_refs, m, k_ref, g_ref, slices, *, save_m, save_kg):
+def write_optional(opt_refs, m, k_ref, g_ref, slices, *, save_m, save_kg):
   """Writes the intra kernel's optional outputs, in order: M, then the decayed keys
   k e^{G_last - G} (the split state recurrence's operand; per K slice, <= 1)."""
   opt_refs = list(opt_refs)
@@ -456,7 +490,8 @@ def _write_optional(opt_refs, m, k_ref, g_ref, slices, *, save_m, save_kg):
 def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
               cfg: KernelConfig, save_m: bool = False, save_kg: bool = False,
               m_dtype=_F32):
-  """Runs the intra-chunk kernel.
+  """Runs the intra-chunk kernel (or, with cfg.intra_fwd_impl="split", the
+  two kernels of `kernel_intra_split`; same outputs).
 
   Args:
     q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
@@ -472,6 +507,13 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
     (cfg.mm_dtype), then m [B, H, Tp, C] (m_dtype) if save_m and kg [B, Tp, H*K]
     (cfg.mm_dtype) if save_kg.
   """
+  if cfg.intra_fwd_impl == "split":
+    # The module imports this one's helpers, so it is imported here.
+    from pallas_kernels.kda import kernel_intra_split  # pylint: disable=g-import-not-at-top
+    return kernel_intra_split.intra_fwd_split(
+        q, k, v, g_cum, beta, heads=heads, chunk_size=chunk_size, sub_chunk=sub_chunk,
+        diagonal=diagonal, scale=scale, cfg=cfg, save_m=save_m, save_kg=save_kg,
+        m_dtype=m_dtype)
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk, dv = hk // h, v.shape[-1] // h

@@ -1,0 +1,106 @@
+"""Split intra-chunk forward of chunked KDA (`intra_fwd_impl="split"`).
+
+The fused `kernel_fwd.intra_fwd` ("blocked" body) forms the anchored
+scores, the blocked inverse M = (I + A_kk)^-1, then W and U in one program
+per chunk. Here two pallas_calls share that work, each with fewer live
+tiles than the fused program:
+
+1. `kda_intra_fwd` (grid B x H x NC): the scores and the inverse
+   (`kernel_fwd.blocked_scores_inverse`); writes A_qk and M.
+2. `kda_intra_wu` (grid B x H x NC): reads M and writes
+   W = M (beta k e^G), U = M (beta v) (`kernel_fwd.write_w_u`), and the
+   decayed keys kg = k e^{G_last - G} when asked.
+
+Numerics match the fused kernel: M is stored in the W/U operand dtype
+(`KernelConfig.intra_mm_dtype`), to which the fused kernel rounds it as a
+matmul operand anyway, or wider when the backward keeps M in a wider
+residual dtype. The cost is one [C]-per-row write and read of M (in
+inference too). Opt-in: not yet timed on the GPU (see
+`KernelConfig.intra_fwd_impl`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_fwd import blocked_scores_inverse, write_optional, write_w_u
+
+_F32 = jnp.float32
+
+
+def _scores_inverse_kernel(q_ref, k_ref, g_ref, beta_ref, aqk_ref, m_ref, *, scale, ell,
+                           diagonal, cfg):
+  """Block shapes: q_ref, k_ref, g_ref [C, K]; beta_ref [C, 1]; aqk_ref, m_ref [C, C]."""
+  m = blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, scale=scale, ell=ell,
+                             diagonal=diagonal, cfg=cfg.intra())
+  m_ref[...] = m.astype(m_ref.dtype)
+
+
+def _w_u_kernel(k_ref, v_ref, g_ref, beta_ref, m_ref, w_ref, u_ref, *kg_ref, cfg):
+  """Block shapes: k_ref, g_ref, w_ref, kg_ref [C, K]; v_ref, u_ref [C, V];
+  beta_ref [C, 1]; m_ref [C, C]."""
+  cfg = cfg.intra()
+  slices = write_w_u(m_ref[...], k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg)
+  write_optional(kg_ref, None, k_ref, g_ref, slices, save_m=False, save_kg=bool(kg_ref))
+
+
+def m_store_dtype(cfg: KernelConfig, save_m: bool, m_dtype):
+  """Dtype in which kernel 1 stores M: the W/U operand dtype, or the promotion
+  of it and `m_dtype` when the backward keeps M (so neither use loses bits)."""
+  mm = jnp.dtype(cfg.intra().mm_dtype)
+  return jnp.promote_types(mm, m_dtype) if save_m else mm
+
+
+def intra_fwd_split(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
+                    cfg: KernelConfig, save_m: bool = False, save_kg: bool = False,
+                    m_dtype=_F32):
+  """The intra-chunk forward as two kernels; same contract as `kernel_fwd.intra_fwd`.
+
+  Args:
+    q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
+      cumsum; beta: [B, H, Tp, 1] f32.
+    save_m: also return M = (I + A_kk)^-1 (m_dtype) for the backward.
+    save_kg: also return the decayed keys k e^{G_last - G} (cfg.mm_dtype).
+
+  Returns:
+    w [B, Tp, H*K], u [B, Tp, H*V], a_qk [B, H, Tp, C] (cfg.mm_dtype), then
+    m [B, H, Tp, C] (m_dtype) if save_m and kg [B, Tp, H*K] if save_kg.
+  """
+  if cfg.inverse != "blocked":
+    raise ValueError(f"the split intra forward runs the blocked inverse, got {cfg.inverse!r}")
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk, dv = hk // h, v.shape[-1] // h
+  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih))
+  vspec = pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih))
+  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
+  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
+  a_qk, m = pl.pallas_call(
+      functools.partial(_scores_inverse_kernel, scale=scale, ell=sub_chunk, diagonal=diagonal,
+                        cfg=cfg),
+      grid=(b, h, tp // c), in_specs=[kspec, kspec, kspec, bspec], out_specs=[cspec, cspec],
+      out_shape=[jax.ShapeDtypeStruct((b, h, tp, c), cfg.mm_dtype),
+                 jax.ShapeDtypeStruct((b, h, tp, c), m_store_dtype(cfg, save_m, m_dtype))],
+      compiler_params=cfg.compiler_params("intra_fwd"), interpret=cfg.interpret,
+      name="kda_intra_fwd",
+  )(q, k, g_cum, beta)
+  out_shape = [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype),
+               jax.ShapeDtypeStruct((b, tp, h * dv), cfg.mm_dtype)]
+  out_specs = [kspec, vspec]
+  if save_kg:
+    out_shape.append(jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype))
+    out_specs.append(kspec)
+  w, u, *kg = pl.pallas_call(
+      functools.partial(_w_u_kernel, cfg=cfg), grid=(b, h, tp // c),
+      in_specs=[kspec, vspec, kspec, bspec, cspec], out_specs=out_specs, out_shape=out_shape,
+      compiler_params=cfg.compiler_params("intra_wu"), interpret=cfg.interpret,
+      name="kda_intra_wu",
+  )(k, v, g_cum, beta, m)
+  out = [w, u, a_qk]
+  if save_m:
+    out.append(m.astype(m_dtype))
+  return out + kg
