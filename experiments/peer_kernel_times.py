@@ -13,7 +13,8 @@ part of the pass's summed kernel time. Kernel names are fla's.
 """
 from __future__ import annotations
 
-import collections
+import os
+import sys
 
 from absl import app
 from absl import flags
@@ -24,25 +25,8 @@ _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min."
 _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed calls first (autotuning).")
 _CALLS = flags.DEFINE_integer("calls", 10, "Profiled calls.")
 
-
-def _kernel_table(prof, calls: int) -> tuple[str, float]:
-  """(markdown table of CUDA kernels by total time, summed ms per call)."""
-  per_kernel = collections.defaultdict(lambda: [0.0, 0])
-  for evt in prof.events():
-    if str(evt.device_type).split(".")[-1] != "CUDA":
-      continue
-    # The attribute's name differs across torch versions; both are in us.
-    us = getattr(evt, "device_time", None)
-    if us is None:
-      us = evt.cuda_time
-    entry = per_kernel[evt.name]
-    entry[0] += us / 1e3
-    entry[1] += 1
-  total = sum(t for t, _ in per_kernel.values()) / calls
-  lines = ["| kernel | ms per call | launches per call | share |", "|---|---|---|---|"]
-  for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
-    lines.append(f"| {name[:70]} | {t / calls:.3f} | {n / calls:g} | {t / calls / total:.0%} |")
-  return "\n".join(lines), total
+# Run from a checkout without installing: the repository root holds the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv):
@@ -51,6 +35,10 @@ def main(argv):
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
   from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
   from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
+  # Only the table helper is needed from JAX's side; keep JAX off the GPU so
+  # it cannot reserve memory beside torch.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
 
   b, t, h, d = (int(x) for x in _SHAPE.value.split("x"))
   torch.manual_seed(0)
@@ -86,7 +74,7 @@ def main(argv):
         for _ in range(_CALLS.value):
           fn()
         torch.cuda.synchronize()
-      table, total = _kernel_table(prof, _CALLS.value)
+      table, total = bench.cuda_kernel_table(prof.events(), _CALLS.value)
       print(f"\n{mode} {label}: {total:.3f} ms of kernel time per call\n{table}", flush=True)
 
 

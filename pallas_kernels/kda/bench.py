@@ -5,6 +5,7 @@ timing happens at import.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import statistics
@@ -351,3 +352,32 @@ def stage_table(rows: list[tuple[str, dict | str]]) -> str:
       cells = [f"failed: {v}"] + [""] * (len(cols) - 1)
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def cuda_kernel_table(events, calls: int) -> tuple[str, float]:
+  """The peer's per-kernel times from PyTorch profiler events (`peer_kernel_times.py`).
+
+  Args:
+    events: profiler events (`prof.events()`); only CUDA ones count.
+    calls: how many profiled calls the events cover.
+
+  Returns:
+    (markdown table of kernels by total time: ms and launches per call and
+    share of the summed kernel time, summed kernel ms per call).
+  """
+  per_kernel = collections.defaultdict(lambda: [0.0, 0])
+  for evt in events:
+    if str(evt.device_type).split(".")[-1] != "CUDA":
+      continue
+    # The attribute's name differs across torch versions; both are in us.
+    us = getattr(evt, "device_time", None)
+    if us is None:
+      us = evt.cuda_time
+    entry = per_kernel[evt.name]
+    entry[0] += us / 1e3
+    entry[1] += 1
+  total = sum(t for t, _ in per_kernel.values()) / calls
+  lines = ["| kernel | ms per call | launches per call | share |", "|---|---|---|---|"]
+  for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
+    lines.append(f"| {name[:70]} | {t / calls:.3f} | {n / calls:g} | {t / calls / total:.0%} |")
+  return "\n".join(lines), total
