@@ -259,6 +259,8 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
 ALL_STAGES = ("cumsum", "cumsum_xla", "intra_fwd", "state_fwd", "intra_fwd+M", "state_fwd+save",
               "state_rec", "output_fwd", "state_bwd", "intra_bwd", "intra_bwd_cc",
               "intra_bwd_k", "dg_cumsum")
+
+
 def parse_overrides(items):
   """`name=value` strings -> KernelConfig fields (benchmark and tuning flags).
 

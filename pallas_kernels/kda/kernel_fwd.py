@@ -324,7 +324,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
   w_ref[...] = dot(m, beta * k * jnp.exp(g), cfg).astype(w_ref.dtype)
   u_ref[...] = dot(m, beta * v, cfg).astype(u_ref.dtype)
   write_optional(opt_refs, m, k_ref, g_ref, [pl.ds(0, k_ref.shape[1])], save_m=save_m,
-                  save_kg=save_kg)
+                 save_kg=save_kg)
 
 
 def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell,
