@@ -113,3 +113,7 @@ def test_split_needs_the_blocked_inverse():
     _cfg("split", inverse="substitution")
   with pytest.raises(ValueError, match="intra_fwd_impl must be one of"):
     _cfg("splt")
+  with pytest.raises(ValueError, match="intra_fwd_impl='split' is not lowered for TPU"):
+    kernel_config.make_config(backend="tpu_interpret", dtype=jnp.float32, head_k=DK,
+                              head_v=DV, chunk_size=CHUNK, sub_chunk=SUB,
+                              overrides={"inverse": "blocked", "intra_fwd_impl": "split"})

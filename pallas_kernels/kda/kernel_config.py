@@ -108,7 +108,8 @@ class KernelConfig:
     intra_fwd_impl: "fused" (one intra-chunk forward kernel: scores,
       inverse, W and U; the default) or "split" (`kernel_intra_split`: a
       scores-and-inverse kernel writing A_qk and M, then a W/U kernel reading
-      M; needs inverse="blocked"). Opt-in and not yet timed on the GPU: it
+      M; needs inverse="blocked"; GPU and interpret mode, not lowered for
+      TPU). Opt-in and not yet timed on the GPU: it
       trades one [C] per row write and read of M for fewer live tiles per
       program (the fused kernel runs at the 255-register cap with 260 MB of
       spills each way at B16 T2048 H16 D128; docs/benchmarks.md).
@@ -193,6 +194,9 @@ class KernelConfig:
     if self.intra_fwd_impl not in INTRA_FWD_IMPLS:
       raise ValueError(f"intra_fwd_impl must be one of {INTRA_FWD_IMPLS}, got "
                        f"{self.intra_fwd_impl!r}")
+    if self.intra_fwd_impl == "split" and self.is_tpu:
+      raise ValueError(f"intra_fwd_impl='split' is not lowered for TPU (backend "
+                       f"{self.backend!r}); use 'fused'")
     if self.intra_fwd_impl == "split" and self.inverse != "blocked":
       raise ValueError("intra_fwd_impl='split' runs the blocked inverse; set inverse='blocked' "
                        f"(got {self.inverse!r})")
