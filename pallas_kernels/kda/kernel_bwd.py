@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import (dot, iota, k_slices, onehot_rows, state_grid,
-                                           state_launch_options, tile_factors)
+from pallas_kernels.kda.kernel_fwd import (chunk_specs, dot, iota, k_slices, onehot_rows,
+                                           state_grid, state_launch_options, tile_factors)
 
 _F32 = jnp.float32
 
@@ -620,11 +620,8 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
   h, c = heads, chunk_size
   dk_, dv_ = hk // h, v.shape[-1] // h
   nc = tp // c
-  kspec = pl.BlockSpec((None, c, dk_), lambda ib, ih, ic: (ib, ic, ih))
-  vspec = pl.BlockSpec((None, c, dv_), lambda ib, ih, ic: (ib, ic, ih))
-  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
-  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
-  sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
+  spec = chunk_specs(c, dk_, dv_)
+  kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state
   body = _intra_bwd_rows_kernel if impl == "rows" else _intra_bwd_kernel
   kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg)
   return pl.pallas_call(

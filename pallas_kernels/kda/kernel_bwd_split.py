@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
 from pallas_kernels.kda.kernel_bwd import add_score_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
+from pallas_kernels.kda.kernel_fwd import chunk_specs, dot, iota, k_slices
 
 _F32 = jnp.float32
 
@@ -235,11 +235,8 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
   nc = tp // c
   mdt = cfg.intra(backward=True).mm_dtype
   sdt = cc_store_dtype(cfg, diagonal)
-  kspec = pl.BlockSpec((None, c, dk_), lambda ib, ih, ic: (ib, ic, ih))
-  vspec = pl.BlockSpec((None, c, dv_), lambda ib, ih, ic: (ib, ic, ih))
-  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
-  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
-  sspec = pl.BlockSpec((None, None, dk_, dv_), lambda ib, ih, ic: (ib, ih, ic, 0))
+  spec = chunk_specs(c, dk_, dv_)
+  kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state
   cc_shape = jax.ShapeDtypeStruct((b, h, tp, c), sdt)
   return pl.pallas_call(
       functools.partial(_intra_bwd_cc_kernel, cfg=cfg), grid=(b, h, nc),

@@ -220,6 +220,27 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkSpecs:
+  """BlockSpecs of one chunk for the per-chunk kernels, grid (B, H, NC)."""
+  k: pl.BlockSpec      # [C, K] of a [B, Tp, H*K] array
+  v: pl.BlockSpec      # [C, V] of a [B, Tp, H*V] array
+  cc: pl.BlockSpec     # [C, C] of a [B, H, Tp, C] array
+  beta: pl.BlockSpec   # [C, 1] of a [B, H, Tp, 1] array
+  state: pl.BlockSpec  # [K, V] of a [B, H, NC*K, V] array: the chunk's row of states
+
+
+def chunk_specs(chunk_size: int, dk: int, dv: int) -> ChunkSpecs:
+  """The intra-chunk kernels' BlockSpecs for chunk length C, head dims K and V."""
+  c = chunk_size
+  return ChunkSpecs(
+      k=pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih)),
+      v=pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih)),
+      cc=pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0)),
+      beta=pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0)),
+      state=pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0)))
+
+
+@dataclasses.dataclass(frozen=True)
 class StateGrid:
   """Grid and BlockSpecs shared by the forward and reverse state kernels.
 
@@ -518,10 +539,8 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
   h, c = heads, chunk_size
   dk, dv = hk // h, v.shape[-1] // h
   nc = tp // c
-  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih))
-  vspec = pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih))
-  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
-  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
+  spec = chunk_specs(c, dk, dv)
+  kspec, vspec, cspec, bspec = spec.k, spec.v, spec.cc, spec.beta
   out_shape = [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype),
                jax.ShapeDtypeStruct((b, tp, h * dv), cfg.mm_dtype),
                jax.ShapeDtypeStruct((b, h, tp, c), cfg.mm_dtype)]

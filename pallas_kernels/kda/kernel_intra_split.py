@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import blocked_scores_inverse, write_optional, write_w_u
+from pallas_kernels.kda.kernel_fwd import (blocked_scores_inverse, chunk_specs, write_optional,
+                                           write_w_u)
 
 _F32 = jnp.float32
 
@@ -70,15 +71,11 @@ def intra_fwd_split(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diago
     w [B, Tp, H*K], u [B, Tp, H*V], a_qk [B, H, Tp, C] (cfg.mm_dtype), then
     m [B, H, Tp, C] (m_dtype) if save_m and kg [B, Tp, H*K] if save_kg.
   """
-  if cfg.inverse != "blocked":
-    raise ValueError(f"the split intra forward runs the blocked inverse, got {cfg.inverse!r}")
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk, dv = hk // h, v.shape[-1] // h
-  kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih))
-  vspec = pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih))
-  cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0))
-  bspec = pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0))
+  spec = chunk_specs(c, dk, dv)
+  kspec, vspec, cspec, bspec = spec.k, spec.v, spec.cc, spec.beta
   a_qk, m = pl.pallas_call(
       functools.partial(_scores_inverse_kernel, scale=scale, ell=sub_chunk, diagonal=diagonal,
                         cfg=cfg),
