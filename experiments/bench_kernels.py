@@ -58,20 +58,13 @@ def _parse(shape):
 def _run_fla(shapes, iters, lower_bound):
   """Times fla chunk_kda (bf16) and prints one JSON line per shape and mode."""
   import torch  # pylint: disable=g-import-not-at-top
-  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
   from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
   from triton.testing import do_bench  # pylint: disable=g-import-not-at-top
+  import fla_peer  # pylint: disable=g-import-not-at-top
   for shape in shapes:
-    b, t, h, d = _parse(shape)
-    torch.manual_seed(0)
-    q = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
-    k = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
-    v = torch.randn(b, t, h, d, device="cuda").bfloat16()
-    g = (lower_bound * torch.sigmoid(torch.randn(b, t, h, d, device="cuda"))).float()
-    beta = torch.sigmoid(torch.randn(b, t, h, device="cuda")).bfloat16()
-    do = torch.randn_like(v)
+    q, k, v, g, beta, do = fla_peer.inputs(*_parse(shape), lower_bound)
     for safe in [m == "safe" for m in _PEER_MODES.value]:
-      kw = dict(safe_gate=True, lower_bound=lower_bound) if safe else dict(safe_gate=False)
+      kw = fla_peer.gate_kwargs(safe, lower_bound)
       fwd = lambda: chunk_kda(q, k, v, g, beta, **kw)[0]
       with torch.no_grad():
         t_fwd = do_bench(fwd, return_mode="median", rep=max(iters * 5, 50))

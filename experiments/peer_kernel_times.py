@@ -13,11 +13,10 @@ part of the pass's summed kernel time. Kernel names are fla's.
 """
 from __future__ import annotations
 
-import os
-import sys
-
 from absl import app
 from absl import flags
+
+import fla_peer  # this directory: the peer's inputs and kernel table
 
 _SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D).")
 _MODES = flags.DEFINE_list("modes", ["safe"], "fla safe_gate modes: safe, unsafe.")
@@ -25,36 +24,21 @@ _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min."
 _WARMUP = flags.DEFINE_integer("warmup", 5, "Untimed calls first (autotuning).")
 _CALLS = flags.DEFINE_integer("calls", 10, "Profiled calls.")
 
-# Run from a checkout without installing: the repository root holds the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def main(argv):
   del argv
   import torch  # pylint: disable=g-import-not-at-top
-  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
   from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
   from torch.profiler import ProfilerActivity, profile  # pylint: disable=g-import-not-at-top
-  # Only the table helper is needed from JAX's side; keep JAX off the GPU so
-  # it cannot reserve memory beside torch.
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
 
   b, t, h, d = (int(x) for x in _SHAPE.value.split("x"))
-  torch.manual_seed(0)
-  q = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
-  k = F.normalize(torch.randn(b, t, h, d, device="cuda"), dim=-1).bfloat16()
-  v = torch.randn(b, t, h, d, device="cuda").bfloat16()
-  g = (_LOWER_BOUND.value * torch.sigmoid(torch.randn(b, t, h, d, device="cuda"))).float()
-  beta = torch.sigmoid(torch.randn(b, t, h, device="cuda")).bfloat16()
-  do = torch.randn_like(v)
+  q, k, v, g, beta, do = fla_peer.inputs(b, t, h, d, _LOWER_BOUND.value)
   print(f"device: {torch.cuda.get_device_name()}; fla chunk_kda, shape {_SHAPE.value} bf16",
         flush=True)
   for mode in _MODES.value:
     if mode not in ("safe", "unsafe"):
       raise ValueError(f"--modes takes safe and unsafe, got {mode!r}")
-    kw = (dict(safe_gate=True, lower_bound=_LOWER_BOUND.value) if mode == "safe"
-          else dict(safe_gate=False))
+    kw = fla_peer.gate_kwargs(mode == "safe", _LOWER_BOUND.value)
     xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
 
     def fwd():
@@ -74,7 +58,7 @@ def main(argv):
         for _ in range(_CALLS.value):
           fn()
         torch.cuda.synchronize()
-      table, total = bench.cuda_kernel_table(prof.events(), _CALLS.value)
+      table, total = fla_peer.cuda_kernel_table(prof.events(), _CALLS.value)
       print(f"\n{mode} {label}: {total:.3f} ms of kernel time per call\n{table}", flush=True)
 
 

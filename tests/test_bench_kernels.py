@@ -175,16 +175,17 @@ def test_stage_times_smoke_with_split_backward():
 
 
 def test_peer_kernel_table_sums_cuda_kernels_per_call():
-  """`bench.cuda_kernel_table` keeps CUDA events only, averages per call, sorts
-  by time and reads either torch attribute name for the device time."""
+  """`fla_peer.cuda_kernel_table` keeps CUDA events only, averages per call,
+  sorts by time and reads either torch attribute name for the device time."""
   import types  # pylint: disable=g-import-not-at-top
+  import fla_peer  # pylint: disable=g-import-not-at-top
 
   def evt(name, device, us, attr="device_time"):
     return types.SimpleNamespace(name=name, device_type=f"DeviceType.{device}", **{attr: us})
 
   events = [evt("kernel_a", "CUDA", 300.0), evt("kernel_a", "CUDA", 100.0),
             evt("kernel_b", "CUDA", 600.0, attr="cuda_time"), evt("aten::mm", "CPU", 5000.0)]
-  table, total = bench.cuda_kernel_table(events, calls=2)
+  table, total = fla_peer.cuda_kernel_table(events, calls=2)
   assert total == pytest.approx(0.5)          # (300 + 100 + 600) us over 2 calls
   rows = table.splitlines()[2:]
   assert rows[0].startswith("| kernel_b | 0.300 | 0.5 | 60% |")

@@ -5,7 +5,6 @@ timing happens at import.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import statistics
@@ -181,14 +180,14 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   split_state = kernel_state_split.state_fwd_body(cfg) == "split"
   intra_m = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
                                                     save_m=True, save_kg=split_state,
-                                                    m_dtype=cfg.residual_dtype or jnp.float32,
+                                                    m_dtype=cfg.saved_state_dtype,
                                                     **kw))
   w, u, a_qk, m, *kg = intra_m(q2, k2, v2, g_cum, beta_t)
   state_split = {}
   if split_state:
     # Storage dtypes as `pallas_op._forward` picks them.
     rec_kw = dict(heads=h, chunk_size=c, cfg=cfg, varlen=False)
-    train_kw = dict(state_dtype=cfg.residual_dtype or jnp.float32,
+    train_kw = dict(state_dtype=cfg.saved_state_dtype,
                     v_new_dtype=cfg.intra(backward=True).mm_dtype)
 
     def split_pass(q2, g_cum, w, u, kg, a_qk, h0, save):
@@ -355,31 +354,3 @@ def stage_table(rows: list[tuple[str, dict | str]]) -> str:
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
-
-def cuda_kernel_table(events, calls: int) -> tuple[str, float]:
-  """The peer's per-kernel times from PyTorch profiler events (`peer_kernel_times.py`).
-
-  Args:
-    events: profiler events (`prof.events()`); only CUDA ones count.
-    calls: how many profiled calls the events cover.
-
-  Returns:
-    (markdown table of kernels by total time: ms and launches per call and
-    share of the summed kernel time, summed kernel ms per call).
-  """
-  per_kernel = collections.defaultdict(lambda: [0.0, 0])
-  for evt in events:
-    if str(evt.device_type).split(".")[-1] != "CUDA":
-      continue
-    # The attribute's name differs across torch versions; both are in us.
-    us = getattr(evt, "device_time", None)
-    if us is None:
-      us = evt.cuda_time
-    entry = per_kernel[evt.name]
-    entry[0] += us / 1e3
-    entry[1] += 1
-  total = sum(t for t, _ in per_kernel.values()) / calls
-  lines = ["| kernel | ms per call | launches per call | share |", "|---|---|---|---|"]
-  for name, (t, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
-    lines.append(f"| {name[:70]} | {t / calls:.3f} | {n / calls:g} | {t / calls / total:.0%} |")
-  return "\n".join(lines), total

@@ -213,6 +213,12 @@ class KernelConfig:
   def is_tpu(self) -> bool:
     return self.backend in ("tpu", "tpu_interpret")
 
+  @property
+  def saved_state_dtype(self):
+    """The dtype the forward kernels write the saved M and entry states in:
+    residual_dtype, else f32."""
+    return self.residual_dtype or jnp.float32
+
   def compiler_params(self, stage: str, grid_rank: int = 3, sequential_last: bool = False):
     """`pallas_call` compiler parameters of `stage` for this backend.
 

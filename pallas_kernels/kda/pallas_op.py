@@ -61,9 +61,9 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   split = kernel_state_split.state_fwd_body(cfg) == "split"
   # Kept for the backward: M and (split pass) the entry states are written
-  # straight in cfg.residual_dtype when it is set (bf16 by default on the GPU
-  # with bf16 intra-backward operands).
-  res_dtype = cfg.residual_dtype or _F32
+  # straight in cfg.saved_state_dtype (bf16 by default on the GPU with bf16
+  # intra-backward operands).
+  res_dtype = cfg.saved_state_dtype
   intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
                                diagonal=st.diagonal, save_m=save, save_kg=split,
                                m_dtype=res_dtype, **kw)
