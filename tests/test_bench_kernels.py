@@ -21,8 +21,7 @@ def test_overrides_parse_to_kernel_config_fields():
   assert got["score_mm_dtype"] == jnp.dtype(jnp.bfloat16)
   assert got["save_residuals"] is False
   assert got["block_v"] == 32
-  warps = dict(got["num_warps"])
-  assert warps["intra_fwd"] == 8 and set(warps) == set(kernel_config.STAGES)
+  assert got["num_warps"] == (("intra_fwd", 8),)   # only the named stage
   cfg = kernel_config.make_config(backend="interpret", dtype=jnp.bfloat16, head_k=64, head_v=64,
                                   chunk_size=64, sub_chunk=16, overrides=got)
   assert cfg.inverse == "blocked" and dict(cfg.num_warps)["intra_fwd"] == 8
@@ -101,6 +100,7 @@ def test_block_k_override_is_validated(backend, block_k):
 @pytest.mark.parametrize("overrides, match", [
     ({"rec_block_v": 24}, "rec_block_v must be None or a power of two dividing V=64"),
     ({"out_block_v": 8}, "out_block_v must be None or a power of two dividing V=64"),
+    ({"bwd_block_v": 128}, "bwd_block_v must be None or a power of two dividing V=64"),
     ({"pipeline_stages": (("state_recc", 1),)}, "pipeline_stages names unknown stages"),
 ])
 def test_state_pass_tiles_are_validated(overrides, match):
@@ -117,6 +117,29 @@ def test_pipeline_stages_override_one_stage():
   rec, other = cfg.compiler_params("state_rec"), cfg.compiler_params("state_bwd")
   assert (rec.num_stages, rec.num_warps) == (3, 2)
   assert (other.num_stages, other.num_warps) == (cfg.num_stages, 4)
+
+
+def test_reverse_state_tile_default_and_partial_warps_overrides():
+  """Triton at K = V = 128 with many (batch row, head) pairs: the reverse state
+  kernel takes the whole V with 8 warps; elsewhere block_v and 4. A warps
+  override of another stage keeps it."""
+  make = lambda d, items=(): kernel_config.make_config(
+      backend="triton", dtype=jnp.bfloat16, head_k=d, head_v=d, chunk_size=64, sub_chunk=16,
+      overrides=bench.parse_overrides(list(items)))
+  cfg = make(128)
+  assert cfg.bwd_block_v == 128 and cfg.compiler_params("state_bwd").num_warps == 8
+  assert cfg.block_v == 64 and cfg.compiler_params("state_rec").num_warps == 4
+  assert make(64).bwd_block_v is None and make(64).compiler_params("state_bwd").num_warps == 4
+  swept = make(128, ["warps.intra_bwd_k=4"])
+  assert swept.compiler_params("intra_bwd_k").num_warps == 4
+  assert swept.compiler_params("state_bwd").num_warps == 8
+  assert make(128, ["warps.state_bwd=2"]).compiler_params("state_bwd").num_warps == 2
+  few = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=128, head_v=128,
+                                  chunk_size=64, sub_chunk=16, state_programs=64)
+  assert few.bwd_block_v is None and few.compiler_params("state_bwd").num_warps == 4
+  tpu = kernel_config.make_config(backend="tpu_interpret", dtype=jnp.bfloat16, head_k=128,
+                                  head_v=128, chunk_size=64, sub_chunk=16)
+  assert tpu.bwd_block_v is None
 
 
 def test_bwd_block_k_override_is_validated():

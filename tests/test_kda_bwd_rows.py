@@ -107,7 +107,7 @@ def _pallas_call_inputs(jaxpr, name, side="invars"):
 
 @pytest.mark.parametrize("residual_dtype,want", [(None, "float32"), (jnp.bfloat16, "bfloat16")])
 def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
-  """The saved M, entry states and V' reach intra_bwd in cfg.residual_dtype.
+  """The saved M, entry states and V', and dS, reach intra_bwd in cfg.residual_dtype.
 
   Checked on the traced program: on the CPU, XLA's excess-precision rewrite
   may drop an f32 -> bf16 -> f32 round trip inside one interpreted program,
@@ -125,12 +125,29 @@ def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
   jaxpr = jax.make_jaxpr(run)(x, x, x, -jnp.ones((1, 40, 1, 16)), jnp.ones((1, 40, 1)))
   dtypes = _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd")
   # (q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
-  assert dtypes is not None and [dtypes[i] for i in (6, 8, 10)] == [want] * 3, dtypes
-  assert dtypes[7] == dtypes[9] == "float32"  # gradients stay f32
+  # M, the entry states, V' and the per-chunk exit-state gradients dS.
+  assert dtypes is not None and [dtypes[i] for i in (6, 7, 8, 10)] == [want] * 4, dtypes
+  assert dtypes[9] == "float32"  # dV' in the intra backward's matmul dtype (f32 here)
+  # (dv_new, dhs, dh0): dS leaves the reverse state kernel in it; dh0 stays f32.
+  assert _pallas_call_inputs(jaxpr.jaxpr, "kda_state_bwd", "outvars")[1:] == [want, "float32"]
   # M and the entry states leave their forward kernels in it (no cast pass):
   # (w, u, a_qk, m, kg) and (hs, v_new, ht).
   assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_fwd", "outvars")[3] == want
   assert _pallas_call_inputs(jaxpr.jaxpr, "kda_state_rec", "outvars")[0] == want
+
+
+def test_state_decay_grad_is_f32_arithmetic_on_bf16_operands():
+  """dG's last-row term sum_v dS * S is formed in f32 from bf16-stored dS and S
+  (a bf16 product and sum is off by 2.3e-3 of the largest value here)."""
+  rng = np.random.default_rng(0)
+  ds = jnp.asarray(rng.normal(size=(32, 128)), jnp.bfloat16)
+  s = jnp.asarray(rng.normal(size=(32, 128)), jnp.bfloat16)
+  g_last = jnp.asarray(-rng.uniform(0.0, 5.0, size=(1, 32)), jnp.float32)
+  got = kernel_bwd.state_decay_grad(ds, s, g_last)
+  assert got.dtype == jnp.float32 and got.shape == (1, 32)
+  ds64, s64 = np.asarray(ds, np.float64), np.asarray(s, np.float64)
+  want = (ds64 * s64).sum(axis=1)[None, :] * np.exp(np.asarray(g_last, np.float64))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 def test_residual_dtype_defaults_to_the_intra_backward_operands():

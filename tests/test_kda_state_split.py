@@ -117,10 +117,12 @@ def test_split_matches_fused(save, tiles):
     assert rel_max(x, r) < F32_TOL, f"{name}: {rel_max(x, r):.2e}"
 
 
-def test_state_bwd_reads_the_gated_operands():
+@pytest.mark.parametrize("bwd_block_v", [None, DV])
+def test_state_bwd_reads_the_gated_operands(bwd_block_v):
   """The reverse state kernel given qg and kg (as the split pass keeps them)
   gives the gradients it forms from q, k and G itself: dV', every chunk's dS
-  and dh0."""
+  and dh0. With bwd_block_v the gated run takes one V tile (the reference
+  keeps block_v = 8, two tiles)."""
   (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg) = _intra_outputs(2)
   cfg = kw["cfg"]
   hs, v_new, _ = kernel_state_split.state_recurrence(
@@ -129,8 +131,9 @@ def test_state_bwd_reads_the_gated_operands():
                                         save_qg=True, **kw)
   do = jax.random.normal(jax.random.key(3), v.shape, jnp.float32)
   dht = jax.random.normal(jax.random.key(4), h0.shape, jnp.float32)
+  tiled = dict(kw, cfg=dataclasses.replace(cfg, bwd_block_v=bwd_block_v))
   run = lambda x, y, gated: jax.jit(functools.partial(
-      kernel_bwd.state_bwd, varlen=False, gated=gated, **kw))(
+      kernel_bwd.state_bwd, varlen=False, gated=gated, **(tiled if gated else kw)))(
           _meta(), x, y, g_cum, w, a_qk, do, dht)
   want = run(q, k, False)
   got = run(qg, kg, True)

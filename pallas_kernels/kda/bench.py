@@ -157,7 +157,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   c = chunk_size
   cfg = kernel_config.make_config(backend=kernel_config.default_backend(interpret), dtype=q.dtype,
                                   head_k=dk, head_v=dv, chunk_size=c, sub_chunk=sub_chunk,
-                                  overrides=config_overrides)
+                                  state_programs=b * h, overrides=config_overrides)
   t_pad = -(-t // c) * c
   nc = t_pad // c
   pad = lambda x: jnp.pad(x, [(0, 0), (0, t_pad - t)] + [(0, 0)] * (x.ndim - 2))
@@ -220,7 +220,8 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   # keys after the split pass, q and k after the fused one.
   sb_args = (*(gated_qk or (q2, k2)), g_cum, w, a_qk, do2, h0)
   sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False,
-                                               gated=gated_qk is not None, **kw))
+                                               gated=gated_qk is not None,
+                                               ds_dtype=cfg.saved_state_dtype, **kw))
   needs_bwd = stages is None or {"state_bwd", "intra_bwd", "intra_bwd_cc",
                                  "intra_bwd_k"} & set(stages)
   dv_new, dhs, _ = sb(*sb_args) if needs_bwd else (None, None, None)
@@ -293,9 +294,8 @@ def parse_overrides(items):
       except ValueError:
         overrides[name] = value
   if warps:
-    default = next(f.default for f in dataclasses.fields(kernel_config.KernelConfig)
-                   if f.name == "num_warps")
-    overrides["num_warps"] = tuple((st, warps.get(st, n)) for st, n in default)
+    # Only the named stages; `make_config` keeps its defaults for the others.
+    overrides["num_warps"] = tuple(sorted(warps.items()))
   if pipe:
     overrides["pipeline_stages"] = tuple(sorted(pipe.items()))
   return overrides

@@ -24,6 +24,7 @@ recomputed; `KernelConfig.save_residuals`), then runs:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,6 +42,21 @@ _F32 = jnp.float32
 # ---------------------------------------------------------------------------
 # Reverse state kernel
 # ---------------------------------------------------------------------------
+
+
+def state_decay_grad(ds, s, g_last):
+  """Gradient of dG's last row from the state decay S_next = e^{G_last} S + ...
+
+  Args:
+    ds: [K', V'] gradient of the state leaving the chunk; s: [K', V'] state
+      entering it (either may be stored in bf16; the product and sum are f32).
+    g_last: [1, K'] the chunk's last row of G.
+
+  Returns:
+    [1, K'] f32: (sum_v dS * S)^T e^{G_last}.
+  """
+  prod = ds.astype(_F32) * s.astype(_F32)
+  return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * jnp.exp(g_last)
 
 
 def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_ref, dvn_ref,
@@ -111,7 +127,8 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
                  for ks, ds_kb in zip(slices, ds))
     base = pl.multiple_of(i * dk, dk)
     for ks, ds_kb in zip(slices, ds):
-      dhs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = ds_kb
+      dhs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = (
+          ds_kb.astype(dhs_ref.dtype))
     start = pl.multiple_of(i * c, c)
     ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
                          w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
@@ -153,7 +170,7 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
 
   ds = tuple(ds_ref[ks, :] for ks in slices)
   for ks, ds_kb in zip(slices, ds):
-    dhs_ref[ks, :] = ds_kb
+    dhs_ref[ks, :] = ds_kb.astype(dhs_ref.dtype)
   ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref, aqk_ref,
                        do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
   for ks, ds_kb in zip(slices, ds):
@@ -166,7 +183,7 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
 
 
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
-              cfg: KernelConfig, varlen: bool, gated: bool = False):
+              cfg: KernelConfig, varlen: bool, gated: bool = False, ds_dtype=_F32):
   """Runs the reverse state kernel.
 
   Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
@@ -181,16 +198,23 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
       forms no exp on a [C, K] tile, the same products with the same
       rounded operands.
     dht: [Nh, H, K, V] f32, gradient of the final states.
+    ds_dtype: storage dtype of the per-chunk dS (the loop carries it in
+      f32). The intra backward uses dS as a matmul operand (rounded to its
+      matmul dtype) and in dG's last-row sum(dS * S) (`state_decay_grad`,
+      f32 arithmetic), so the training default stores it in
+      `KernelConfig.saved_state_dtype`, like the entry states.
 
   Returns:
     dv_new [B, Tp, H*V] in the intra backward's matmul dtype
     (`KernelConfig.intra(backward=True)`; every later use is an operand of
     such a matmul, so storing it rounded loses nothing), dS per chunk
-    [B, H, NC*K, V] f32 (gradient of the state leaving each chunk), dh0
+    [B, H, NC*K, V] in ds_dtype (gradient of the state leaving each chunk), dh0
     [Nh, H, K, V] f32 (rows of sequences that start; others untouched).
   """
   b, tp, _ = q.shape
   dv = do.shape[-1] // heads
+  if cfg.bwd_block_v is not None:
+    cfg = dataclasses.replace(cfg, block_v=cfg.bwd_block_v)
   grid = state_grid(q.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
                     num_state_rows=dht.shape[0], reverse=True)
   if cfg.is_tpu:
@@ -203,7 +227,7 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.a, grid.v, grid.state],
       out_specs=[grid.v, grid.chunk_states, grid.state],
       out_shape=[jax.ShapeDtypeStruct((b, tp, heads * dv), cfg.intra(backward=True).mm_dtype),
-                 jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv), _F32),
+                 jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv), ds_dtype),
                  jax.ShapeDtypeStruct(dht.shape, _F32)],
       interpret=cfg.interpret, name="kda_state_bwd",
       **state_launch_options(cfg, "state_bwd", grid),
@@ -270,7 +294,7 @@ def fold_pair_tile_grads(grads, q_l, k_l, beta_l, refs, daq_l, da_l, start, scal
 
 
 def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig, scale,
-                    tile_lhs, tile_products, pair_blocks):
+                    tile_lhs, tile_product, pair_blocks):
   """Adds the gradients through a chunk's anchored score products (all row tiles).
 
   Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T,
@@ -280,7 +304,11 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
   reverse cumsum of dG stops cancelling (with bf16 score operands, dg's
   relative L2 error at B1 T512 H2 D64 was 3.6e-2 without this and 3.1e-3 with
   it). Shared by the one-program and the split intra backward, which differ
-  only in how they get the [C, C] gradients of the scores:
+  only in how they get the [C, C] gradients of the scores.
+
+  Each product is folded into dq, dk, dG (or R) as soon as it is formed, so
+  one [C, K'] product is live at a time next to the accumulators: on the
+  GPU these programs run at the register cap.
 
   Args:
     grads: (dq, dk, dbeta, dG) so far: [C, K'], [C, K'], [C, 1], [C, K'] f32.
@@ -288,10 +316,10 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
       beta: [C, 1] f32.
     refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (anchors and the
       pairwise diagonal read them).
-    tile_lhs(r): row tile r's left operands, whatever tile_products takes.
-    tile_products(lhs, yk, xq, xk): (dA_qk_r yk, dA_qk_r^T xq, dA_r yk,
-      dA_r^T xk), [C, K'] f32 each, with dA_r the rows of tile r and operands
-      in the score dtype.
+    tile_lhs(r): row tile r's left operands, whatever tile_product takes.
+    tile_product(lhs, side, x): with dA_r the rows of tile r, for side
+      "q_row" dA_qk_r x, "q_col" dA_qk_r^T x, "k_row" dA_r x, "k_col"
+      dA_r^T x; x [C, K'] in the score dtype, result [C, K'] f32.
     pair_blocks(r, e_cl): the [L, L] diagonal blocks (dA_qk, dA) of tile r,
       f32 (`pairwise` only; e_cl is the tile's exact one-hot embedding).
 
@@ -304,11 +332,7 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
   q_ref, k_ref, g_ref, beta_ref = refs
   c = q.shape[0]
   rnd = lambda x: x.astype(cfg.score_mm_dtype).astype(_F32)
-  dq_a = jnp.zeros_like(q)
-  dk_a = jnp.zeros_like(q)
   r_acc = jnp.zeros_like(q)
-  dk_col = jnp.zeros_like(q)
-  dg_sc = jnp.zeros_like(q)
   bk = beta * k
   for r in range(c // ell):
     anchor = g_ref[pl.ds(r * ell, 1), :]
@@ -317,26 +341,29 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     yk = rnd(k * col_f)
     xq = rnd(q * row_f)
     xk = rnd(bk * row_f)
-    t_q, t_qc, t_k, t_kc = tile_products(lhs, yk, xq, xk)
-    dq_a += row_f * t_q
-    dk_a += col_f * t_qc
-    r_acc += row_f * t_k
-    dk_col += col_f * t_kc
-    dg_sc += xq * t_q - yk * t_qc + xk * t_k - yk * t_kc
+    t = tile_product(lhs, "q_row", yk)
+    dq = dq + row_f * t
+    dgc = dgc + xq * t
+    t = tile_product(lhs, "k_row", yk)
+    r_acc = r_acc + row_f * t
+    dgc = dgc + xk * t
+    t = tile_product(lhs, "q_col", xq)
+    dk = dk + col_f * t
+    dgc = dgc - yk * t
+    t = tile_product(lhs, "k_col", xk)
+    dk = dk + col_f * t
+    dgc = dgc - yk * t
     if diagonal == "pairwise":
       e_cl = onehot_rows(c, ell, r)
       daq_l, da_l = pair_blocks(r, e_cl)
       parts = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
       p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
-      dq_a += p_q
-      dk_a += p_qc
-      r_acc += p_k
-      dk_col += p_kc
-      dg_sc += q * p_q - k * p_qc + bk * p_k - k * p_kc
-  dq = dq + dq_a
-  dk = dk + dk_a + beta * r_acc + dk_col
+      dq = dq + p_q
+      dk = dk + p_qc + p_kc
+      r_acc = r_acc + p_k
+      dgc = dgc + q * p_q - k * p_qc + bk * p_k - k * p_kc
+  dk = dk + beta * r_acc
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
-  dgc = dgc + dg_sc
   return dq, dk, dbeta, dgc
 
 
@@ -371,7 +398,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
   dk = kdec * dkt
   dgc = dgc - kk * dkt
   dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
-            + jnp.transpose(jnp.sum(ds * s, axis=1, keepdims=True)) * jnp.exp(g_last))
+            + state_decay_grad(ds, s, g_last))
   # V' = U - W S with U = M (beta v), W = M (beta k e^G).
   dw = -dot(dvn, s, cfg, tb=True)
   bkg = beta * k * eg
@@ -396,10 +423,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
     in_r = (row_c >= r * ell) & (row_c < (r + 1) * ell)
     return rnd(jnp.where(in_r, daq, 0.0)), rnd(jnp.where(in_r, da, 0.0))
 
-  def tile_products(lhs, yk, xq, xk):
+  def tile_product(lhs, side, x):
     daq_r, da_r = lhs
-    return (dot(daq_r, yk, cfg, dtype=sdt), dot(daq_r, xq, cfg, ta=True, dtype=sdt),
-            dot(da_r, yk, cfg, dtype=sdt), dot(da_r, xk, cfg, ta=True, dtype=sdt))
+    a = daq_r if side.startswith("q") else da_r
+    return dot(a, x, cfg, ta=side.endswith("col"), dtype=sdt)
 
   def pair_blocks(r, e_cl):
     del r
@@ -408,7 +435,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
 
   dq, dk, dbeta, dgc = add_score_grads(
       (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_products=tile_products,
+      diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_product=tile_product,
       pair_blocks=pair_blocks)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
@@ -460,7 +487,7 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
   dm = dot(dvn_ref[...], z, cfg, tb=True)
   p_blocks = [dot(m_ref[:, pl.ds(r * ell, ell)], dm, cfg, ta=True) for r in range(nb)]
   # d(S_next) / d(G_last) from the state decay: sum_v dS * S.
-  dglast = jnp.transpose(jnp.sum(dhs_ref[...] * hs_ref[...], axis=1, keepdims=True)) * jnp.exp(g_last)
+  dglast = state_decay_grad(dhs_ref[...], hs_ref[...], g_last)
 
   row_c = iota((c, 1), 0)
   col_1c = iota((1, c), 1)
@@ -597,7 +624,7 @@ def intra_bwd(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chu
 
   Args:
     q, k, g_cum: [B, Tp, H*K]; v, do, v_new, dv_new: [B, Tp, H*V];
-    beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] f32 (entry state and
+    beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] f32 or bf16 (entry state and
     gradient of the exit state per chunk; hs may be bf16); m: [B, H, Tp, C]
     f32 or bf16; v_new: f32 or bf16 (saved residuals, `residual_dtype`).
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
-from pallas_kernels.kda.kernel_bwd import add_score_grads
+from pallas_kernels.kda.kernel_bwd import add_score_grads, state_decay_grad
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import chunk_specs, dot, iota, k_slices
 
@@ -134,7 +134,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   dk = kdec * dkt
   dgc = dgc - kk * dkt
   dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
-            + jnp.transpose(jnp.sum(ds * s, axis=1, keepdims=True)) * jnp.exp(g_last))
+            + state_decay_grad(ds, s, g_last))
   # W = M (beta k e^G): d(beta k e^G)_kb = M^T dW_kb = -dU~ S_kb^T.
   dbkg = -dot(du_ref[...], s, cfg, tb=True)
   dbeta = jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
@@ -145,7 +145,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   # of tile r, the column side dA^T's columns of tile r (= (dA's rows)^T), so
   # every product is a plain one. The four [C, C] operands are read at each
   # use, not held across the tile loop (as f32 at C = 64 and 8 warps, 16
-  # registers per thread each, next to the five [C, BK] accumulators).
+  # registers per thread each, next to the [C, BK] accumulators).
   sdt = cfg.score_mm_dtype
   rnd = lambda x: x.astype(sdt).astype(_F32)
   cc = lambda ref, mask: rnd(jnp.where(mask, ref[...].astype(_F32), 0.0))
@@ -154,12 +154,11 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
     return ((row_c >= r * ell) & (row_c < (r + 1) * ell),
             (col_c >= r * ell) & (col_c < (r + 1) * ell))
 
-  def tile_products(lhs, yk, xq, xk):
+  def tile_product(lhs, side, x):
     in_r, col_in_r = lhs
-    return (dot(cc(daq_ref, in_r), yk, cfg, dtype=sdt),
-            dot(cc(daqt_ref, col_in_r), xq, cfg, dtype=sdt),
-            dot(cc(da_ref, in_r), yk, cfg, dtype=sdt),
-            dot(cc(dat_ref, col_in_r), xk, cfg, dtype=sdt))
+    ref, mask = {"q_row": (daq_ref, in_r), "q_col": (daqt_ref, col_in_r),
+                 "k_row": (da_ref, in_r), "k_col": (dat_ref, col_in_r)}[side]
+    return dot(cc(ref, mask), x, cfg, dtype=sdt)
 
   def pair_blocks(r, e_cl):
     del e_cl  # the diagonal blocks are read straight from the refs
@@ -168,7 +167,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
 
   dq, dk, dbeta, dgc = add_score_grads(
       (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_products=tile_products,
+      diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_product=tile_product,
       pair_blocks=pair_blocks)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
@@ -184,8 +183,8 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
 
   Args:
     q, k, g_cum: [B, Tp, H*K]; v, do, v_new, dv_new: [B, Tp, H*V];
-    beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] (entry state, f32 or
-    bf16; gradient of the exit state, f32); m: [B, H, Tp, C] f32 or bf16.
+    beta: [B, H, Tp, 1] f32; hs, dhs: [B, H, NC*K, V] (entry state and
+    gradient of the exit state, f32 or bf16); m: [B, H, Tp, C] f32 or bf16.
 
     grad_dtype: storage dtype of dq, dk, dv.
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_bwd import fold_pair_tile_grads
+from pallas_kernels.kda.kernel_bwd import fold_pair_tile_grads, state_decay_grad
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
 
@@ -135,7 +135,7 @@ def _row_tile_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, vn_ref, vn_all_ref, 
     dkt_all = dot(vn_all_ref[...], ds, cfg, tb=True)
     kk_all = k_all * jnp.exp(g_last - g_ref[...])
     return (jnp.sum(kk_all * dkt_all, axis=0, keepdims=True)
-            + jnp.transpose(jnp.sum(ds * s, axis=1, keepdims=True)) * jnp.exp(g_last))
+            + state_decay_grad(ds, s, g_last))
 
   dglast = lax.cond(tile == nr - 1, last_row_grad, lambda: jnp.zeros_like(g_last))
   dg = dg + jnp.where(iota((ell, 1), 0) == ell - 1, dglast, 0.0)

@@ -74,6 +74,18 @@ class KernelConfig:
       more loops to run side by side.
     out_block_v: V-tile of the split pass's output kernel (grid
       B x H x NC x V/out_block_v; None: the whole V).
+    bwd_block_v: V-tile of the reverse state kernel (`kernel_bwd.state_bwd`;
+      None: block_v). Triton default at K = V = 128 with at least
+      WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs: the whole V, with 8
+      warps for that stage (each program carries dS [128, 128] f32 in
+      registers and reads its bf16 per-chunk operands once instead of twice).
+      On the H200 (bf16, B16 T2048 H16, bf16 dS, 2026-12-01, `tune_kda.py
+      --stages=state_bwd`) it took 0.563 / 0.635 / 0.656 ms in three calls
+      against 0.704 / 0.815 ms at block_v 64 and 4 warps; 128 with 4 or 16
+      warps took 0.81-1.09 ms, 3 pipeline stages did not fit in shared
+      memory. With few pairs it halves the programs of a sequential loop:
+      forward+backward at B1 T32768 H16 took 11.45 ms with it against
+      10.62 ms without (B4 T8192: 8.63 against 8.56), so there block_v stays.
     cumsum_block_f: F-width of a gate-cumsum program (None:
       `kernel_cumsum.default_block_f`).
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
@@ -155,7 +167,10 @@ class KernelConfig:
       intra-backward operands bf16 storage loses nothing but the f32
       sum(dS * S) of the last gate row, since every other use casts to bf16;
       it halves the saved bytes of M and the states (the state recurrence
-      writes NC*K*V of them per head).
+      writes NC*K*V of them per head). The reverse state kernel stores the
+      per-chunk exit-state gradients dS in it as well (NC*K*V per head; the
+      intra backward reads them as bf16 matmul operands and in the same f32
+      sum(dS * S)).
   """
   backend: str
   block_v: int
@@ -168,6 +183,7 @@ class KernelConfig:
   pipeline_stages: tuple[tuple[str, int], ...] = ()
   rec_block_v: int | None = None
   out_block_v: int | None = None
+  bwd_block_v: int | None = None
   cumsum_block_f: int | None = None
   mm_dtype: jnp.dtype = jnp.float32
   intra_mm_dtype: jnp.dtype = jnp.float32
@@ -277,8 +293,15 @@ def default_backend(interpret: bool) -> str:
       "pass interpret=True to emulate the kernels on the CPU")
 
 
+# Fewest (batch row, head) pairs for which the reverse state kernel takes the
+# whole V at K = V = 128 on Triton (`KernelConfig.bwd_block_v`): each pair is
+# then one sequential program, so below about one per SM (the H200 has 132)
+# the narrower default tile's twice as many programs win.
+WHOLE_V_BWD_MIN_PROGRAMS = 128
+
+
 def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: int,
-                sub_chunk: int, block_v: int | None = None,
+                sub_chunk: int, block_v: int | None = None, state_programs: int | None = None,
                 overrides: dict | None = None) -> KernelConfig:
   """Checks the tile shapes for `backend` and returns its KernelConfig.
 
@@ -288,11 +311,15 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     head_k, head_v: K and V head dims.
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V-tile of the state kernels; default min(V, 64) (V on TPU).
+    state_programs: B * H, the (batch row, head) pairs the state kernels
+      loop over (None: unknown, taken as many); picks bwd_block_v.
       block_k (the K slice; default min(K, 64), K on TPU), bwd_block_k
       (the split backward's K slice; default min(K, 32)) and inverse
       ("blocked" on Triton when sub_chunk >= 16, else "substitution") are set
       through `overrides`.
     overrides: KernelConfig fields to set explicitly (benchmarks, ablations).
+      `num_warps` there may name only some stages; the others keep their
+      defaults.
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -317,8 +344,15 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   block_k = head_k if on_tpu else min(head_k, 64)
   bwd_block_k = head_k if on_tpu else min(head_k, 32)
   inverse = "blocked" if backend == "triton" and sub_chunk >= 16 else "substitution"
+  num_warps = dict(next(f.default for f in dataclasses.fields(KernelConfig)
+                        if f.name == "num_warps"))
+  bwd_block_v = None
+  many = state_programs is None or state_programs >= WHOLE_V_BWD_MIN_PROGRAMS
+  if backend == "triton" and head_k == head_v == 128 and many:
+    bwd_block_v, num_warps["state_bwd"] = 128, 8     # see KernelConfig.bwd_block_v
   cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k,
-                     bwd_block_k=bwd_block_k, inverse=inverse,
+                     bwd_block_k=bwd_block_k, bwd_block_v=bwd_block_v,
+                     num_warps=tuple(num_warps.items()), inverse=inverse,
                      mm_dtype=mm_dtype, intra_mm_dtype=mm_dtype, inverse_mm_dtype=mm_dtype,
                      intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype,
                      residual_dtype=None if intra_bwd == jnp.float32 else intra_bwd)
@@ -326,11 +360,14 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     unknown = set(overrides) - {f.name for f in dataclasses.fields(KernelConfig)}
     if unknown:
       raise ValueError(f"unknown KernelConfig fields in overrides: {sorted(unknown)}")
+    overrides = dict(overrides)
+    if "num_warps" in overrides:
+      overrides["num_warps"] = tuple({**num_warps, **dict(overrides["num_warps"])}.items())
     cfg = dataclasses.replace(cfg, **overrides)
   # After the overrides: a benchmark's block_v must meet the same rule.
   if not is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
-  for name, dim in (("rec_block_v", head_v), ("out_block_v", head_v)):
+  for name, dim in (("rec_block_v", head_v), ("out_block_v", head_v), ("bwd_block_v", head_v)):
     width = getattr(cfg, name)
     if width is not None and (not is_pow2(width) or dim % width
                               or (backend == "triton" and width < 16)):

@@ -162,7 +162,8 @@ def _core_bwd(st, res, cts):
   q_state, k_state = (r["qg"], r["kg"]) if gated else (r["q2"], r["k2"])
   dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, q_state, k_state, r["g_cum"], r["w"],
                                           r["a_qk"], do2, dht.astype(_F32),
-                                          varlen=st.varlen, gated=gated, **kw)
+                                          varlen=st.varlen, gated=gated,
+                                          ds_dtype=cfg.saved_state_dtype, **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
   dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
@@ -225,7 +226,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_fina
     backend = kernel_config.default_backend(interpret)
   cfg = kernel_config.make_config(backend=backend, dtype=q.dtype, head_k=dk, head_v=dv,
                                   chunk_size=chunk_size, sub_chunk=sub_chunk,
-                                  block_v=block_v, overrides=config_overrides)
+                                  block_v=block_v, state_programs=q.shape[0] * h,
+                                  overrides=config_overrides)
   c = chunk_size
   g = g.astype(_F32)
   varlen = cu_seqlens is not None
