@@ -9,11 +9,16 @@ On the GPU machine, from the repository root:
       --section LaunchStats --section Occupancy --section SpeedOfLight \\
       python experiments/profile_kda.py --shape=16x2048x16x128
 
-Registers and spills of every kernel without a profiler: dump the compiled
-module and ask ptxas (the kernels are named kda_*):
+Registers and local-memory (spill) traffic of every kernel, in one pass per
+metric set (docs/benchmarks.md has the figures this gave):
 
-  XLA_FLAGS=--xla_dump_to=/tmp/kda_dump python experiments/profile_kda.py --shape=1x256x2x128
-  for f in /tmp/kda_dump/*.ptx; do ptxas -arch=sm_90a -v "$f" -o /dev/null; done 2>&1 | grep -A1 kda_
+  ncu --replay-mode application -k regex:kda_ --launch-count 8 --metrics \\
+    gpu__time_duration.sum,launch__registers_per_thread,\\
+l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum \\
+    python experiments/profile_kda.py --calls=0
+
+(An XLA dump, `XLA_FLAGS=--xla_dump_to=...`, held no .ptx files for ptxas on
+the H200 image with jax 0.11.2.)
 """
 from __future__ import annotations
 

@@ -121,10 +121,10 @@ class KernelConfig:
       inverse, W and U; the default) or "split" (`kernel_intra_split`: a
       scores-and-inverse kernel writing A_qk and M, then a W/U kernel reading
       M; needs inverse="blocked"; GPU and interpret mode, not lowered for
-      TPU). Opt-in and not yet timed on the GPU: it
-      trades one [C] per row write and read of M for fewer live tiles per
-      program (the fused kernel runs at the 255-register cap with 260 MB of
-      spills each way at B16 T2048 H16 D128; docs/benchmarks.md).
+      TPU). Opt-in: it trades one [C] per row write and read of M for
+      fewer live tiles per program, and was slower on the H200 (1.51-1.82
+      ms against 1.38-1.56 fused, B16 T2048 H16 D128, 2026-12-01;
+      `kernel_intra_split`).
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
       below the diagonal tiles (f32 accumulation either way; the diagonal
       tiles' substitution is always f32). Default the input dtype.
