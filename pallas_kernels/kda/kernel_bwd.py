@@ -59,6 +59,51 @@ def state_decay_grad(ds, s, g_last):
   return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * jnp.exp(g_last)
 
 
+def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: KernelConfig, *,
+                     last_row: bool = False):
+  """Gradients through a chunk's state terms, for some of its rows and one K slice.
+
+  The terms: O += (q e^G) S (entry state S), S_next = e^{G_last} S +
+  (k e^{G_last - G})^T V', and W = M (beta k e^G), whose gradient
+  d(beta k e^G) = M^T dW = -dU~ S^T. Shared by the split intra backward's
+  second kernel (all rows) and its row-tile variant (one tile's rows).
+
+  Args:
+    q (scaled), k, g: [R, K'] f32 rows of the chunk; beta: [R, 1] f32.
+    g_ref: [C, K'] ref of the chunk's G (its last row is G_last).
+    do_ref, vn_ref, du_ref: [R, V] refs of dO, V' and dU~ of those rows.
+    s, ds: [K', V] the slice's rows of the entry state and of the exit-state
+      gradient (either dtype). cfg: the intra-backward config.
+    last_row: also return dG's last-row term from the state decay,
+      sum_rows (k e^{G_last - G}) * (V' dS^T) + (sum_v dS * S)^T e^{G_last}
+      (meaningful only when the R rows are the whole chunk).
+
+  Returns:
+    dq [R, K'] (w.r.t. the scaled q), dk [R, K'], dG [R, K'], dbeta [R, 1],
+    all f32; then the [1, K'] last-row term if last_row.
+  """
+  eg = jnp.exp(g)
+  g_last = g_ref[pl.ds(g_ref.shape[0] - 1, 1), :]
+  kdec = jnp.exp(g_last - g)
+  # O += (q e^G) S.
+  dqt = dot(do_ref[...], s, cfg, tb=True)
+  dq = eg * dqt
+  dgc = q * eg * dqt
+  # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
+  dkt = dot(vn_ref[...], ds, cfg, tb=True)
+  kk = k * kdec
+  dk = kdec * dkt
+  dgc = dgc - kk * dkt
+  if last_row:
+    dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
+              + state_decay_grad(ds, s, g_last))
+  # W = M (beta k e^G): d(beta k e^G) = M^T dW = -dU~ S^T.
+  dbkg = -dot(du_ref[...], s, cfg, tb=True)
+  dbeta = jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
+  dk = dk + beta * eg * dbkg
+  dgc = dgc + beta * k * eg * dbkg
+  return (dq, dk, dgc, dbeta) + ((dglast,) if last_row else ())
+
 def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_ref, dvn_ref,
                     *, scale, gated: bool, cfg: KernelConfig):
   """One chunk of the reverse state recurrence (shared by the GPU and TPU kernels).

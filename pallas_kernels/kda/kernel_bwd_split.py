@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
-from pallas_kernels.kda.kernel_bwd import add_score_grads, state_decay_grad
+from pallas_kernels.kda.kernel_bwd import add_score_grads, state_term_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import chunk_specs, dot, iota, k_slices
 
@@ -120,26 +120,8 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   ds = dhs_ref[...]         # [BK, V] rows of the gradient of the state leaving it
   row_c = iota((c, 1), 0)
   col_c = iota((1, c), 1)
-  eg = jnp.exp(g)
-  g_last = g_ref[pl.ds(c - 1, 1), :]
-  kdec = jnp.exp(g_last - g)
-
-  # O += (q e^G) S.
-  dqt = dot(do_ref[...], s, cfg, tb=True)
-  dq = eg * dqt
-  dgc = q * eg * dqt
-  # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
-  dkt = dot(vn_ref[...], ds, cfg, tb=True)
-  kk = k * kdec
-  dk = kdec * dkt
-  dgc = dgc - kk * dkt
-  dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
-            + state_decay_grad(ds, s, g_last))
-  # W = M (beta k e^G): d(beta k e^G)_kb = M^T dW_kb = -dU~ S_kb^T.
-  dbkg = -dot(du_ref[...], s, cfg, tb=True)
-  dbeta = jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
-  dk = dk + beta * eg * dbkg
-  dgc = dgc + beta * k * eg * dbkg
+  dq, dk, dgc, dbeta, dglast = state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref,
+                                                s, ds, cfg, last_row=True)
 
   # Scores (`kernel_bwd.add_score_grads`): the row side takes dA's rows
   # of tile r, the column side dA^T's columns of tile r (= (dA's rows)^T), so

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_bwd import fold_pair_tile_grads, state_decay_grad
+from pallas_kernels.kda.kernel_bwd import fold_pair_tile_grads, state_decay_grad, state_term_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
 from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
 
@@ -71,23 +71,9 @@ def _row_tile_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, vn_ref, vn_all_ref, 
   beta_c = beta_ref[rows, :]
   s = hs_ref[...]            # [BK, V] rows of the state entering the chunk
   ds = dhs_ref[...]          # [BK, V] rows of the gradient of the state leaving it
-  eg = jnp.exp(g_c)
+  dq, dk, dg, dbeta = state_term_grads(q_c, k_c, g_c, beta_c, g_ref, do_ref, vn_ref, du_ref,
+                                       s, ds, cfg)
   g_last = g_ref[pl.ds(c - 1, 1), :]
-
-  # O += (q e^G) S.
-  dqt = dot(do_ref[...], s, cfg, tb=True)
-  dq = eg * dqt
-  dg = q_c * eg * dqt
-  # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
-  kdec = jnp.exp(g_last - g_c)
-  dkt = dot(vn_ref[...], ds, cfg, tb=True)
-  dk = kdec * dkt
-  dg = dg - k_c * kdec * dkt
-  # W = M (beta k e^G): d(beta k e^G) = -dU~ S^T.
-  dbkg = -dot(du_ref[...], s, cfg, tb=True)
-  dbeta = jnp.sum(dbkg * k_c * eg, axis=1, keepdims=True)
-  dk = dk + beta_c * eg * dbkg
-  dg = dg + beta_c * k_c * eg * dbkg
 
   # Scores, row side: rows c against the columns tile c's anchored product sees.
   anchor = g_ref[pl.ds(start, 1), :]
