@@ -120,9 +120,9 @@ def test_pipeline_stages_override_one_stage():
 
 
 def test_reverse_state_tile_default_and_partial_warps_overrides():
-  """Triton at K = V = 128 with many (batch row, head) pairs: the reverse state
-  kernel takes the whole V with 8 warps; elsewhere block_v and 4. A warps
-  override of another stage keeps it."""
+  """Triton at K = V = 128 with bf16 inputs and many (batch row, head) pairs:
+  the reverse state kernel takes the whole V with 8 warps; elsewhere block_v
+  and 4. A warps override of another stage keeps it."""
   make = lambda d, items=(): kernel_config.make_config(
       backend="triton", dtype=jnp.bfloat16, head_k=d, head_v=d, chunk_size=64, sub_chunk=16,
       overrides=bench.parse_overrides(list(items)))
@@ -137,6 +137,9 @@ def test_reverse_state_tile_default_and_partial_warps_overrides():
   few = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=128, head_v=128,
                                   chunk_size=64, sub_chunk=16, state_programs=64)
   assert few.bwd_block_v is None and few.compiler_params("state_bwd").num_warps == 4
+  f32 = kernel_config.make_config(backend="triton", dtype=jnp.float32, head_k=128, head_v=128,
+                                  chunk_size=64, sub_chunk=16)
+  assert f32.bwd_block_v is None and f32.compiler_params("state_bwd").num_warps == 4
   tpu = kernel_config.make_config(backend="tpu_interpret", dtype=jnp.bfloat16, head_k=128,
                                   head_v=128, chunk_size=64, sub_chunk=16)
   assert tpu.bwd_block_v is None

@@ -75,17 +75,18 @@ class KernelConfig:
     out_block_v: V-tile of the split pass's output kernel (grid
       B x H x NC x V/out_block_v; None: the whole V).
     bwd_block_v: V-tile of the reverse state kernel (`kernel_bwd.state_bwd`;
-      None: block_v). Triton default at K = V = 128 with at least
-      WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs: the whole V, with 8
-      warps for that stage (each program carries dS [128, 128] f32 in
-      registers and reads its bf16 per-chunk operands once instead of twice).
-      On the H200 (bf16, B16 T2048 H16, bf16 dS, 2026-12-01, `tune_kda.py
-      --stages=state_bwd`) it took 0.563 / 0.635 / 0.656 ms in three calls
-      against 0.704 / 0.815 ms at block_v 64 and 4 warps; 128 with 4 or 16
-      warps took 0.81-1.09 ms, 3 pipeline stages did not fit in shared
-      memory. With few pairs it halves the programs of a sequential loop:
-      forward+backward at B1 T32768 H16 took 11.45 ms with it against
-      10.62 ms without (B4 T8192: 8.63 against 8.56), so there block_v stays.
+      None: block_v). Triton default at K = V = 128 with bf16 or f16 inputs
+      and at least WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs: the
+      whole V, with 8 warps for that stage (each program carries dS
+      [128, 128] f32 in registers and reads its bf16 per-chunk operands once
+      instead of twice). On the H200 (bf16, B16 T2048 H16, bf16 dS,
+      2026-12-01, `tune_kda.py --stages=state_bwd`) it took 0.563 / 0.635 /
+      0.656 ms in three calls against 0.704 / 0.815 / 0.886 ms at V tile 64
+      (4, 4 and 8 warps); 128 with 4 or 16 warps took 0.81-1.09 ms, and 3
+      pipeline stages did not fit in shared memory. With few pairs it
+      halves the programs of a sequential loop: forward+backward at B1
+      T32768 H16 took 11.45 ms with it against 10.62 and 10.82 ms without
+      (two other calls), so there block_v stays.
     cumsum_block_f: F-width of a gate-cumsum program (None:
       `kernel_cumsum.default_block_f`).
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
@@ -348,7 +349,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
                         if f.name == "num_warps"))
   bwd_block_v = None
   many = state_programs is None or state_programs >= WHOLE_V_BWD_MIN_PROGRAMS
-  if backend == "triton" and head_k == head_v == 128 and many:
+  # Measured with bf16 operands only; f32 ones double the pipelined buffers.
+  if backend == "triton" and head_k == head_v == 128 and mm_dtype != jnp.float32 and many:
     bwd_block_v, num_warps["state_bwd"] = 128, 8     # see KernelConfig.bwd_block_v
   cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k,
                      bwd_block_k=bwd_block_k, bwd_block_v=bwd_block_v,
