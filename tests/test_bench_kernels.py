@@ -137,6 +137,7 @@ def test_reverse_state_tile_default_and_partial_warps_overrides():
   few = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=128, head_v=128,
                                   chunk_size=64, sub_chunk=16, state_programs=64)
   assert few.bwd_block_v is None and few.compiler_params("state_bwd").num_warps == 4
+  assert make(128, ["block_v=32"]).bwd_block_v is None   # an explicit tile is everyone's
   f32 = kernel_config.make_config(backend="triton", dtype=jnp.float32, head_k=128, head_v=128,
                                   chunk_size=64, sub_chunk=16)
   assert f32.bwd_block_v is None and f32.compiler_params("state_bwd").num_warps == 4

@@ -104,6 +104,7 @@ def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: K
   dgc = dgc + beta * k * eg * dbkg
   return (dq, dk, dgc, dbeta) + ((dglast,) if last_row else ())
 
+
 def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_ref, dvn_ref,
                     *, scale, gated: bool, cfg: KernelConfig):
   """One chunk of the reverse state recurrence (shared by the GPU and TPU kernels).

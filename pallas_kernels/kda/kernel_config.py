@@ -76,10 +76,10 @@ class KernelConfig:
       B x H x NC x V/out_block_v; None: the whole V).
     bwd_block_v: V-tile of the reverse state kernel (`kernel_bwd.state_bwd`;
       None: block_v). Triton default at K = V = 128 with bf16 or f16 inputs
-      and at least WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs: the
-      whole V, with 8 warps for that stage (each program carries dS
-      [128, 128] f32 in registers and reads its bf16 per-chunk operands once
-      instead of twice). On the H200 (bf16, B16 T2048 H16, bf16 dS,
+      and at least WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs, unless
+      block_v is given explicitly: the whole V, with 8 warps for that stage
+      (each program carries dS [128, 128] f32 in registers and reads its
+      bf16 per-chunk operands once instead of twice). On the H200 (bf16, B16 T2048 H16, bf16 dS,
       2026-12-01, `tune_kda.py --stages=state_bwd`) it took 0.563 / 0.635 /
       0.656 ms in three calls against 0.704 / 0.815 / 0.886 ms at V tile 64
       (4, 4 and 8 warps); 128 with 4 or 16 warps took 0.81-1.09 ms, and 3
@@ -312,6 +312,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     head_k, head_v: K and V head dims.
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V-tile of the state kernels; default min(V, 64) (V on TPU).
+      Given here or in `overrides`, it is also the reverse state kernel's
+      (no whole-V default; see KernelConfig.bwd_block_v).
     state_programs: B * H, the (batch row, head) pairs the state kernels
       loop over (None: unknown, taken as many); picks bwd_block_v.
       block_k (the K slice; default min(K, 64), K on TPU), bwd_block_k
@@ -334,6 +336,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
       raise ValueError(f"{name} must be a power of two >= 8 for the pallas kernels, got {n}")
   if chunk_size < 16:
     raise ValueError(f"chunk_size must be >= 16 (tensor-core tile), got {chunk_size}")
+  # An explicit block_v (argument or override) sets the reverse state tile too.
+  block_v_given = block_v is not None or "block_v" in (overrides or {})
   if block_v is None:
     # Mosaic needs the lane dim to be a multiple of 128 or the whole array.
     block_v = head_v if backend in ("tpu", "tpu_interpret") else min(head_v, 64)
@@ -350,7 +354,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   bwd_block_v = None
   many = state_programs is None or state_programs >= WHOLE_V_BWD_MIN_PROGRAMS
   # Measured with bf16 operands only; f32 ones double the pipelined buffers.
-  if backend == "triton" and head_k == head_v == 128 and mm_dtype != jnp.float32 and many:
+  if (backend == "triton" and head_k == head_v == 128 and mm_dtype != jnp.float32 and many
+      and not block_v_given):
     bwd_block_v, num_warps["state_bwd"] = 128, 8     # see KernelConfig.bwd_block_v
   cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k,
                      bwd_block_k=bwd_block_k, bwd_block_v=bwd_block_v,
