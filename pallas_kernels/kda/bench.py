@@ -353,4 +353,3 @@ def stage_table(rows: list[tuple[str, dict | str]]) -> str:
       cells = [f"failed: {v}"] + [""] * (len(cols) - 1)
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
-

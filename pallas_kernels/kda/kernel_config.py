@@ -79,14 +79,14 @@ class KernelConfig:
       and at least WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs, unless
       block_v is given explicitly: the whole V, with 8 warps for that stage
       (each program carries dS [128, 128] f32 in registers and reads its
-      bf16 per-chunk operands once instead of twice). On the H200 (bf16, B16 T2048 H16, bf16 dS,
-      2026-12-01, `tune_kda.py --stages=state_bwd`) it took 0.563 / 0.635 /
-      0.656 ms in three calls against 0.704 / 0.815 / 0.886 ms at V tile 64
-      (4, 4 and 8 warps); 128 with 4 or 16 warps took 0.81-1.09 ms, and 3
-      pipeline stages did not fit in shared memory. With few pairs it
-      halves the programs of a sequential loop: forward+backward at B1
-      T32768 H16 took 11.45 ms with it against 10.62 and 10.82 ms without
-      (two other calls), so there block_v stays.
+      bf16 per-chunk operands once instead of twice). On the H200 (bf16,
+      B16 T2048 H16, bf16 dS, 2026-12-01, `tune_kda.py --stages=state_bwd`)
+      it took 0.563 / 0.635 / 0.656 ms in three calls against 0.704 /
+      0.815 / 0.886 ms at V tile 64 (4, 4 and 8 warps); 128 with 4 or 16
+      warps took 0.81-1.09 ms, and 3 pipeline stages did not fit in shared
+      memory. With few pairs it halves the programs of a sequential loop:
+      forward+backward at B1 T32768 H16 took 11.45 ms with it against 10.62
+      and 10.82 ms without (two other calls), so there block_v stays.
     cumsum_block_f: F-width of a gate-cumsum program (None:
       `kernel_cumsum.default_block_f`).
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
@@ -374,11 +374,11 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   # After the overrides: a benchmark's block_v must meet the same rule.
   if not is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
-  for name, dim in (("rec_block_v", head_v), ("out_block_v", head_v), ("bwd_block_v", head_v)):
+  for name in ("rec_block_v", "out_block_v", "bwd_block_v"):
     width = getattr(cfg, name)
-    if width is not None and (not is_pow2(width) or dim % width
+    if width is not None and (not is_pow2(width) or head_v % width
                               or (backend == "triton" and width < 16)):
-      raise ValueError(f"{name} must be None or a power of two dividing V={dim} (>= 16 on "
+      raise ValueError(f"{name} must be None or a power of two dividing V={head_v} (>= 16 on "
                        f"the GPU: a dot dim), got {width}")
   for field in ("num_warps", "pipeline_stages"):
     unknown = {stage for stage, _ in getattr(cfg, field)} - set(STAGES)
