@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import (chunk_specs, dot, iota, k_slices, onehot_rows,
+from pallas_kernels.kda.kernel_fwd import (chunk_specs, dot, exp, iota, k_slices, onehot_rows,
                                            state_grid, state_launch_options, tile_factors)
 
 _F32 = jnp.float32
@@ -56,7 +56,7 @@ def state_decay_grad(ds, s, g_last):
     [1, K'] f32: (sum_v dS * S)^T e^{G_last}.
   """
   prod = ds.astype(_F32) * s.astype(_F32)
-  return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * jnp.exp(g_last)
+  return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * exp(g_last)
 
 
 def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: KernelConfig, *,
@@ -82,9 +82,9 @@ def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: K
     dq [R, K'] (w.r.t. the scaled q), dk [R, K'], dG [R, K'], dbeta [R, 1],
     all f32; then the [1, K'] last-row term if last_row.
   """
-  eg = jnp.exp(g)
+  eg = exp(g)
   g_last = g_ref[pl.ds(g_ref.shape[0] - 1, 1), :]
-  kdec = jnp.exp(g_last - g)
+  kdec = exp(g_last - g)
   # O += (q e^G) S.
   dqt = dot(do_ref[...], s, cfg, tb=True)
   dq = eg * dqt
@@ -133,12 +133,12 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
   def gated_k(ks):
     if gated:
       return k_ref[rows, ks]
-    return k_ref[rows, ks].astype(_F32) * jnp.exp(g_ref[last_row, ks] - g_ref[rows, ks])
+    return k_ref[rows, ks].astype(_F32) * exp(g_ref[last_row, ks] - g_ref[rows, ks])
 
   def gated_q(ks):
     if gated:
       return q_ref[rows, ks]
-    return q_ref[rows, ks].astype(_F32) * scale * jnp.exp(g_ref[rows, ks])
+    return q_ref[rows, ks].astype(_F32) * scale * exp(g_ref[rows, ks])
 
   do = do_ref[rows, :]
   dvn = dot(aqk_ref[rows, :], do, cfg, ta=True)
@@ -148,7 +148,7 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
   ds_prev = []
   for ks, ds_kb in zip(slices, ds):
     g_last = g_ref[last_row, ks]
-    ds_prev.append(jnp.transpose(jnp.exp(g_last)) * ds_kb + dot(gated_q(ks), do, cfg, ta=True)
+    ds_prev.append(jnp.transpose(exp(g_last)) * ds_kb + dot(gated_q(ks), do, cfg, ta=True)
                    - dot(w_ref[rows, ks], dvn, cfg, ta=True))
   return tuple(ds_prev)
 
@@ -311,7 +311,7 @@ def pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
     aq_j = jnp.sum(jnp.where(col_l == j, daq_l, 0.0), axis=1, keepdims=True)
     a_j = jnp.sum(jnp.where(col_l == j, da_l, 0.0), axis=1, keepdims=True)
     seen = row_l >= j
-    dec = jnp.where(seen, jnp.exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0)
+    dec = jnp.where(seen, exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0)
     dq_l = dq_l + aq_j * k_j * dec
     r_l = r_l + a_j * k_j * dec
     at_j = row_l == j
@@ -393,10 +393,9 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     t = tile_product(lhs, "k_row", yk)
     r_acc = r_acc + row_f * t
     dgc = dgc + xk * t
-    t = tile_product(lhs, "q_col", xq)
-    dk = dk + col_f * t
-    dgc = dgc - yk * t
-    t = tile_product(lhs, "k_col", xk)
+    # Both column sides share col_f and yk: one sum, one fold (and one chain
+    # of accumulating matmuls on the GPU).
+    t = tile_product(lhs, "q_col", xq) + tile_product(lhs, "k_col", xk)
     dk = dk + col_f * t
     dgc = dgc - yk * t
     if diagonal == "pairwise":
@@ -430,9 +429,9 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
   dvn = dvn_ref[...]
   m = m_ref[...]
   row_c = iota((c, 1), 0)
-  eg = jnp.exp(g)
+  eg = exp(g)
   g_last = g_ref[pl.ds(c - 1, 1), :]
-  kdec = jnp.exp(g_last - g)
+  kdec = exp(g_last - g)
 
   # O += (q e^G) S.
   dqt = dot(do, s, cfg, tb=True)
@@ -528,7 +527,7 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
   m = m_ref[...]
   g_last = g_ref[pl.ds(c - 1, 1), :]
   # dM = dV' (beta v - (beta k e^G) S)^T, i.e. dV' U^T + dW (beta k e^G)^T with dW = -dV' S^T.
-  bkg_all = beta_ref[...] * k_ref[...].astype(_F32) * jnp.exp(g_ref[...])
+  bkg_all = beta_ref[...] * k_ref[...].astype(_F32) * exp(g_ref[...])
   z = beta_ref[...] * v_ref[...].astype(_F32) - dot(bkg_all, s, cfg)
   dm = dot(dvn_ref[...], z, cfg, tb=True)
   p_blocks = [dot(m_ref[:, pl.ds(r * ell, ell)], dm, cfg, ta=True) for r in range(nb)]
@@ -543,7 +542,7 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
     """Row tile r: its rows' refs and anchored row operands (<= 1)."""
     rows = pl.ds(r * ell, ell)
     anchor = g_ref[pl.ds(r * ell, 1), :]
-    row_f = jnp.exp(g_ref[rows, :] - anchor)
+    row_f = exp(g_ref[rows, :] - anchor)
     q_r = q_ref[rows, :].astype(_F32) * scale
     bk_r = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
     return rows, anchor, row_f, q_r, bk_r, rnd(q_r * row_f), rnd(bk_r * row_f)
@@ -556,13 +555,13 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
     beta_c = beta_ref[rows, :]
     do_c = do_ref[rows, :]
     vn_c = vn_ref[rows, :]
-    eg_c = jnp.exp(g_c)
+    eg_c = exp(g_c)
     # O += (q e^G) S.
     dqt = dot(do_c, s, cfg, tb=True)
     dq = eg_c * dqt
     dg = q_c * eg_c * dqt
     # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
-    kdec = jnp.exp(g_last - g_c)
+    kdec = exp(g_last - g_c)
     dkt = dot(vn_c, ds, cfg, tb=True)
     kk = k_c * kdec
     dk = kdec * dkt
@@ -583,7 +582,7 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
     da = jnp.where(col_1c < row_g, -dot(p_blocks[cb], m, cfg, tb=True), 0.0)
     visible = row_c < ((cb + 1) * ell if diagonal == "dense" else cb * ell)
     yk = rnd(jnp.where(visible, k_ref[...].astype(_F32)
-                       * jnp.exp(jnp.where(visible, anchor - g_ref[...], 0.0)), 0.0))
+                       * exp(jnp.where(visible, anchor - g_ref[...], 0.0)), 0.0))
     t_q = dot(rnd(daq), yk, cfg, dtype=sdt)
     t_k = dot(rnd(da), yk, cfg, dtype=sdt)
     r_acc = row_f * t_k          # sum_j dA_ij k_j e^{G_i - G_j}
@@ -600,7 +599,7 @@ def _intra_bwd_rows_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref,
       if r == cb:
         daq_rc = jnp.where(row_l >= col_l, daq_rc, 0.0)
         da_rc = jnp.where(row_l > col_l, da_rc, 0.0)
-      col_f = jnp.exp(anchor_r - g_c)
+      col_f = exp(anchor_r - g_c)
       yk_rc = rnd(k_c * col_f)
       t_c = (dot(rnd(daq_rc), xq_r, cfg, ta=True, dtype=sdt)
              + dot(rnd(da_rc), xk_r, cfg, ta=True, dtype=sdt))

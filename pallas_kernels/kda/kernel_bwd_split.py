@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 # kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
 from pallas_kernels.kda.kernel_bwd import add_score_grads, state_term_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import chunk_specs, dot, iota, k_slices
+from pallas_kernels.kda.kernel_fwd import chunk_specs, dot, exp, iota, k_slices
 
 _F32 = jnp.float32
 
@@ -78,7 +78,7 @@ def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, 
   # z = beta v - (beta k e^G) S, summed over K slices: no [C, K] f32 tile.
   z = beta * v
   for ks in k_slices(cfg, dk):
-    bkg = beta * k_ref[:, ks].astype(_F32) * jnp.exp(g_ref[:, ks])
+    bkg = beta * k_ref[:, ks].astype(_F32) * exp(g_ref[:, ks])
     z = z - dot(bkg, hs_ref[ks, :], cfg)
   m = m_ref[...]
   dvn = dvn_ref[...]
@@ -119,28 +119,26 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   s = hs_ref[...]           # [BK, V] rows of the state entering the chunk
   ds = dhs_ref[...]         # [BK, V] rows of the gradient of the state leaving it
   row_c = iota((c, 1), 0)
-  col_c = iota((1, c), 1)
   dq, dk, dgc, dbeta, dglast = state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref,
                                                 s, ds, cfg, last_row=True)
 
-  # Scores (`kernel_bwd.add_score_grads`): the row side takes dA's rows
-  # of tile r, the column side dA^T's columns of tile r (= (dA's rows)^T), so
-  # every product is a plain one. The four [C, C] operands are read at each
-  # use, not held across the tile loop (as f32 at C = 64 and 8 warps, 16
-  # registers per thread each, next to the [C, BK] accumulators).
+  # Scores (`kernel_bwd.add_score_grads`): every product reads a whole stored
+  # [C, C] gradient, unmasked. The right operands are zero outside tile r
+  # (rows for the column side, xq / xk) or the products are scaled by factors
+  # that are (rows for the row side, row_f / xq / xk), so the rows of dA
+  # outside tile r add exact zeros. The four operands are then loop-invariant
+  # (each staged for the tensor cores once, not once per tile) and read at
+  # each use rather than held in registers across the tile loop.
   sdt = cfg.score_mm_dtype
-  rnd = lambda x: x.astype(sdt).astype(_F32)
-  cc = lambda ref, mask: rnd(jnp.where(mask, ref[...].astype(_F32), 0.0))
+  stored = {"q_row": daq_ref, "q_col": daqt_ref, "k_row": da_ref, "k_col": dat_ref}
 
   def tile_lhs(r):
-    return ((row_c >= r * ell) & (row_c < (r + 1) * ell),
-            (col_c >= r * ell) & (col_c < (r + 1) * ell))
+    del r  # the same operands serve every row tile
+    return None
 
   def tile_product(lhs, side, x):
-    in_r, col_in_r = lhs
-    ref, mask = {"q_row": (daq_ref, in_r), "q_col": (daqt_ref, col_in_r),
-                 "k_row": (da_ref, in_r), "k_col": (dat_ref, col_in_r)}[side]
-    return dot(cc(ref, mask), x, cfg, dtype=sdt)
+    del lhs
+    return dot(stored[side][...], x, cfg, dtype=sdt)
 
   def pair_blocks(r, e_cl):
     del e_cl  # the diagonal blocks are read straight from the refs

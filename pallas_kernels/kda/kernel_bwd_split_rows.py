@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_bwd import fold_pair_tile_grads, state_decay_grad, state_term_grads
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import dot, iota, k_slices
+from pallas_kernels.kda.kernel_fwd import dot, exp, iota, k_slices
 
 _F32 = jnp.float32
 
@@ -77,13 +77,13 @@ def _row_tile_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, vn_ref, vn_all_ref, 
 
   # Scores, row side: rows c against the columns tile c's anchored product sees.
   anchor = g_ref[pl.ds(start, 1), :]
-  row_f = jnp.exp(g_c - anchor)
+  row_f = exp(g_c - anchor)
   xq_c = rnd(q_c * row_f)
   xk_c = rnd(beta_c * k_c * row_f)
   row_all = iota((c, 1), 0)
   visible = row_all < (start + ell if diagonal == "dense" else start)
   yk = rnd(jnp.where(visible, k_ref[...].astype(_F32)
-                     * jnp.exp(jnp.where(visible, anchor - g_ref[...], 0.0)), 0.0))
+                     * exp(jnp.where(visible, anchor - g_ref[...], 0.0)), 0.0))
   t_q = dot(rnd(daq_ref[...].astype(_F32)), yk, cfg, dtype=sdt)
   t_k = dot(rnd(da_ref[...].astype(_F32)), yk, cfg, dtype=sdt)
   dq = dq + row_f * t_q
@@ -95,12 +95,12 @@ def _row_tile_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, vn_ref, vn_all_ref, 
     dk, dg = carry
     rows_r = pl.ds(pl.multiple_of(r * ell, ell), ell)
     anchor_r = g_ref[pl.ds(r * ell, 1), :]
-    row_f_r = jnp.exp(g_ref[rows_r, :] - anchor_r)
+    row_f_r = exp(g_ref[rows_r, :] - anchor_r)
     xq_r = rnd(q_ref[rows_r, :].astype(_F32) * scale * row_f_r)
     xk_r = rnd(beta_ref[rows_r, :] * k_ref[rows_r, :].astype(_F32) * row_f_r)
     t_c = (dot(rnd(daqt_ref[:, rows_r].astype(_F32)), xq_r, cfg, dtype=sdt)
            + dot(rnd(dat_ref[:, rows_r].astype(_F32)), xk_r, cfg, dtype=sdt))
-    col_f = jnp.exp(anchor_r - g_c)
+    col_f = exp(anchor_r - g_c)
     return dk + col_f * t_c, dg - rnd(k_c * col_f) * t_c
 
   first = tile if diagonal == "dense" else tile + 1
@@ -119,7 +119,7 @@ def _row_tile_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, vn_ref, vn_all_ref, 
   def last_row_grad():
     k_all = k_ref[...].astype(_F32)
     dkt_all = dot(vn_all_ref[...], ds, cfg, tb=True)
-    kk_all = k_all * jnp.exp(g_last - g_ref[...])
+    kk_all = k_all * exp(g_last - g_ref[...])
     return (jnp.sum(kk_all * dkt_all, axis=0, keepdims=True)
             + state_decay_grad(ds, s, g_last))
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import chunk_state_loop, dot, k_slices, state_grid
+from pallas_kernels.kda.kernel_fwd import chunk_state_loop, dot, exp, k_slices, state_grid
 
 _F32 = jnp.float32
 
@@ -83,7 +83,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
     v_new = u_ref[rows, :].astype(_F32)
     for ks, s_kb in zip(slices, s):
       v_new = v_new - dot(w_ref[rows, ks], s_kb, cfg)
-    s_next = tuple(jnp.transpose(jnp.exp(g_ref[last_row, ks])) * s_kb
+    s_next = tuple(jnp.transpose(exp(g_ref[last_row, ks])) * s_kb
                    + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
                    for ks, s_kb in zip(slices, s))
     return v_new, s_next
@@ -138,7 +138,7 @@ def _output_kernel(q_ref, g_ref, aqk_ref, hs_ref, vn_ref, o_ref, *qg_ref, scale,
   first V tile's program (every program forms the same values)."""
   o = dot(aqk_ref[...], vn_ref[...], cfg)
   for ks in k_slices(cfg, q_ref.shape[-1]):
-    qg = q_ref[:, ks].astype(_F32) * scale * jnp.exp(g_ref[:, ks])
+    qg = q_ref[:, ks].astype(_F32) * scale * exp(g_ref[:, ks])
     o = o + dot(qg, hs_ref[ks, :], cfg)
     if qg_ref:
       @pl.when(pl.program_id(3) == 0)
