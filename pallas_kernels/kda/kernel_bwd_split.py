@@ -224,7 +224,7 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
       out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv_), dv_dtype),
                  jax.ShapeDtypeStruct((b, h, tp, 1), _F32),
                  jax.ShapeDtypeStruct((b, tp, h * dv_), mdt)] + [cc_shape] * 4,
-      compiler_params=cfg.compiler_params("intra_bwd"),
+      compiler_params=cfg.compiler_params("intra_bwd_cc"),
       interpret=cfg.interpret, name="kda_intra_bwd_cc",
   )(k, v, g_cum, beta, do, hs, v_new, dv_new, m)
 

@@ -26,12 +26,13 @@ BACKENDS = ("triton", "tpu", "interpret", "tpu_interpret")
 # Ways of forming M = (I + A_kk)^-1 in the intra-chunk forward.
 INVERSES = ("blocked", "substitution")
 
-# Kernel stages, each a separate pallas_call ("intra_bwd_k" is the second
-# kernel of the split intra backward, "state_rec" and "output_fwd" the two
+# Kernel stages, each a separate pallas_call ("intra_bwd_cc" and "intra_bwd_k"
+# are the two kernels of the split intra backward, "intra_bwd" the one-program
+# bodies, "state_rec" and "output_fwd" the two
 # kernels of the split forward state pass, "cumsum" the within-chunk gate
 # cumsum, "intra_wu" the W/U kernel of the split intra forward).
 STAGES = ("cumsum", "intra_fwd", "intra_wu", "state_fwd", "state_rec", "output_fwd",
-          "state_bwd", "intra_bwd", "intra_bwd_k")
+          "state_bwd", "intra_bwd", "intra_bwd_cc", "intra_bwd_k")
 
 # Intra-chunk forward bodies (KernelConfig.intra_fwd_impl).
 INTRA_FWD_IMPLS = ("fused", "split")
@@ -63,8 +64,15 @@ class KernelConfig:
       (one program per slice). Default min(K, 32) on the GPU and in interpret
       mode (K on TPU, where "split" does not run). On the H200 (bf16, B16
       T2048 H16 D128, 8 warps) intra_bwd took 5.93 ms at 32 and 7.20 ms at
-      64; at 4 warps 9.55 and 14.08 ms.
-    num_warps: Triton warps per stage, as ((stage, warps), ...).
+      64; at 4 warps 9.55 and 14.08 ms. Since the kernels use exp2 and read
+      the [C, C] gradients unmasked (2026-12-01, `tune_kda.py
+      --stages=intra_bwd_k`), the second kernel alone took 2.97 ms at 32
+      with 4 warps, against 4.21 at 8 warps, 3.97 / 4.23 at 16 and 8.53 /
+      4.01 at 64 (4 / 8 warps); 2 warps took 9.6-52.6 ms.
+    num_warps: Triton warps per stage, as ((stage, warps), ...). The split
+      backward's first kernel ("intra_bwd_cc") took 0.96 ms at 4 warps
+      against 1.18-1.25 at 8 in the same sweep; "intra_bwd" (8) is the
+      one-program bodies', which hold [C, K] tiles.
     num_stages: Triton software-pipelining stages (what the state kernels'
       chunk loops prefetch), for every stage not in `pipeline_stages`.
     pipeline_stages: per-stage overrides of num_stages, as ((stage, n), ...).
@@ -179,7 +187,8 @@ class KernelConfig:
   bwd_block_k: int = 32
   num_warps: tuple[tuple[str, int], ...] = (
       ("cumsum", 4), ("intra_fwd", 4), ("intra_wu", 4), ("state_fwd", 4), ("state_rec", 4),
-      ("output_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8), ("intra_bwd_k", 8))
+      ("output_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8), ("intra_bwd_cc", 4),
+      ("intra_bwd_k", 4))
   num_stages: int = 2
   pipeline_stages: tuple[tuple[str, int], ...] = ()
   rec_block_v: int | None = None
