@@ -18,7 +18,9 @@ l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op
     python experiments/profile_kda.py --calls=0
 
 (An XLA dump, `XLA_FLAGS=--xla_dump_to=...`, held no .ptx files for ptxas on
-the H200 image with jax 0.11.2.)
+the H200 image with jax 0.11.2. `experiments/inspect_triton.py` compiles the
+kernels' Triton IR for sm_90a on a CPU machine instead, for registers, spills
+and the SASS.)
 """
 from __future__ import annotations
 

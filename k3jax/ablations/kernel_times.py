@@ -6,9 +6,9 @@ benchmarked carry None and the command that measures them.
 """
 
 KERNEL_TIMES = {
-    "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 2.700, "fwd_bwd_ms": 8.368,
-               "note": "docs/benchmarks.md, the dense-and-pairwise call of 2026-12-01"},
-    "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 9.288, "fwd_bwd_ms": 33.518,
+    "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 2.571, "fwd_bwd_ms": 6.292,
+               "note": "docs/benchmarks.md, call D of 2026-12-01 (session 2)"},
+    "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 9.373, "fwd_bwd_ms": 30.902,
                  "note": "docs/benchmarks.md; pairwise diagonal, the only path for an unbounded gate "
                          "(its cost does not depend on the gate values)"},
     "g2.5_t32": {"path": "pallas dense, tile 32", "fwd_ms": None, "fwd_bwd_ms": None,
@@ -18,9 +18,7 @@ KERNEL_TIMES = {
                  "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-1.3 --sub_chunk=64 --peer=false`"},
 }
-KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Earlier the same day: state loops "
-                       "without per-chunk initial-state loads, bf16 residuals, fla in the same "
-                       "run (H200, 2026-12-01)\", the dense-and-pairwise call, shape B16 T2048 "
-                       "H16 K=V=128, C=64; medians of 10 calls. Same GPU run for both measured "
-                       "rows (the later defaults, timed without the pairwise path, are in the "
-                       "section above it).")
+KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Current figures: exp2 exponentials and a "
+                       "4-warp split backward (H200, 2026-12-01, session 2)\", call D (dense and "
+                       "pairwise in one process), shape B16 T2048 H16 K=V=128, C=64; medians of "
+                       "10 calls.")

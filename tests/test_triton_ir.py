@@ -1,14 +1,12 @@
-"""The CPU-side Triton IR capture of experiments/inspect_triton.py (no GPU, no triton)."""
+"""The CPU-side Triton IR capture behind experiments/triton_ir.py (no GPU, no triton)."""
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import inspect_triton  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pallas_kernels.kda import triton_ir
 
 
 def test_captures_every_kernel_of_the_training_step(tmp_path):
-  entries = inspect_triton.lower_kernels(str(tmp_path), (1, 128, 2, 64),
+  entries = triton_ir.lower_kernels(str(tmp_path), (1, 128, 2, 64),
                                          overrides={"num_warps": (("intra_bwd_k", 8),)})
   names = [e["name"] for e in entries]
   assert names == ["kda_chunk_cumsum", "kda_intra_fwd", "kda_state_rec", "kda_output_fwd",
@@ -26,10 +24,10 @@ def test_strip_locations_and_sass_counts():
   asm = ('#loc = loc(unknown)\n'
          '%0 = arith.addf %a, %b : f32 loc(#loc3)\n'
          '%1 = arith.mulf %0, %0 : f32 loc(callsite("f"("x.py":1:2) at #loc4))\n')
-  assert inspect_triton.strip_locations(asm) == (
+  assert triton_ir.strip_locations(asm) == (
       "%0 = arith.addf %a, %b : f32\n%1 = arith.mulf %0, %0 : f32\n")
   sass = ("        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;\n"
           "        /*0020*/               @P0 LDL R4, [R1] ;\n"
           "        /*0030*/                   MUFU.EX2 R2, R3 ;\n"
           "        /*0040*/                   BAR.SYNC 0x0 ;\n")
-  assert inspect_triton.sass_counts(sass) == {"BAR": 2, "LDL": 1, "MUFU": 1}
+  assert triton_ir.sass_counts(sass) == {"BAR": 2, "LDL": 1, "MUFU": 1}
