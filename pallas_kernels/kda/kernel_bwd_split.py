@@ -123,12 +123,14 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
                                                 s, ds, cfg, last_row=True)
 
   # Scores (`kernel_bwd.add_score_grads`): every product reads a whole stored
-  # [C, C] gradient, unmasked. The right operands are zero outside tile r
-  # (rows for the column side, xq / xk) or the products are scaled by factors
-  # that are (rows for the row side, row_f / xq / xk), so the rows of dA
-  # outside tile r add exact zeros. The four operands are then loop-invariant
-  # (each staged for the tensor cores once, not once per tile) and read at
-  # each use rather than held in registers across the tile loop.
+  # [C, C] gradient, unmasked. Column side: its right operands xq, xk are zero
+  # outside tile r, so the other rows of dA add exact zeros. Row side: the
+  # product's rows outside tile r are not zero, but they reach the gradients
+  # only through row_f, xq and xk, which are zero there (they are sums over
+  # the same column operand yk as the tile's own rows, so of their size). The
+  # four operands are then loop-invariant (staged for the tensor cores once,
+  # not once per tile, and with no per-tile select and bf16 round trip),
+  # which cut the kernel's SASS from 2,920 to 2,552 instructions.
   sdt = cfg.score_mm_dtype
   stored = {"q_row": daq_ref, "q_col": daqt_ref, "k_row": da_ref, "k_col": dat_ref}
 
