@@ -15,6 +15,14 @@ import os
 import re
 import subprocess
 
+import jax
+import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.pallas.triton import gpu_info
+from jax._src.pallas.triton import pallas_call_registration as reg
+
+from pallas_kernels.kda import pallas_op
+
 SASS_KEYS = ("BAR", "STS", "LDS", "LDSM", "HGMMA", "HMMA", "MUFU", "LDL", "STL", "LDG", "STG")
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
 
@@ -33,13 +41,6 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
     file (the .ttir path). Source locations are stripped, so a compiler's
     line info points at lines of the .ttir file itself.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax._src.lib.mlir import ir  # pylint: disable=g-import-not-at-top
-  from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
-  from jax._src.pallas.triton import pallas_call_registration as reg  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import pallas_op  # pylint: disable=g-import-not-at-top
-
   os.makedirs(out_dir, exist_ok=True)
   modules, params = [], []
   saved = (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
@@ -171,5 +172,8 @@ def attribute_by_op(sass: str, ttir_lines: list[str], top: int = 20) -> str:
       per_op[op_type(line_no)].update([m.group(1), "ALL"])
   rows = sorted(per_op.items(), key=lambda kv: -kv[1]["ALL"])[:top]
   keys = ("BAR", "STS", "LDS", "LDSM", "HGMMA", "MUFU")
-  return "\n".join(f"  {name:36s} all={c['ALL']:5d} " + " ".join(f"{k}={c[k]}" for k in keys if c[k])
-                   for name, c in rows)
+  lines = []
+  for name, c in rows:
+    lines.append(f"  {name:36s} all={c['ALL']:5d} "
+                 + " ".join(f"{k}={c[k]}" for k in keys if c[k]))
+  return "\n".join(lines)
