@@ -220,8 +220,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   # keys after the split pass, q and k after the fused one.
   sb_args = (*(gated_qk or (q2, k2)), g_cum, w, a_qk, do2, h0)
   sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False,
-                                               gated=gated_qk is not None,
-                                               ds_dtype=cfg.saved_state_dtype, **kw))
+                                               gated=gated_qk is not None, **kw))
   needs_bwd = stages is None or {"state_bwd", "intra_bwd", "intra_bwd_cc",
                                  "intra_bwd_k"} & set(stages)
   dv_new, dhs, _ = sb(*sb_args) if needs_bwd else (None, None, None)

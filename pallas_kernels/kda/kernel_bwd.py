@@ -229,7 +229,7 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
 
 
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
-              cfg: KernelConfig, varlen: bool, gated: bool = False, ds_dtype=_F32):
+              cfg: KernelConfig, varlen: bool, gated: bool = False):
   """Runs the reverse state kernel.
 
   Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
@@ -244,17 +244,15 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
       forms no exp on a [C, K] tile, the same products with the same
       rounded operands.
     dht: [Nh, H, K, V] f32, gradient of the final states.
-    ds_dtype: storage dtype of the per-chunk dS (the loop carries it in
-      f32). The intra backward uses dS as a matmul operand (rounded to its
-      matmul dtype) and in dG's last-row sum(dS * S) (`state_decay_grad`,
-      f32 arithmetic), so the training default stores it in
-      `KernelConfig.saved_state_dtype`, like the entry states.
 
   Returns:
     dv_new [B, Tp, H*V] in the intra backward's matmul dtype
     (`KernelConfig.intra(backward=True)`; every later use is an operand of
     such a matmul, so storing it rounded loses nothing), dS per chunk
-    [B, H, NC*K, V] in ds_dtype (gradient of the state leaving each chunk), dh0
+    [B, H, NC*K, V] in `cfg.saved_state_dtype`, like the entry states
+    (gradient of the state leaving each chunk; the loop carries it in f32,
+    and the intra backward uses it as a matmul operand, rounded to its
+    matmul dtype, and in dG's f32 last-row sum(dS * S), `state_decay_grad`), dh0
     [Nh, H, K, V] f32 (rows of sequences that start; others untouched).
   """
   b, tp, _ = q.shape
@@ -273,7 +271,8 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.a, grid.v, grid.state],
       out_specs=[grid.v, grid.chunk_states, grid.state],
       out_shape=[jax.ShapeDtypeStruct((b, tp, heads * dv), cfg.intra(backward=True).mm_dtype),
-                 jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv), ds_dtype),
+                 jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv),
+                                      cfg.saved_state_dtype),
                  jax.ShapeDtypeStruct(dht.shape, _F32)],
       interpret=cfg.interpret, name="kda_state_bwd",
       **state_launch_options(cfg, "state_bwd", grid),

@@ -162,8 +162,7 @@ def _core_bwd(st, res, cts):
   q_state, k_state = (r["qg"], r["kg"]) if gated else (r["q2"], r["k2"])
   dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, q_state, k_state, r["g_cum"], r["w"],
                                           r["a_qk"], do2, dht.astype(_F32),
-                                          varlen=st.varlen, gated=gated,
-                                          ds_dtype=cfg.saved_state_dtype, **kw)
+                                          varlen=st.varlen, gated=gated, **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
   dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
