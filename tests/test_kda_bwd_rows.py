@@ -1,7 +1,7 @@
 """KDA Pallas backward: row-block intra kernel and saved forward residuals.
 
-The row-block `intra_bwd` kernel ("rows", the GPU default) is checked against
-the masked full-tile kernel ("tiles", the TPU path) on the same random
+The row-block `intra_bwd` kernel ("rows", the interpret-mode default) is checked against
+the full-tile kernel ("tiles", the TPU path) on the same random
 operands, and the whole VJP (both residual modes) against the float32 naive
 recurrence. Both use four row tiles per chunk (C = 64, L = 16 and C = 32,
 L = 8), so every (row tile, column tile) pair of the column-side products is

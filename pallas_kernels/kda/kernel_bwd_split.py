@@ -24,7 +24,7 @@ products with a transposed [C, C] left operand and N = block_k < K (see
 docs/benchmarks.md). Here the only transposed-left products (M^T dM,
 M^T dV') have N = C or V and live in kernel 1; kernel 2 gets the column-side
 score gradients as plain products with the stored transposes,
-t_qc = (dAqk^T masked to the columns of tile r) @ xq.
+t_qc = dAqk^T @ xq (xq is zero outside tile r; see `add_score_grads`).
 
 The Triton default (`kernel_bwd.intra_bwd_body`); not lowered for TPU
 (Mosaic), where it is a ValueError.
@@ -123,23 +123,12 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
                                                 s, ds, cfg, last_row=True)
 
   # Scores (`kernel_bwd.add_score_grads`): every product reads a whole stored
-  # [C, C] gradient, unmasked. Column side: its right operands xq, xk are zero
-  # outside tile r, so the other rows of dA add exact zeros. Row side: the
-  # product's rows outside tile r are not zero, but they reach the gradients
-  # only through row_f, xq and xk, which are zero there (they are sums over
-  # the same column operand yk as the tile's own rows, so of their size). The
-  # four operands are then loop-invariant (staged for the tensor cores once,
-  # not once per tile, and with no per-tile select and bf16 round trip),
-  # which cut the kernel's SASS from 2,920 to 2,552 instructions.
+  # [C, C] gradient; the row side's plain products, the column side's the
+  # stored transposes. Read at each use, not held across the tile loop.
   sdt = cfg.score_mm_dtype
   stored = {"q_row": daq_ref, "q_col": daqt_ref, "k_row": da_ref, "k_col": dat_ref}
 
-  def tile_lhs(r):
-    del r  # the same operands serve every row tile
-    return None
-
-  def tile_product(lhs, side, x):
-    del lhs
+  def tile_product(side, x):
     return dot(stored[side][...], x, cfg, dtype=sdt)
 
   def pair_blocks(r, e_cl):
@@ -149,7 +138,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
 
   dq, dk, dbeta, dgc = add_score_grads(
       (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, scale=scale, tile_lhs=tile_lhs, tile_product=tile_product,
+      diagonal=diagonal, cfg=cfg, scale=scale, tile_product=tile_product,
       pair_blocks=pair_blocks)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
