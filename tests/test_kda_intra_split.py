@@ -45,18 +45,18 @@ def _kernel_inputs(seed, dtype=jnp.float32):
 def _intra(impl, xs, *, diagonal, save_m, m_dtype=jnp.float32, dtype=jnp.float32):
   return jax.jit(functools.partial(
       kernel_fwd.intra_fwd, heads=H, chunk_size=CHUNK, sub_chunk=SUB, diagonal=diagonal,
-      scale=DK ** -0.5, cfg=_cfg(impl, dtype), save_m=save_m, save_kg=True,
+      scale=DK ** -0.5, cfg=_cfg(impl, dtype), save_m=save_m, save_gated=True,
       m_dtype=m_dtype))(*xs)
 
 
 @pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
 @pytest.mark.parametrize("save_m", [True, False])
 def test_split_matches_fused(diagonal, save_m):
-  """W, U, A_qk, (M) and kg of both bodies, f32."""
+  """W, U, A_qk, (M), kg and qg of both bodies, f32."""
   xs = _kernel_inputs(0)
   fused = _intra("fused", xs, diagonal=diagonal, save_m=save_m)
   split = _intra("split", xs, diagonal=diagonal, save_m=save_m)
-  names = ("w", "u", "a_qk") + ("m",) * save_m + ("kg",)
+  names = ("w", "u", "a_qk") + ("m",) * save_m + ("kg", "qg")
   assert len(split) == len(fused) == len(names)
   for name, x, r in zip(names, split, fused):
     assert x.shape == r.shape and x.dtype == r.dtype, name
@@ -80,7 +80,8 @@ def test_m_storage_dtypes():
   assert out[3].dtype == bf16
   fused = _intra("fused", xs, diagonal="dense", save_m=True, m_dtype=jnp.bfloat16,
                  dtype=jnp.bfloat16)
-  for name, x, r in zip(("w", "u", "a_qk", "m", "kg"), out, fused):
+  assert len(out) == len(fused) == 6
+  for name, x, r in zip(("w", "u", "a_qk", "m", "kg", "qg"), out, fused):
     # Both round M to bf16 as the W/U operand; XLA's CPU rewrites may differ
     # in where they round, so compare at bf16 resolution.
     assert rel_max(x, r) < 1e-2, f"{name}: {rel_max(x, r):.2e}"

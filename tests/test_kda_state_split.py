@@ -53,26 +53,35 @@ def _meta():
 
 
 @pytest.mark.parametrize("inverse", ["substitution", "blocked"])
-def test_intra_kernel_writes_decayed_keys(inverse):
-  """kg = k e^{G_last - G} per chunk, from both intra bodies, K sliced."""
+def test_intra_kernel_writes_gated_keys_and_queries(inverse):
+  """kg = k e^{G_last - G} and qg = (scale q) e^G per chunk, from both intra
+  bodies, K sliced; W, U and A_qk do not depend on whether they are asked."""
   q, k, v, g_cum, beta_t, _ = _kernel_inputs(0)
   cfg = _cfg(inverse=inverse)
-  outs = jax.jit(functools.partial(
+  run = lambda gated: jax.jit(functools.partial(
       kernel_fwd.intra_fwd, heads=H, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
-      scale=DK ** -0.5, cfg=cfg, save_m=True, save_kg=True))(q, k, v, g_cum, beta_t)
-  assert len(outs) == 5
+      scale=DK ** -0.5, cfg=cfg, save_m=True, save_gated=gated))(q, k, v, g_cum, beta_t)
+  outs = run(True)
+  assert len(outs) == 6
   g_c = g_cum.reshape(B, T // CHUNK, CHUNK, H * DK)
-  want = (k.reshape(g_c.shape) * jnp.exp(g_c[:, :, -1:] - g_c)).reshape(k.shape)
-  assert rel_max(outs[4], want) < F32_TOL
+  want_kg = (k.reshape(g_c.shape) * jnp.exp(g_c[:, :, -1:] - g_c)).reshape(k.shape)
+  want_qg = q * DK ** -0.5 * jnp.exp(g_cum)
+  for name, x, want in (("kg", outs[4], want_kg), ("qg", outs[5], want_qg)):
+    assert x.dtype == cfg.mm_dtype and x.shape == q.shape, name
+    assert rel_max(x, want) < F32_TOL, f"{name}: {rel_max(x, want):.2e}"
   assert np.all(np.abs(np.asarray(outs[4])) <= 1.0 + 1e-6)  # unit-norm keys, decay <= 1
+  plain = run(False)
+  assert len(plain) == 4
+  for name, x, r in zip(("w", "u", "a_qk", "m"), plain, outs):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(r), err_msg=name)
 
 
 def _intra_outputs(seed):
-  """(kernel inputs, state-kernel kwargs, (W, U, A_qk, kg) of the intra kernel)."""
+  """(kernel inputs, state-kernel kwargs, (W, U, A_qk, kg, qg) of the intra kernel)."""
   q, k, v, g_cum, beta_t, h0 = _kernel_inputs(seed)
   kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=_cfg())
   intra = jax.jit(functools.partial(
-      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_kg=True, **kw))(
+      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_gated=True, **kw))(
           q, k, v, g_cum, beta_t)
   return (q, k, v, g_cum, beta_t, h0), kw, tuple(intra)
 
@@ -82,10 +91,9 @@ def test_split_matches_fused(save, tiles):
   """o and ht (and with save, the entry states and V') of both state passes.
 
   tiles: (rec_block_v, out_block_v) other than the defaults (block_v = 8 and
-  the whole V): one recurrence tile and two output tiles, of which only the
-  first writes qg.
+  the whole V): one recurrence tile and two output tiles.
   """
-  (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg) = _intra_outputs(1)
+  (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg, qg) = _intra_outputs(1)
   cfg = kw["cfg"]
   meta = _meta()
   if tiles:
@@ -96,21 +104,15 @@ def test_split_matches_fused(save, tiles):
                                         meta, q, k, g_cum, w, u, a_qk, h0)
 
   @jax.jit
-  def split(meta, q, g_cum, w, u, kg, a_qk, h0):
+  def split(meta, qg, g_cum, w, u, kg, a_qk, h0):
     hs, v_new, ht = kernel_state_split.state_recurrence(
         meta, w, u, kg, g_cum, h0, heads=H, chunk_size=CHUNK, cfg=cfg, varlen=False,
         state_dtype=jnp.float32 if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32,
-                                      save_qg=save, **kw)
+    o = kernel_state_split.output_fwd(qg, a_qk, hs, v_new, heads=H, chunk_size=CHUNK, cfg=cfg,
+                                      out_dtype=jnp.float32)
     return o, ht, hs, v_new
 
-  got = split(meta, q, g_cum, w, u, kg, a_qk, h0)
-  if save:
-    (o, qg), *rest = got
-    got = (o, *rest)
-    want = q * DK ** -0.5 * jnp.exp(g_cum)
-    assert qg.dtype == cfg.mm_dtype and qg.shape == q.shape
-    assert rel_max(qg, want) < F32_TOL, f"qg: {rel_max(qg, want):.2e}"
+  got = split(meta, qg, g_cum, w, u, kg, a_qk, h0)
   names = ("o", "ht", "hs", "v_new")
   for name, x, r in zip(names, got, fused):
     assert x.shape == r.shape, name
@@ -123,12 +125,8 @@ def test_state_bwd_reads_the_gated_operands(bwd_block_v):
   gives the gradients it forms from q, k and G itself: dV', every chunk's dS
   and dh0. With bwd_block_v the gated run takes one V tile (the reference
   keeps block_v = 8, two tiles)."""
-  (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg) = _intra_outputs(2)
+  (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg, qg) = _intra_outputs(2)
   cfg = kw["cfg"]
-  hs, v_new, _ = kernel_state_split.state_recurrence(
-      _meta(), w, u, kg, g_cum, h0, heads=H, chunk_size=CHUNK, cfg=cfg, varlen=False)
-  _, qg = kernel_state_split.output_fwd(q, g_cum, a_qk, hs, v_new, out_dtype=jnp.float32,
-                                        save_qg=True, **kw)
   do = jax.random.normal(jax.random.key(3), v.shape, jnp.float32)
   dht = jax.random.normal(jax.random.key(4), h0.shape, jnp.float32)
   tiled = dict(kw, cfg=dataclasses.replace(cfg, bwd_block_v=bwd_block_v))

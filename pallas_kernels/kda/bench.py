@@ -175,40 +175,42 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   cums_rev = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, reverse=True, cfg=cfg))
   cums_xla = jax.jit(lambda x: kernel_cumsum.chunk_cumsum_xla(x, c))
   g_cum = cums(g2)
-  intra = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                  **kw))
   split_state = kernel_state_split.state_fwd_body(cfg) == "split"
+  # What `pallas_op._forward` asks of the intra kernel (the split state pass
+  # reads the gated keys and queries, in inference too).
+  intra = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
+                                                  save_gated=split_state, **kw))
   intra_m = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                    save_m=True, save_kg=split_state,
+                                                    save_m=True, save_gated=split_state,
                                                     m_dtype=cfg.saved_state_dtype,
                                                     **kw))
-  w, u, a_qk, m, *kg = intra_m(q2, k2, v2, g_cum, beta_t)
+  w, u, a_qk, m, *gated = intra_m(q2, k2, v2, g_cum, beta_t)
   state_split = {}
   if split_state:
+    kg, qg = gated
     # Storage dtypes as `pallas_op._forward` picks them.
     rec_kw = dict(heads=h, chunk_size=c, cfg=cfg, varlen=False)
+    out_kw = dict(heads=h, chunk_size=c, cfg=cfg, out_dtype=q.dtype)
     train_kw = dict(state_dtype=cfg.saved_state_dtype,
                     v_new_dtype=cfg.intra(backward=True).mm_dtype)
 
-    def split_pass(q2, g_cum, w, u, kg, a_qk, h0, save):
+    def split_pass(qg, g_cum, w, u, kg, a_qk, h0, save):
       dtypes = train_kw if save else dict(state_dtype=cfg.mm_dtype)
       hs, v_new, ht = kernel_state_split.state_recurrence(meta, w, u, kg, g_cum, h0, **dtypes,
                                                           **rec_kw)
-      o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype,
-                                        save_qg=save, **kw)
+      o = kernel_state_split.output_fwd(qg, a_qk, hs, v_new, **out_kw)
       return o, ht, hs, v_new
 
-    args = (q2, g_cum, w, u, kg[0], a_qk, h0)
+    args = (qg, g_cum, w, u, kg, a_qk, h0)
     state = jax.jit(lambda *a: split_pass(*a, save=False)[:2])
     state_s = jax.jit(lambda *a: split_pass(*a, save=True))
-    (_, qg), _, hs, v_new = state_s(*args)
-    gated_qk = (qg, kg[0])
+    _, _, hs, v_new = state_s(*args)
+    gated_qk = (qg, kg)
     rec = jax.jit(lambda *a: kernel_state_split.state_recurrence(meta, *a, **train_kw,
                                                                  **rec_kw))
-    out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, out_dtype=q.dtype, save_qg=True,
-                                                           **kw))
-    state_split = {"state_rec": (rec, w, u, kg[0], g_cum, h0),
-                   "output_fwd": (out, q2, g_cum, a_qk, hs, v_new)}
+    out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, **out_kw))
+    state_split = {"state_rec": (rec, w, u, kg, g_cum, h0),
+                   "output_fwd": (out, qg, a_qk, hs, v_new)}
   else:
     args = (q2, k2, g_cum, w, u, a_qk, h0)
     state = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, **kw))

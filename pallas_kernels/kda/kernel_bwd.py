@@ -239,8 +239,8 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
     meta: (first_n, last_n, seq_n) int32 [NC], as for `state_fwd`.
     q, k, g_cum, w: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; do: [B, Tp, H*V].
       With `gated`, q and k are the gated queries (scale q) e^G and keys
-      k e^{G_last - G} in cfg.mm_dtype (`kernel_state_split.output_fwd`'s
-      save_qg and `kernel_fwd.intra_fwd`'s save_kg): the chunk loop then
+      k e^{G_last - G} in cfg.mm_dtype (`kernel_fwd.intra_fwd`'s
+      save_gated outputs): the chunk loop then
       forms no exp on a [C, K] tile, the same products with the same
       rounded operands.
     dht: [Nh, H, K, V] f32, gradient of the final states.

@@ -332,14 +332,12 @@ def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict
 
 
 def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
-                      *opt_refs, scale, ell, diagonal, cfg, save_m, save_kg):
+                      *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
   """Row-block scores and full-tile forward substitution (`inverse="substitution"`)."""
   cfg = cfg.intra()
   c = q_ref.shape[0]
   k = k_ref[...].astype(_F32)
-  v = v_ref[...].astype(_F32)
   g = g_ref[...]
-  beta = beta_ref[...]
   sdt = cfg.score_mm_dtype
   col = iota((1, c), 1)
   row_l = iota((ell, 1), 0)
@@ -361,10 +359,8 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
     aqk_ref[rows, :] = jnp.where(col <= row_g, p_qk, 0.0).astype(aqk_ref.dtype)
     akk_blocks.append(jnp.where(col < row_g, p_kk, 0.0))
   m = unit_lower_inverse(akk_blocks)
-  w_ref[...] = dot(m, beta * k * exp(g), cfg).astype(w_ref.dtype)
-  u_ref[...] = dot(m, beta * v, cfg).astype(u_ref.dtype)
-  write_optional(opt_refs, m, k_ref, g_ref, [pl.ds(0, k_ref.shape[1])], save_m=save_m,
-                 save_kg=save_kg)
+  write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, scale=scale,
+                cfg=cfg, save_m=save_m, save_gated=save_gated)
 
 
 def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell,
@@ -424,14 +420,14 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
 
 
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
-                              *opt_refs, scale, ell, diagonal, cfg, save_m, save_kg):
+                              *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
   """K-sliced scores and the blocked inverse (`inverse="blocked"`), then W and U:
   `blocked_scores_inverse` followed by `write_w_u` in one program."""
   cfg = cfg.intra()
   m = blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, scale=scale, ell=ell,
                              diagonal=diagonal, cfg=cfg)
-  slices = write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg)
-  write_optional(opt_refs, m, k_ref, g_ref, slices, save_m=save_m, save_kg=save_kg)
+  write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, scale=scale,
+                cfg=cfg, save_m=save_m, save_gated=save_gated)
 
 
 def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell, diagonal, cfg):
@@ -484,7 +480,7 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
                                     dtype=cfg.inverse_mm_dtype)
 
 
-def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg):
+def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
   """W = M (beta k e^G) per K slice and U = M (beta v) per V slice.
 
   The V slices are block_k wide when K is sliced, else the whole V (one
@@ -495,40 +491,45 @@ def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg):
     m: [C, C] (f32, or as stored; cast to cfg.mm_dtype as a matmul operand).
     k_ref, g_ref, w_ref: [C, K]; v_ref, u_ref: [C, V]; beta_ref [C, 1].
     cfg: the intra config (`KernelConfig.intra()`).
-
-  Returns:
-    The K slices (`k_slices`) used.
+    gated: None, or (q_ref, scale, kg_ref, qg_ref) with [C, K] refs: also
+      writes the decayed keys kg = k e^{G_last - G} (<= 1; the split state
+      recurrence's operand) and the gated queries qg = (scale q) e^G (the
+      split output kernel's and the reverse state kernel's), sharing e^G
+      with W's slice.
   """
   dk, dv = k_ref.shape[1], v_ref.shape[1]
   bk = cfg.block_k
   slices = k_slices(cfg, dk)
   bv = min(bk, dv) if bk < dk else dv
+  last = pl.ds(k_ref.shape[0] - 1, 1)
   for ks in slices:
-    x_w = beta_ref[...] * k_ref[:, ks].astype(_F32) * exp(g_ref[:, ks])
-    w_ref[:, ks] = dot(m, x_w, cfg).astype(w_ref.dtype)
+    k = k_ref[:, ks].astype(_F32)
+    g = g_ref[:, ks]
+    e_g = exp(g)
+    w_ref[:, ks] = dot(m, beta_ref[...] * k * e_g, cfg).astype(w_ref.dtype)
+    if gated is not None:
+      q_ref, scale, kg_ref, qg_ref = gated
+      kg_ref[:, ks] = (k * exp(g_ref[last, ks] - g)).astype(kg_ref.dtype)
+      qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * scale * e_g).astype(qg_ref.dtype)
   for vb in range(dv // bv):
     vs = pl.ds(vb * bv, bv)
     u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
-  return slices
 
 
-def write_optional(opt_refs, m, k_ref, g_ref, slices, *, save_m, save_kg):
-  """Writes the intra kernel's optional outputs, in order: M, then the decayed keys
-  k e^{G_last - G} (the split state recurrence's operand; per K slice, <= 1)."""
+def write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, *, scale,
+                  cfg, save_m, save_gated):
+  """The intra kernels' outputs after M: W and U (`write_w_u`), then, in the
+  order of `opt_refs`, M (save_m) and the gated keys and queries (save_gated)."""
   opt_refs = list(opt_refs)
   if save_m:
     m_ref = opt_refs.pop(0)
     m_ref[...] = m.astype(m_ref.dtype)
-  if save_kg:
-    kg_ref = opt_refs.pop(0)
-    last = pl.ds(k_ref.shape[0] - 1, 1)
-    for ks in slices:
-      decay = exp(g_ref[last, ks] - g_ref[:, ks])
-      kg_ref[:, ks] = (k_ref[:, ks].astype(_F32) * decay).astype(kg_ref.dtype)
+  gated = (q_ref, scale, *opt_refs) if save_gated else None
+  write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated)
 
 
 def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
-              cfg: KernelConfig, save_m: bool = False, save_kg: bool = False,
+              cfg: KernelConfig, save_m: bool = False, save_gated: bool = False,
               m_dtype=_F32):
   """Runs the intra-chunk kernel (or, with cfg.intra_fwd_impl="split", the
   two kernels of `kernel_intra_split`; same outputs).
@@ -539,21 +540,22 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
     save_m: also return M = (I + A_kk)^-1 for the backward, stored in
       m_dtype (formed in f32; bf16 when the backward only uses it as a bf16
       matmul operand, see `KernelConfig.residual_dtype`).
-    save_kg: also return the decayed keys k e^{G_last - G} (G_last the
-      chunk's last row) for `kernel_state_split`.
+    save_gated: also return the decayed keys kg = k e^{G_last - G} (G_last
+      the chunk's last row) and the gated queries qg = (scale q) e^G, the
+      operands of `kernel_state_split` and of the gated reverse state kernel.
 
   Returns:
     w [B, Tp, H*K], u [B, Tp, H*V] (cfg.mm_dtype), a_qk [B, H, Tp, C]
-    (cfg.mm_dtype), then m [B, H, Tp, C] (m_dtype) if save_m and kg [B, Tp, H*K]
-    (cfg.mm_dtype) if save_kg.
+    (cfg.mm_dtype), then m [B, H, Tp, C] (m_dtype) if save_m, then kg and qg
+    [B, Tp, H*K] (cfg.mm_dtype) if save_gated.
   """
   if cfg.intra_fwd_impl == "split":
     # The module imports this one's helpers, so it is imported here.
     from pallas_kernels.kda import kernel_intra_split  # pylint: disable=g-import-not-at-top
     return kernel_intra_split.intra_fwd_split(
         q, k, v, g_cum, beta, heads=heads, chunk_size=chunk_size, sub_chunk=sub_chunk,
-        diagonal=diagonal, scale=scale, cfg=cfg, save_m=save_m, save_kg=save_kg,
-        m_dtype=m_dtype)
+        diagonal=diagonal, scale=scale, cfg=cfg, save_m=save_m,
+        save_gated=save_gated, m_dtype=m_dtype)
   b, tp, hk = q.shape
   h, c = heads, chunk_size
   dk, dv = hk // h, v.shape[-1] // h
@@ -567,12 +569,12 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
   if save_m:
     out_shape.append(jax.ShapeDtypeStruct((b, h, tp, c), m_dtype))
     out_specs.append(cspec)
-  if save_kg:
-    out_shape.append(jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype))
-    out_specs.append(kspec)
+  if save_gated:
+    out_shape += [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * 2
+    out_specs += [kspec] * 2
   body = _intra_fwd_blocked_kernel if cfg.inverse == "blocked" else _intra_fwd_kernel
   kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg,
-                             save_m=save_m, save_kg=save_kg)
+                             save_m=save_m, save_gated=save_gated)
   return pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec],

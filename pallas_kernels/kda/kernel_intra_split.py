@@ -9,7 +9,8 @@ tiles than the fused program:
    (`kernel_fwd.blocked_scores_inverse`); writes A_qk and M.
 2. `kda_intra_wu` (grid B x H x NC): reads M and writes
    W = M (beta k e^G), U = M (beta v) (`kernel_fwd.write_w_u`), and the
-   decayed keys kg = k e^{G_last - G} when asked.
+   decayed keys kg = k e^{G_last - G} and gated queries qg = (scale q) e^G
+   when asked.
 
 Numerics match the fused kernel: M is stored in the W/U operand dtype
 (`KernelConfig.intra_mm_dtype`), to which the fused kernel rounds it as a
@@ -30,8 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import (blocked_scores_inverse, chunk_specs, write_optional,
-                                           write_w_u)
+from pallas_kernels.kda.kernel_fwd import blocked_scores_inverse, chunk_specs, write_w_u
 
 _F32 = jnp.float32
 
@@ -44,12 +44,12 @@ def _scores_inverse_kernel(q_ref, k_ref, g_ref, beta_ref, aqk_ref, m_ref, *, sca
   m_ref[...] = m.astype(m_ref.dtype)
 
 
-def _w_u_kernel(k_ref, v_ref, g_ref, beta_ref, m_ref, w_ref, u_ref, *kg_ref, cfg):
-  """Block shapes: k_ref, g_ref, w_ref, kg_ref [C, K]; v_ref, u_ref [C, V];
-  beta_ref [C, 1]; m_ref [C, C]."""
-  cfg = cfg.intra()
-  slices = write_w_u(m_ref[...], k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg)
-  write_optional(kg_ref, None, k_ref, g_ref, slices, save_m=False, save_kg=bool(kg_ref))
+def _w_u_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, m_ref, w_ref, u_ref, *gated_refs, scale,
+                cfg):
+  """Block shapes: q_ref, k_ref, g_ref, w_ref and the optional kg_ref, qg_ref
+  [C, K]; v_ref, u_ref [C, V]; beta_ref [C, 1]; m_ref [C, C]."""
+  gated = (q_ref, scale, *gated_refs) if gated_refs else None
+  write_w_u(m_ref[...], k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg.intra(), gated)
 
 
 def m_store_dtype(cfg: KernelConfig, save_m: bool, m_dtype):
@@ -60,7 +60,7 @@ def m_store_dtype(cfg: KernelConfig, save_m: bool, m_dtype):
 
 
 def intra_fwd_split(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
-                    cfg: KernelConfig, save_m: bool = False, save_kg: bool = False,
+                    cfg: KernelConfig, save_m: bool = False, save_gated: bool = False,
                     m_dtype=_F32):
   """The intra-chunk forward as two kernels; same contract as `kernel_fwd.intra_fwd`.
 
@@ -68,11 +68,13 @@ def intra_fwd_split(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diago
     q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
       cumsum; beta: [B, H, Tp, 1] f32.
     save_m: also return M = (I + A_kk)^-1 (m_dtype) for the backward.
-    save_kg: also return the decayed keys k e^{G_last - G} (cfg.mm_dtype).
+    save_gated: also return the decayed keys k e^{G_last - G} and the gated
+      queries (scale q) e^G (cfg.mm_dtype).
 
   Returns:
     w [B, Tp, H*K], u [B, Tp, H*V], a_qk [B, H, Tp, C] (cfg.mm_dtype), then
-    m [B, H, Tp, C] (m_dtype) if save_m and kg [B, Tp, H*K] if save_kg.
+    m [B, H, Tp, C] (m_dtype) if save_m, then kg and qg [B, Tp, H*K] if
+    save_gated.
   """
   b, tp, hk = q.shape
   h, c = heads, chunk_size
@@ -91,16 +93,16 @@ def intra_fwd_split(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diago
   out_shape = [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype),
                jax.ShapeDtypeStruct((b, tp, h * dv), cfg.mm_dtype)]
   out_specs = [kspec, vspec]
-  if save_kg:
-    out_shape.append(jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype))
-    out_specs.append(kspec)
-  w, u, *kg = pl.pallas_call(
-      functools.partial(_w_u_kernel, cfg=cfg), grid=(b, h, tp // c),
-      in_specs=[kspec, vspec, kspec, bspec, cspec], out_specs=out_specs, out_shape=out_shape,
-      compiler_params=cfg.compiler_params("intra_wu"), interpret=cfg.interpret,
-      name="kda_intra_wu",
-  )(k, v, g_cum, beta, m)
+  if save_gated:
+    out_shape += [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * 2
+    out_specs += [kspec] * 2
+  w, u, *gated = pl.pallas_call(
+      functools.partial(_w_u_kernel, scale=scale, cfg=cfg), grid=(b, h, tp // c),
+      in_specs=[kspec, kspec, vspec, kspec, bspec, cspec], out_specs=out_specs,
+      out_shape=out_shape, compiler_params=cfg.compiler_params("intra_wu"),
+      interpret=cfg.interpret, name="kda_intra_wu",
+  )(q, k, v, g_cum, beta, m)
   out = [w, u, a_qk]
   if save_m:
     out.append(m.astype(m_dtype))
-  return out + kg
+  return out + gated

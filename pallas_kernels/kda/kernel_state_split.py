@@ -7,14 +7,16 @@ parallel kernel forms the outputs:
 
 1. `state_recurrence`, grid (B, H, V/BV), chunks in order: per chunk
      V' = U - W S,   S <- e^{G_last} S + kg^T V',
-   with kg = k e^{G_last - G} written by the intra kernel (`save_kg`), so the
-   loop reads W, U, kg and one gate row per chunk, and does no exp on a
+   with kg = k e^{G_last - G} written by the intra kernel (`save_gated`), so
+   the loop reads W, U, kg and one gate row per chunk, and does no exp on a
    [C, K] tile. It writes the entry state of every chunk and V'.
-2. `output_fwd`, grid (B, H, NC): O = (q e^G) S_entry + A_qk V'. In
-   training it also writes qg = (scale q) e^G, which the reverse state
-   kernel reads with kg (`kernel_bwd.state_bwd`, gated): state_bwd took
-   0.93 ms against 1.82 ms forming both exps in its loop (H200, bf16,
-   B16 T2048 H16 D128, `tune_kda.py`; docs/benchmarks.md).
+2. `output_fwd`, grid (B, H, NC): O = qg S_entry + A_qk V' with the gated
+   queries qg = (scale q) e^G, also written by the intra kernel next to W
+   (which shares e^G): two products per program, no element-wise work and
+   no f32 gate tile to read. In training the reverse state kernel reads qg
+   and kg too (`kernel_bwd.state_bwd`, gated): state_bwd took 0.93 ms
+   against 1.82 ms forming both exps in its loop (H200, bf16, B16 T2048 H16
+   D128, `tune_kda.py`; docs/benchmarks.md).
 
 On the H200 (bf16, B16 T2048 H16 D128, 2026-11-30, scratch kernels of this
 design in one run) the fused kernel took 1.74 ms (2.32 ms saving the states
@@ -131,37 +133,25 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
   )(*meta, w, u, kg, g_cum, h0)
 
 
-def _output_kernel(q_ref, g_ref, aqk_ref, hs_ref, vn_ref, o_ref, *qg_ref, scale, cfg):
-  """Block shapes: q_ref, g_ref, qg_ref [C, K]; aqk_ref [C, C]; hs_ref [K, BV];
-  vn_ref, o_ref [C, BV]. O = A_qk V' + sum_kb (q e^G)_kb S_kb, element-wise
-  work per K slice; qg_ref (optional) receives the gated queries from the
-  first V tile's program (every program forms the same values)."""
-  o = dot(aqk_ref[...], vn_ref[...], cfg)
-  for ks in k_slices(cfg, q_ref.shape[-1]):
-    qg = q_ref[:, ks].astype(_F32) * scale * exp(g_ref[:, ks])
-    o = o + dot(qg, hs_ref[ks, :], cfg)
-    if qg_ref:
-      @pl.when(pl.program_id(3) == 0)
-      def _(qg=qg, ks=ks):
-        qg_ref[0][:, ks] = qg.astype(qg_ref[0].dtype)
+def _output_kernel(qg_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, cfg):
+  """Block shapes: qg_ref [C, K]; aqk_ref [C, C]; hs_ref [K, BV]; vn_ref,
+  o_ref [C, BV]. O = A_qk V' + qg S."""
+  o = dot(aqk_ref[...], vn_ref[...], cfg) + dot(qg_ref[...], hs_ref[...], cfg)
   o_ref[...] = o.astype(o_ref.dtype)
 
 
-def output_fwd(q, g_cum, a_qk, hs, v_new, *, heads, chunk_size, scale, cfg: KernelConfig,
-               out_dtype, save_qg: bool = False):
+def output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg: KernelConfig, out_dtype):
   """Kernel 2: the outputs of all chunks in parallel.
 
   Args:
-    q, g_cum: [B, Tp, H*K]; a_qk: [B, H, Tp, C]; hs: [B, H, NC*K, V] entry
+    qg: [B, Tp, H*K] gated queries (scale q) e^G (the intra kernel's
+      `save_gated` output); a_qk: [B, H, Tp, C]; hs: [B, H, NC*K, V] entry
       states; v_new: [B, Tp, H*V].
-    save_qg: also return the gated queries qg = (scale q) e^G [B, Tp, H*K] in
-      cfg.mm_dtype, which the reverse state kernel reads (`kernel_bwd.state_bwd`,
-      gated) instead of forming the exps again in its sequential loop.
 
   Returns:
-    o [B, Tp, H*V] in out_dtype; (o, qg) if save_qg.
+    o [B, Tp, H*V] in out_dtype.
   """
-  b, tp, hk = q.shape
+  b, tp, hk = qg.shape
   h, c = heads, chunk_size
   dk, dv = hk // h, v_new.shape[-1] // h
   bv = cfg.out_block_v or dv
@@ -170,13 +160,10 @@ def output_fwd(q, g_cum, a_qk, hs, v_new, *, heads, chunk_size, scale, cfg: Kern
   vspec = pl.BlockSpec((None, c, bv), lambda ib, ih, ic, iv: (ib, ic, ih * nv + iv))
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic, iv: (ib, ih, ic, 0))
   sspec = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, ic, iv: (ib, ih, ic, iv))
-  out_specs = [vspec] + [kspec] * save_qg
-  out_shape = ([jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype)]
-               + [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * save_qg)
-  out = pl.pallas_call(
-      functools.partial(_output_kernel, scale=scale, cfg=cfg), grid=(b, h, tp // c, nv),
-      in_specs=[kspec, kspec, cspec, sspec, vspec], out_specs=out_specs, out_shape=out_shape,
+  return pl.pallas_call(
+      functools.partial(_output_kernel, cfg=cfg), grid=(b, h, tp // c, nv),
+      in_specs=[kspec, cspec, sspec, vspec], out_specs=vspec,
+      out_shape=jax.ShapeDtypeStruct((b, tp, h * dv), out_dtype),
       compiler_params=cfg.compiler_params("output_fwd"), interpret=cfg.interpret,
       name="kda_output_fwd",
-  )(q, g_cum, a_qk, hs, v_new)
-  return tuple(out) if save_qg else out[0]
+  )(qg, a_qk, hs, v_new)

@@ -65,23 +65,23 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   # intra-backward operands).
   res_dtype = cfg.saved_state_dtype
   intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
-                               diagonal=st.diagonal, save_m=save, save_kg=split,
+                               diagonal=st.diagonal, save_m=save, save_gated=split,
                                m_dtype=res_dtype, **kw)
   w, u, a_qk = intra[:3]
   if split:
+    kg, qg = intra[-2:]
     # Without the backward only the output kernel reads the entry states and
     # V', as matmul operands. The backward keeps the states in res_dtype and
     # V' in its matmul dtype, V''s only use there.
     hs, v_new, ht = kernel_state_split.state_recurrence(
-        meta, w, u, intra[-1], g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
+        meta, w, u, kg, g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
         varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
         v_new_dtype=cfg.intra(backward=True).mm_dtype if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(q2, g_cum, a_qk, hs, v_new, out_dtype=q.dtype,
-                                      save_qg=save, **kw)
-    if save:
-      # The reverse state kernel reads the gated queries and keys instead of
-      # forming e^G and e^{G_last - G} on [C, K] tiles in its sequential loop.
-      o, gated = o[0], dict(qg=o[1], kg=intra[-1])
+    o = kernel_state_split.output_fwd(qg, a_qk, hs, v_new, heads=h, chunk_size=st.chunk_size,
+                                      cfg=cfg, out_dtype=q.dtype)
+    # The reverse state kernel reads the gated queries and keys instead of
+    # forming e^G and e^{G_last - G} on [C, K] tiles in its sequential loop.
+    gated = dict(qg=qg, kg=kg)
   else:
     o, ht, *saved = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
                                          save=save, out_dtype=q.dtype, **kw)
