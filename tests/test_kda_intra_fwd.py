@@ -119,28 +119,72 @@ def _check_intra(backend, shape, dtype, diagonal, inverse, seed, **overrides):
   return errs
 
 
-@pytest.mark.parametrize("diagonal,inverse,seed", [("dense", "blocked", 11),
-                                                   ("pairwise", "blocked", 12),
-                                                   ("dense", "substitution", 13)])
-def test_intra_matches_float64_reference(diagonal, inverse, seed):
-  """T = 100 (not a multiple of C = 64), 4 diagonal tiles, gates at / near g_min."""
-  errs = _check_intra("interpret", (1, 100, 2, 32, 16, 64), jnp.float32, diagonal, inverse,
-                      seed=seed)
-  for name, err in errs.items():
-    assert err < TOL[("interpret", "float32")], f"{name}: {err:.2e}"
+@pytest.mark.parametrize("diagonal,inverse,seed,variant", [
+    ("dense", "blocked", 11, {}),
+    ("pairwise", "blocked", 12, {}),
+    ("dense", "substitution", 13, {}),
+    ("dense", "blocked", 16, dict(inverse_diag="bf16x3")),
+    ("pairwise", "blocked", 17, dict(inverse_diag="bf16x3"))])
+def test_intra_matches_float64_reference(diagonal, inverse, seed, variant):
+  """T = 100 (not a multiple of C = 64), 4 diagonal tiles, gates at / near g_min.
 
-
-@pytest.mark.parametrize("diagonal,seed", [("dense", 14), ("pairwise", 15)])
-def test_blocked_k_sliced_matches_float64_reference(diagonal, seed):
-  """block_k = 16 < K = 64: four K slices of scores and W, two V slices of U.
-
-  Gates at / near g_min make every slice's factors differ, so a slice read or
-  written at the wrong offset, or a slice's products not summed, fails.
+  variant: the blocked inverse's bf16x3 diagonal products (the default for
+  bf16 inputs; each product within about 2^-16 of f32, inside the f32
+  tolerance for these well-conditioned blocks).
   """
-  errs = _check_intra("interpret", (1, 100, 1, 64, 32, 64), jnp.float32, diagonal, "blocked",
-                      seed=seed, block_k=16)
+  errs = _check_intra("interpret", (1, 100, 2, 32, 16, 64), jnp.float32, diagonal, inverse,
+                      seed=seed, **variant)
   for name, err in errs.items():
     assert err < TOL[("interpret", "float32")], f"{name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["bound", "aligned"])
+def test_blocked_inverse_diag_products_match_float64(kind):
+  """`blocked_unit_lower_inverse` alone, f32 and bf16x3 diagonal products,
+  vs the float64 inverse of I + A_kk at C = 64, L = 16.
+
+  kind "bound": unit-norm keys, beta in (0, 1), gates spread up to g_min = -5;
+  "aligned": nearly parallel keys, beta = 1 and slow decay, so A_kk is close
+  to all-ones below the diagonal (its inverse is then near-bidiagonal and the
+  substitution subtracts terms of size ~1 at every step). f32 operands below
+  the diagonal isolate the diagonal products' error; bf16 ones (the default
+  for bf16 inputs) show that their rounding, not the diagonal products',
+  sets the bf16 inverse's error.
+  """
+  c, ell, dk = 64, 16, 128
+  ks = jax.random.split(jax.random.PRNGKey(41 if kind == "bound" else 42), 3)
+  keys = jax.random.normal(ks[0], (c, dk))
+  if kind == "aligned":
+    keys = keys[:1] + 0.05 * keys
+  keys = np.asarray(keys / jnp.linalg.norm(keys, axis=-1, keepdims=True), np.float64)
+  if kind == "bound":
+    beta = np.asarray(jax.nn.sigmoid(jax.random.normal(ks[1], (c,))), np.float64)
+    g = LOWER_BOUND * np.asarray(jax.nn.sigmoid(jax.random.normal(ks[2], (c, dk))), np.float64)
+  else:
+    beta, g = np.ones(c), np.full((c, dk), -0.01)
+  g_cum = np.cumsum(g, axis=0)
+  decay = np.exp(np.minimum(g_cum[:, None, :] - g_cum[None, :, :], 0.0))
+  a = np.tril(np.einsum("id,jd,ijd->ij", beta[:, None] * keys, keys, decay), -1)
+  want = np.linalg.inv(np.eye(c) + a)
+  errs = {}
+  for diag in kernel_config.INVERSE_DIAGS:
+    for below_dtype in (jnp.float32, jnp.bfloat16):
+      cfg = kernel_config.make_config(
+          backend="interpret", dtype=jnp.float32, head_k=dk, head_v=dk, chunk_size=c,
+          sub_chunk=ell, overrides=dict(inverse_diag=diag))
+      m = jax.jit(lambda a: kernel_fwd.blocked_unit_lower_inverse(
+          a, ell, cfg, dtype=below_dtype))(jnp.asarray(a, jnp.float32))
+      m = np.asarray(m, np.float64)
+      assert not np.any(np.triu(m, 1)), diag
+      errs[diag, jnp.dtype(below_dtype).name] = np.abs(m - want).max() / np.abs(want).max()
+  for (diag, below_dtype), err in errs.items():
+    # f32: exact f32 products on the CPU (3e-7 measured for "aligned"); bf16x3:
+    # 2^-16 per product (1e-5 measured). bf16 below: the default's rounding
+    # (5e-3 measured for "aligned"), whichever diagonal products.
+    bound = {"float32": 2e-6 if diag == "f32" else 5e-5, "bfloat16": 1e-2}[below_dtype]
+    assert err < bound, f"{kind} {diag} {below_dtype}: {err:.2e}"
+  bf16_below = errs["f32", "bfloat16"], errs["bf16x3", "bfloat16"]
+  assert abs(bf16_below[0] - bf16_below[1]) < 0.1 * bf16_below[0], bf16_below
 
 
 @pytest.mark.parametrize("dtype,inverse_mm,block_k", [(jnp.float32, jnp.float32, 32),
@@ -198,6 +242,11 @@ def test_config_picks_and_validates_inverse():
     make(backend="interpret", sub_chunk=16, overrides=dict(inverse="newton"))
   with pytest.raises(ValueError, match="sub_chunk >= 16"):
     make(backend="triton", sub_chunk=8, overrides=dict(inverse="blocked"))
+  with pytest.raises(ValueError, match="inverse_diag must be one of"):
+    make(backend="interpret", sub_chunk=16, overrides=dict(inverse_diag="bf16"))
+  # bf16x3 diagonal products for bf16 / f16 inputs, f32 ones for f32 inputs.
+  assert make(backend="triton", sub_chunk=16).inverse_diag == "bf16x3"
+  assert make(backend="triton", sub_chunk=16, dtype=jnp.float32).inverse_diag == "f32"
 
 
 @pytest.mark.tpu_export
@@ -215,11 +264,13 @@ def test_blocked_lowers_for_tpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("diagonal,inverse", [("dense", "blocked"), ("pairwise", "blocked"),
-                                              ("dense", "substitution")])
-def test_gpu_intra_matches_float64_reference(dtype, diagonal, inverse):
-  errs = _check_intra("triton", (1, 300, 2, 128, 128, 64), dtype, diagonal, inverse, seed=31)
-  print(f"{jnp.dtype(dtype).name} {diagonal} {inverse}: " +
+@pytest.mark.parametrize("diagonal,inverse,variant", [
+    ("dense", "blocked", {}), ("pairwise", "blocked", {}), ("dense", "substitution", {}),
+    ("dense", "blocked", dict(inverse_diag="f32"))])
+def test_gpu_intra_matches_float64_reference(dtype, diagonal, inverse, variant):
+  errs = _check_intra("triton", (1, 300, 2, 128, 128, 64), dtype, diagonal, inverse, seed=31,
+                      **variant)
+  print(f"{jnp.dtype(dtype).name} {diagonal} {inverse} {variant}: " +
         ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
   for name, err in errs.items():
     assert err < TOL[("triton", jnp.dtype(dtype).name)], f"{name}: {err:.2e}"

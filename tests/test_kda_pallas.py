@@ -333,3 +333,12 @@ class TestKdaPallasGpuSplitIntraForward(TestKdaPallasGpu):
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"intra_fwd_impl": "split"}, **kw)
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuF32InverseDiagonal(TestKdaPallasGpu):
+  """The GPU checks with the blocked inverse's f32 (3xTF32) diagonal products
+  forced (`KernelConfig.inverse_diag`; bf16 inputs default to bf16x3)."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"inverse_diag": "f32"}, **kw)

@@ -37,6 +37,10 @@ STAGES = ("cumsum", "intra_fwd", "intra_wu", "state_fwd", "state_rec", "output_f
 # Intra-chunk forward bodies (KernelConfig.intra_fwd_impl).
 INTRA_FWD_IMPLS = ("fused", "split")
 
+# Operands of the blocked inverse's products on the diagonal tiles
+# (KernelConfig.inverse_diag).
+INVERSE_DIAGS = ("f32", "bf16x3")
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -149,6 +153,21 @@ class KernelConfig:
       the bound, and from 3.70 / 3.30-3.70 (gradients) to 4.04 / 3.64-3.72
       with the GPU test's spread gates (`TestKdaPallasGpu`; bound 5e-3).
       Pass intra_mm_dtype=float32 to keep the f32 W/U products.
+    inverse_diag: operands of the blocked inverse's L-step substitution on
+      the diagonal tiles (a dependent chain of [C, C] x [C, L] products with
+      f32 accumulation). "f32": f32 operands (3xTF32 on the GPU, 24 chained
+      HGMMA per step at C = 64). "bf16x3": each f32 operand split into a
+      bf16 head and a bf16 remainder, and the three products
+      head x head + head x rest + rest x head summed (relative error about
+      2^-16 per product instead of 2^-22; four bf16 k-steps per product;
+      the left operand's split is loop-invariant). The same arithmetic on
+      every backend, so interpret mode checks its accuracy. Default: bf16x3
+      for bf16 / f16 inputs (whose inverse is then rounded to bf16 below the
+      diagonal and as the W/U operand anyway), f32 for f32 inputs. On the
+      H200 (bf16, B16 T2048 H16 D128, 2026-12-01, `tune_kda.py
+      --stages=intra_fwd,intra_fwd+M --grid="inverse_diag=f32,bf16x3"`)
+      intra_fwd took 1.29-1.39 ms with bf16x3 against 1.55-1.61 with f32,
+      intra_fwd+M 1.40 against 1.91 (one call, two sweeps).
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
       products, every output row block written once), "tiles" (masked
       [C, C] products over the whole chunk), "split" (two kernels: the
@@ -202,6 +221,7 @@ class KernelConfig:
   inverse: str = "substitution"
   intra_fwd_impl: str = "fused"
   inverse_mm_dtype: jnp.dtype = jnp.float32
+  inverse_diag: str = "f32"
   intra_bwd_impl: str = "auto"
   state_fwd_impl: str = "auto"
   save_residuals: bool = True
@@ -217,6 +237,8 @@ class KernelConfig:
       raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
     if self.inverse not in INVERSES:
       raise ValueError(f"inverse must be one of {INVERSES}, got {self.inverse!r}")
+    if self.inverse_diag not in INVERSE_DIAGS:
+      raise ValueError(f"inverse_diag must be one of {INVERSE_DIAGS}, got {self.inverse_diag!r}")
     if self.intra_fwd_impl not in INTRA_FWD_IMPLS:
       raise ValueError(f"intra_fwd_impl must be one of {INTRA_FWD_IMPLS}, got "
                        f"{self.intra_fwd_impl!r}")
@@ -370,6 +392,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
                      bwd_block_k=bwd_block_k, bwd_block_v=bwd_block_v,
                      num_warps=tuple(num_warps.items()), inverse=inverse,
                      mm_dtype=mm_dtype, intra_mm_dtype=mm_dtype, inverse_mm_dtype=mm_dtype,
+                     inverse_diag="f32" if mm_dtype == jnp.float32 else "bf16x3",
                      intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype,
                      residual_dtype=None if intra_bwd == jnp.float32 else intra_bwd)
   if overrides:

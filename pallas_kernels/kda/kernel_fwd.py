@@ -189,6 +189,19 @@ def unit_lower_inverse(blocks_lc):
   return m
 
 
+def split_bf16(x):
+  """(head, rest) bf16 with head + rest = x up to about 2^-16 |x| (x f32)."""
+  head = x.astype(jnp.bfloat16)
+  return head, (x - head.astype(_F32)).astype(jnp.bfloat16)
+
+
+def dot_bf16x3(a_parts, b_parts, cfg: KernelConfig):
+  """a @ b from `split_bf16` parts: three bf16 products, f32 accumulation."""
+  (a_hi, a_lo), (b_hi, b_lo) = a_parts, b_parts
+  small = dot(a_hi, b_lo, cfg, dtype=jnp.bfloat16) + dot(a_lo, b_hi, cfg, dtype=jnp.bfloat16)
+  return small + dot(a_hi, b_hi, cfg, dtype=jnp.bfloat16)
+
+
 def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   """(I + A)^-1 of a strictly lower-triangular A [C, C], blocked by L x L tiles.
 
@@ -196,10 +209,12 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   Triton lowering needs no per-row reductions:
   * the C/L diagonal blocks together, by forward substitution in L steps on
     their vertical stack D [C, L] (D[rL + i, j] = M_rr[i, j]): step l sets the
-    rows l of all blocks at once, D_l <- e_l - (A_diag D)_l, in f32;
-  * below the diagonal, one block row i at a time:
+    rows l of all blocks at once, D_l <- e_l - (A_diag D)_l, with f32
+    operands or their bf16x3 splits (`cfg.inverse_diag`);
+  * below the diagonal, one block row i at a time, operands in `dtype`
+    (default f32):
     M_ij = -M_ii sum_{k=j}^{i-1} A_ik M_kj (i > j), i.e.
-    M_i <- -M_diag ((rows i of A_off) M), operands in `dtype` (default f32).
+    M_i <- -M_diag ((rows i of A_off) M).
 
   Args:
     a_cc: [C, C] f32, zero on and above the diagonal.
@@ -216,21 +231,26 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
     same = same | ((row >= r * ell) & (row < (r + 1) * ell)
                    & (col >= r * ell) & (col < (r + 1) * ell))
   a_diag = jnp.where(same, a_cc, 0.0)
-  a_off = jnp.where(same, 0.0, a_cc)
   col_l = iota((1, ell), 1)
   stack0 = (rmod == col_l).astype(_F32)                # [C, L] stacked identities
+
+  if cfg.inverse_diag == "bf16x3":
+    a_parts = split_bf16(a_diag)                       # loop-invariant
+    product = lambda stack: dot_bf16x3(a_parts, split_bf16(stack), cfg)
+  else:
+    product = lambda stack: dot(a_diag, stack, cfg, dtype=_F32)
 
   def step(l, stack):
     # All rows of the product are formed, only rows l kept: the loop-invariant
     # left operand lets the compiler keep it in the matmul layout.
-    upd = dot(a_diag, stack, cfg, dtype=_F32)
-    return jnp.where(rmod == l, stack - upd, stack)
+    return jnp.where(rmod == l, stack - product(stack), stack)
 
   stack = lax.fori_loop(1, ell, step, stack0)
   # [C, L] -> block-diagonal [C, C] through a one-hot product (exact).
   tile_cols = (iota((ell, 1), 0) == jnp.bitwise_and(col, ell - 1)).astype(_F32)
   m_diag = jnp.where(same, dot(stack, tile_cols, cfg, dtype=_F32), 0.0)
   m = m_diag
+  a_off = jnp.where(same, 0.0, a_cc)
   for i in range(1, c // ell):
     in_i = (row >= i * ell) & (row < (i + 1) * ell)
     t = dot(jnp.where(in_i, a_off, 0.0), m, cfg, dtype=dtype)
