@@ -4,7 +4,7 @@ The backward takes the forward's intra-chunk quantities (M = (I + A_kk)^-1,
 W, A_qk) and per-chunk entry states and V' (saved by the forward, or
 recomputed; `KernelConfig.save_residuals`), then runs:
 
-* `state_bwd`: grid (B, H, V/BV), chunks in reverse. Carries dS, the
+* `state_bwd`: grid (V/BV, B, H) on the GPU, chunks in reverse. Carries dS, the
   gradient of the state leaving the chunk:
     dV' = A_qk^T dO + (k e^{G_last - G}) dS
     dS  <- e^{G_last} dS + (q e^G)^T dO - W^T dV'

@@ -13,7 +13,7 @@ Two kernels, chunk length C, sub-tile (diagonal tile) length L:
   substitution on their [C, L] stack, the rest by block products, every step
   a tensor-core product). `KernelConfig.intra_fwd_impl="split"` runs the
   blocked body as two kernels instead (`kernel_intra_split`).
-* `state_fwd`: grid (B, H, V/BV) (GPU; on TPU (B, H, V/BV, chunks) with a
+* `state_fwd`: grid (V/BV, B, H) (GPU; on TPU (B, H, V/BV, chunks) with a
   sequential chunk axis). Carries the f32 state S [K, BV] through the
   chunks: V' = U - W S; O = (q e^G) S + A_qk V';
   S <- e^{G_last} S + (k e^{G_last - G})^T V'.
@@ -283,9 +283,14 @@ def chunk_specs(chunk_size: int, dk: int, dv: int) -> ChunkSpecs:
 class StateGrid:
   """Grid and BlockSpecs shared by the forward and reverse state kernels.
 
-  GPU: grid (B, H, V/BV); each program sees the whole padded sequence and
-  loops over the chunks itself. TPU: grid (B, H, V/BV, NC) with the chunk axis
-  sequential, so one chunk is resident in VMEM; `reverse` visits it backwards.
+  GPU: grid (V/BV, B, H); each program sees the whole padded sequence and
+  loops over the chunks itself. The V tile is the first grid axis, which the
+  Triton launch makes the fastest-varying block index: the V/BV programs of
+  one (batch row, head) start together and walk the same chunks side by
+  side, so the second one finds that chunk's [C, K] operands (W, the decayed
+  keys, the gates) in L2 instead of reading them from HBM again. TPU: grid
+  (B, H, V/BV, NC) with the chunk axis sequential, so one chunk is resident
+  in VMEM; `reverse` visits it backwards.
   """
   grid: tuple[int, ...]
   meta: pl.BlockSpec    # int32 [NC] per-chunk metadata
@@ -327,13 +332,13 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
                                   lambda ib, ih, iv, ic: (ib, ih, at(ic), iv)),
         dk=dk, block_v=bv)
   return StateGrid(
-      grid=(b, h, nv), meta=meta,
-      k=pl.BlockSpec((None, tp, dk), lambda ib, ih, iv: (ib, 0, ih)),
-      v=pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv)),
-      a=pl.BlockSpec((None, None, tp, c), lambda ib, ih, iv: (ib, ih, 0, 0)),
+      grid=(nv, b, h), meta=meta,
+      k=pl.BlockSpec((None, tp, dk), lambda iv, ib, ih: (ib, 0, ih)),
+      v=pl.BlockSpec((None, tp, bv), lambda iv, ib, ih: (ib, 0, ih * nv + iv)),
+      a=pl.BlockSpec((None, None, tp, c), lambda iv, ib, ih: (ib, ih, 0, 0)),
       state=pl.BlockSpec((n_blk, None, dk, bv),
-                         lambda ib, ih, iv: (0 if varlen else ib, ih, 0, iv)),
-      chunk_states=pl.BlockSpec((None, None, nc * dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv)),
+                         lambda iv, ib, ih: (0 if varlen else ib, ih, 0, iv)),
+      chunk_states=pl.BlockSpec((None, None, nc * dk, bv), lambda iv, ib, ih: (ib, ih, 0, iv)),
       dk=dk, block_v=bv)
 
 

@@ -5,7 +5,7 @@ sequential chunk loop. Only the state carries a dependency from chunk to
 chunk, so here the loop keeps just the recurrence and a second, fully
 parallel kernel forms the outputs:
 
-1. `state_recurrence`, grid (B, H, V/BV), chunks in order: per chunk
+1. `state_recurrence`, grid (V/BV, B, H), chunks in order: per chunk
      V' = U - W S,   S <- e^{G_last} S + kg^T V',
    with kg = k e^{G_last - G} written by the intra kernel (`save_gated`), so
    the loop reads W, U, kg and one gate row per chunk, and does no exp on a
