@@ -287,8 +287,11 @@ class StateGrid:
   loops over the chunks itself. The V tile is the first grid axis, which the
   Triton launch makes the fastest-varying block index: the V/BV programs of
   one (batch row, head) start together and walk the same chunks side by
-  side, so the second one finds that chunk's [C, K] operands (W, the decayed
-  keys, the gates) in L2 instead of reading them from HBM again. TPU: grid
+  side, so the second one mostly finds that chunk's [C, K] operands (W, the
+  decayed keys, the gates) in L2. Nsight Compute, H200, bf16, B16 T2048 H16
+  D128 (two V tiles, 512 programs for 264 slots): the forward recurrence
+  read 424 MB from HBM against 688 MB with the V tile last, and took
+  327-329 us against 358-362 us (locked 1.34 GHz clocks). TPU: grid
   (B, H, V/BV, NC) with the chunk axis sequential, so one chunk is resident
   in VMEM; `reverse` visits it backwards.
   """
