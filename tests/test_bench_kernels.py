@@ -122,7 +122,9 @@ def test_pipeline_stages_override_one_stage():
 def test_reverse_state_tile_default_and_partial_warps_overrides():
   """Triton at K = V = 128 with bf16 inputs and many (batch row, head) pairs:
   the reverse state kernel takes the whole V with 8 warps; elsewhere block_v
-  and 4. A warps override of another stage keeps it."""
+  and 4. Fewer pairs: the forward recurrence takes a V tile of 32, and with
+  at most 16 pairs the reverse one too. A warps override of another stage
+  keeps it."""
   make = lambda d, items=(): kernel_config.make_config(
       backend="triton", dtype=jnp.bfloat16, head_k=d, head_v=d, chunk_size=64, sub_chunk=16,
       overrides=bench.parse_overrides(list(items)))
@@ -134,9 +136,19 @@ def test_reverse_state_tile_default_and_partial_warps_overrides():
   assert swept.compiler_params("intra_bwd_k").num_warps == 4
   assert swept.compiler_params("state_bwd").num_warps == 8
   assert make(128, ["warps.state_bwd=2"]).compiler_params("state_bwd").num_warps == 2
-  few = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=128, head_v=128,
-                                  chunk_size=64, sub_chunk=16, state_programs=64)
+  pairs = lambda n, **kw: kernel_config.make_config(
+      backend="triton", dtype=jnp.bfloat16, head_k=128, head_v=128, chunk_size=64,
+      sub_chunk=16, state_programs=n, **kw)
+  few = pairs(64)
   assert few.bwd_block_v is None and few.compiler_params("state_bwd").num_warps == 4
+  assert few.rec_block_v == 32 and few.block_v == 64
+  assert cfg.rec_block_v is None and pairs(128).rec_block_v is None
+  fewest = pairs(16)
+  assert fewest.bwd_block_v == 32 and fewest.rec_block_v == 32 and fewest.block_v == 64
+  assert pairs(17).bwd_block_v is None
+  # An explicit block_v keeps every state tile; explicit tiles win over the rule.
+  assert pairs(16, block_v=64).rec_block_v is None and pairs(16, block_v=64).bwd_block_v is None
+  assert pairs(16, overrides={"rec_block_v": 64}).rec_block_v == 64
   assert make(128, ["block_v=32"]).bwd_block_v is None   # an explicit tile is everyone's
   f32 = kernel_config.make_config(backend="triton", dtype=jnp.float32, head_k=128, head_v=128,
                                   chunk_size=64, sub_chunk=16)

@@ -83,7 +83,13 @@ class KernelConfig:
     rec_block_v: V-tile of the split forward recurrence
       (`kernel_state_split.state_recurrence`; None: block_v). Its grid is
       B x H x V/rec_block_v sequential chunk loops, so a narrower tile gives
-      more loops to run side by side.
+      more loops to run side by side. Triton default at K = V = 128 with
+      bf16 or f16 inputs, fewer than WHOLE_V_BWD_MIN_PROGRAMS (batch row,
+      head) pairs and no explicit block_v: 32. Nsight Compute on the H200
+      (bf16, H16 D128, locked 1.34 GHz clocks, 2026-12-01): kda_state_rec
+      took 328 us at 32 against 411 at 64 (B1 T8192), 1.30 ms against
+      1.63 (B1 T32768) and 455 us against 474 (B4 T8192); with 256 pairs
+      (B16 T2048) the 64-wide tile's 512 programs already fill the GPU.
     out_block_v: V-tile of the split pass's output kernel (grid
       B x H x NC x V/out_block_v; None: the whole V).
     bwd_block_v: V-tile of the reverse state kernel (`kernel_bwd.state_bwd`;
@@ -98,7 +104,11 @@ class KernelConfig:
       warps took 0.81-1.09 ms, and 3 pipeline stages did not fit in shared
       memory. With few pairs it halves the programs of a sequential loop:
       forward+backward at B1 T32768 H16 took 11.45 ms with it against 10.62
-      and 10.82 ms without (two other calls), so there block_v stays.
+      and 10.82 ms without (two other calls), so there block_v stays. At
+      NARROW_BWD_MAX_PROGRAMS pairs or fewer the default is 32 (Nsight
+      Compute, as for rec_block_v: kda_state_bwd 452 us against 485 at
+      B1 T8192, 1.78 ms against 1.95 at B1 T32768; with 64 pairs, B4 T8192,
+      32 was slower, 812 us against 505).
     cumsum_block_f: F-width of a gate-cumsum program (None:
       `kernel_cumsum.default_block_f`).
     mm_dtype: operand dtype of the state kernels' matmuls and of stored
@@ -331,6 +341,11 @@ def default_backend(interpret: bool) -> str:
 # the narrower default tile's twice as many programs win.
 WHOLE_V_BWD_MIN_PROGRAMS = 128
 
+# Most (batch row, head) pairs for which the reverse state kernel takes a V
+# tile of 32 at K = V = 128 on Triton (`KernelConfig.bwd_block_v`; measured
+# faster at 16 pairs, slower at 64).
+NARROW_BWD_MAX_PROGRAMS = 16
+
 
 def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: int,
                 sub_chunk: int, block_v: int | None = None, state_programs: int | None = None,
@@ -346,7 +361,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
       Given here or in `overrides`, it is also the reverse state kernel's
       (no whole-V default; see KernelConfig.bwd_block_v).
     state_programs: B * H, the (batch row, head) pairs the state kernels
-      loop over (None: unknown, taken as many); picks bwd_block_v.
+      loop over (None: unknown, taken as many); picks bwd_block_v and
+      rec_block_v.
       block_k (the K slice; default min(K, 64), K on TPU), bwd_block_k
       (the split backward's K slice; default min(K, 32)) and inverse
       ("blocked" on Triton when sub_chunk >= 16, else "substitution") are set
@@ -382,14 +398,19 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
   inverse = "blocked" if backend == "triton" and sub_chunk >= 16 else "substitution"
   num_warps = dict(next(f.default for f in dataclasses.fields(KernelConfig)
                         if f.name == "num_warps"))
-  bwd_block_v = None
+  bwd_block_v = rec_block_v = None
   many = state_programs is None or state_programs >= WHOLE_V_BWD_MIN_PROGRAMS
   # Measured with bf16 operands only; f32 ones double the pipelined buffers.
-  if (backend == "triton" and head_k == head_v == 128 and mm_dtype != jnp.float32 and many
+  if (backend == "triton" and head_k == head_v == 128 and mm_dtype != jnp.float32
       and not block_v_given):
-    bwd_block_v, num_warps["state_bwd"] = 128, 8     # see KernelConfig.bwd_block_v
+    if many:
+      bwd_block_v, num_warps["state_bwd"] = 128, 8   # see KernelConfig.bwd_block_v
+    else:
+      rec_block_v = 32                               # see KernelConfig.rec_block_v
+      if state_programs <= NARROW_BWD_MAX_PROGRAMS:
+        bwd_block_v = 32
   cfg = KernelConfig(backend=backend, block_v=block_v, block_k=block_k,
-                     bwd_block_k=bwd_block_k, bwd_block_v=bwd_block_v,
+                     bwd_block_k=bwd_block_k, bwd_block_v=bwd_block_v, rec_block_v=rec_block_v,
                      num_warps=tuple(num_warps.items()), inverse=inverse,
                      mm_dtype=mm_dtype, intra_mm_dtype=mm_dtype, inverse_mm_dtype=mm_dtype,
                      inverse_diag="f32" if mm_dtype == jnp.float32 else "bf16x3",
