@@ -18,7 +18,7 @@ KERNEL_TIMES = {
                  "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-1.3 --sub_chunk=64 --peer=false`"},
 }
-KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Current figures: exp2 exponentials and a "
+KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Earlier the same day: exp2 exponentials and a "
                        "4-warp split backward (H200, 2026-12-01, session 2)\", call D (dense and "
                        "pairwise in one process), shape B16 T2048 H16 K=V=128, C=64; medians of "
                        "10 calls.")
