@@ -14,7 +14,6 @@ Decoding carries the conv windows and the [B, H, K, V] float32 state.
 """
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp

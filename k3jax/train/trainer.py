@@ -26,7 +26,7 @@ from k3jax.train.checkpoint import Checkpointer, SignalGuard
 from k3jax.train.config_schema import parallel_config
 from k3jax.train.metrics import MetricWriter
 from k3jax.train.optimizer import make_optimizer
-from k3jax.train.state import TrainState, create_train_state, param_count
+from k3jax.train.state import create_train_state, param_count
 from k3jax.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)

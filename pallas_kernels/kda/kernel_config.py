@@ -52,7 +52,8 @@ class KernelConfig:
       SMEM metadata, TPU compiler parameters, `pltpu.InterpretParams`).
     block_v: V-tile of the state kernels (their grid is B x H x V/block_v).
     block_k: K-slice width of the element-wise work of the intra-chunk
-      forward ("blocked" body) and of the state kernels. Per-channel gate
+      forward (the "blocked" body's scores; W, U and the gated keys and
+      queries of both bodies) and of the state kernels. Per-channel gate
       factors are separable across K, so those kernels walk K in slices of
       block_k and accumulate the K-contracted products: live [C, block_k] f32
       tiles instead of [C, K] ones (a [64, 128] f32 tile alone is 64
@@ -150,7 +151,7 @@ class KernelConfig:
       `kernel_intra_split`).
     inverse_mm_dtype: operand dtype of the blocked inverse's block products
       below the diagonal tiles (f32 accumulation either way; the diagonal
-      tiles' substitution is always f32). Default the input dtype.
+      tiles' substitution takes `inverse_diag`). Default the input dtype.
       Why bf16 for bf16 inputs (with intra_mm_dtype): on the H200 (B16 T2048
       H16 D128, 2026-11-30) intra_fwd took 3.22 ms with both f32 (3xTF32)
       and 1.36 ms with both bf16; the forward 4.90 -> 3.21 ms, forward+
