@@ -342,3 +342,13 @@ class TestKdaPallasGpuF32InverseDiagonal(TestKdaPallasGpu):
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"inverse_diag": "f32"}, **kw)
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuStackedInverse(TestKdaPallasGpu):
+  """The GPU checks with the blocked inverse's stacked schedule (diagonal-tile
+  substitution, then block rows; `KernelConfig.blocked_inverse`, default
+  recursive)."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"blocked_inverse": "stacked"}, **kw)

@@ -9,9 +9,10 @@ Two kernels, chunk length C, sub-tile (diagonal tile) length L:
   `KernelConfig.inverse` selects the body: "substitution" (scores per
   [L, C] row block; substitution over the whole [C, C] tile, row by row) or
   "blocked" (whole-tile score products summed over K slices of
-  `KernelConfig.block_k` channels; diagonal L x L blocks of M by an L-step
-  substitution on their [C, L] stack, the rest by block products, every step
-  a tensor-core product). `KernelConfig.intra_fwd_impl="split"` runs the
+  `KernelConfig.block_k` channels; M by recursive 2 x 2 blocking, or with
+  `KernelConfig.blocked_inverse="stacked"` its diagonal L x L blocks by an
+  L-step substitution on their [C, L] stack and the rest by block products;
+  every step a tensor-core product). `KernelConfig.intra_fwd_impl="split"` runs the
   blocked body as two kernels instead (`kernel_intra_split`).
 * `state_fwd`: grid (V/BV, B, H) (GPU; on TPU (B, H, V/BV, chunks) with a
   sequential chunk axis). Carries the f32 state S [K, BV] through the
@@ -258,6 +259,54 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   return m
 
 
+def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
+  """(I + A)^-1 of a strictly lower-triangular A [C, C] by recursive 2 x 2 blocking.
+
+  With M_s the inverse of I + A restricted to its diagonal s x s blocks and
+  E_s the entries of A in the lower-left s x s quadrants of the 2s x 2s
+  diagonal blocks, [[P, 0], [X, Q]]^-1 = [[P^-1, 0], [-Q^-1 X P^-1, Q^-1]]
+  gives M_2s = M_s - (M_s E_s) M_s, all as [C, C] products. M_2 = I - A_2
+  (2 x 2 blocks are nilpotent of order 2). log2(C) - 1 levels, two dependent
+  products each: 10 at C = 64, against the L - 1 chained substitution steps
+  and 2 (C/L - 1) block products of `blocked_unit_lower_inverse`. Only
+  products of inverse blocks with blocks of A are formed, never powers of A,
+  so no large terms cancel (the blocked triangular inversion of LAPACK's
+  trtri). Levels whose blocks are at most L wide take `cfg.inverse_diag`
+  operands (f32, or bf16x3 splits), the wider ones `dtype` (default f32), the
+  same precision split as the stacked schedule.
+
+  Args:
+    a_cc: [C, C] f32, zero on and above the diagonal.
+
+  Returns:
+    M [C, C] f32, unit lower triangular.
+  """
+  c = a_cc.shape[0]
+  dtype = _F32 if dtype is None else dtype
+  row, col = iota((c, 1), 0), iota((1, c), 1)
+
+  def same_block(s):                                   # [C, C]: i, j in one s-block
+    return jnp.bitwise_and(row, -s) == jnp.bitwise_and(col, -s)
+
+  m = jnp.where(row == col, 1.0, 0.0) - jnp.where(same_block(2), a_cc, 0.0)
+  if cfg.inverse_diag == "bf16x3":
+    a_parts = split_bf16(a_cc)
+  s = 2
+  while s < c:
+    quadrant = same_block(2 * s) & jnp.logical_not(same_block(s))
+    if 2 * s <= ell and cfg.inverse_diag == "bf16x3":
+      e_parts = tuple(jnp.where(quadrant, x, 0) for x in a_parts)
+      m_parts = split_bf16(m)
+      t = dot_bf16x3(m_parts, e_parts, cfg)
+      m = m - dot_bf16x3(split_bf16(t), m_parts, cfg)
+    else:
+      prec = _F32 if 2 * s <= ell else dtype
+      t = dot(m, jnp.where(quadrant, a_cc, 0.0), cfg, dtype=prec)
+      m = m - dot(t, m, cfg, dtype=prec)
+    s *= 2
+  return m
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkSpecs:
   """BlockSpecs of one chunk for the per-chunk kernels, grid (B, H, NC)."""
@@ -473,7 +522,8 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
   so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
   each score matrix takes C/L products of [C, BK] x [BK, C]. The pairwise
   diagonal (`pair_tile_scores`) stays over the full K. Then
-  M = (I + A_kk)^-1 by `blocked_unit_lower_inverse`.
+  M = (I + A_kk)^-1 by `recursive_unit_lower_inverse` or
+  `blocked_unit_lower_inverse` (`cfg.blocked_inverse`).
 
   Args:
     q_ref, k_ref, g_ref: [C, K] refs of one chunk; beta_ref [C, 1];
@@ -504,8 +554,9 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
       p_qk = p_qk + dot(e_cl, t_qk, cfg, dtype=_F32)
       p_kk = p_kk + dot(e_cl, t_kk, cfg, dtype=_F32)
   aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
-  return blocked_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
-                                    dtype=cfg.inverse_mm_dtype)
+  inverse = (recursive_unit_lower_inverse if cfg.blocked_inverse == "recursive"
+             else blocked_unit_lower_inverse)
+  return inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg, dtype=cfg.inverse_mm_dtype)
 
 
 def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
