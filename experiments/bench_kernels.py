@@ -68,16 +68,53 @@ def _run_fla(shapes, iters, lower_bound):
       fwd = lambda: chunk_kda(q, k, v, g, beta, **kw)[0]
       with torch.no_grad():
         t_fwd = do_bench(fwd, return_mode="median", rep=max(iters * 5, 50))
+        f_sync, f_pipe = _torch_sync_ms(fwd, iters), _torch_pipelined_ms(fwd, iters)
       print(f"fla {shape} safe={safe} fwd {t_fwd:.3f} ms", flush=True)
       xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
 
       def fwd_bwd():
+        for x in xs:
+          x.grad = None
         o = chunk_kda(*xs, **kw)[0]
         o.backward(do)
 
       t_fb = do_bench(fwd_bwd, return_mode="median", rep=max(iters * 5, 50),
                       grad_to_none=xs)
-      print(json.dumps(dict(shape=shape, safe=safe, fwd=t_fwd, fwdbwd=t_fb)), flush=True)
+      fb_sync, fb_pipe = _torch_sync_ms(fwd_bwd, iters), _torch_pipelined_ms(fwd_bwd, iters)
+      print(json.dumps(dict(shape=shape, safe=safe, fwd=t_fwd, fwdbwd=t_fb, fwd_sync=f_sync,
+                            fwdbwd_sync=fb_sync, fwd_pipe=f_pipe, fwdbwd_pipe=fb_pipe)),
+            flush=True)
+
+
+def _torch_sync_ms(fn, iters):
+  """As `bench.time_ms` for a torch callable: median of synchronised calls."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  times = []
+  for _ in range(iters):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def _torch_pipelined_ms(fn, iters, rounds=5):
+  """As `bench.pipelined_ms` for a torch callable: calls back to back, one wait."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  times = []
+  for _ in range(rounds):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      fn()
+    torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) * 1e3 / iters)
+  return statistics.median(times)
 
 
 def _start_peer(shapes):
@@ -131,7 +168,11 @@ def collect_peer(peer, started):
   for line in out_lines:
     if line.startswith("{"):
       r = json.loads(line)
-      out[(r["shape"], r["safe"])] = (r["fwd"], r["fwdbwd"])
+      entry = {"do_bench": (r["fwd"], r["fwdbwd"])}
+      if "fwd_sync" in r:   # the same two timers as ours
+        entry.update(sync=(r["fwd_sync"], r["fwdbwd_sync"]),
+                     pipelined=(r["fwd_pipe"], r["fwdbwd_pipe"]))
+      out[(r["shape"], r["safe"])] = entry
   if rc is None:
     print(f"fla peer stopped after --peer_timeout={_PEER_TIMEOUT.value} s; "
           f"{len(out)} results kept", flush=True)
@@ -171,14 +212,19 @@ def _run_jax(shapes):
       kw = dict(chunk_size=_CHUNK.value, sub_chunk=_SUB.value, lower_bound=_LOWER_BOUND.value,
                 config_overrides=overrides or None)
       try:
-        f = bench.time_ms(bench.kda_fn(impl, diag, **kw), *args, iters=_ITERS.value)
-        fb = bench.time_ms(bench.kda_fn(impl, diag, backward=True, **kw), *args, do,
-                           iters=_ITERS.value)
+        fwd_fn = bench.kda_fn(impl, diag, **kw)
+        fb_fn = bench.kda_fn(impl, diag, backward=True, **kw)
+        timed = {}
+        for timing, timer in (("sync", bench.time_ms), ("pipelined", bench.pipelined_ms)):
+          timed[timing] = (timer(fwd_fn, *args, iters=_ITERS.value),
+                           timer(fb_fn, *args, do, iters=_ITERS.value))
       except Exception as e:  # pylint: disable=broad-except
         print(f"{shape} {spec} failed: {type(e).__name__}: {str(e)[:500]}", flush=True)
         continue
-      res[spec] = (f, fb)
-      print(f"{shape} {spec}: fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms", flush=True)
+      res[spec] = timed
+      print(f"{shape} {spec}: " + "; ".join(
+          f"{timing} fwd {f:.3f} ms, fwd+bwd {fb:.3f} ms" for timing, (f, fb) in timed.items()),
+            flush=True)
     rows.append((shape, res, floor_f, floor_fb))
     if _STAGES.value:
       for diag in _STAGES.value:
@@ -197,22 +243,37 @@ def _run_jax(shapes):
     peer = collect_peer(_start_peer(shapes), time.time())
   else:
     peer = {}
-  print("\n| shape (B,T,H,D) | impl | fwd ms | fwd+bwd ms | fla safe fwd / fwd+bwd | "
+  # "sync": every call waited for (host dispatch included); "pipelined":
+  # calls back to back, the GPU's time per call. fla's do_bench (CUDA events,
+  # L2 flushed between calls) is shown next to its pipelined time.
+  print("\n| shape (B,T,H,D) | impl | timing | fwd ms | fwd+bwd ms | fla safe fwd / fwd+bwd | "
         "fla unsafe fwd / fwd+bwd | ratio vs fla safe (fwd, fwd+bwd; <1 = faster) | "
         "roofline floor fwd / fwd+bwd | x floor (fwd, fwd+bwd) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+
+  def peer_cell(p, timing):
+    if not p or timing not in p:
+      return "n/a"
+    cell = f"{p[timing][0]:.3f} / {p[timing][1]:.3f}"
+    if timing == "pipelined":
+      cell += f" (do_bench {p['do_bench'][0]:.3f} / {p['do_bench'][1]:.3f})"
+    return cell
+
   for shape, res, ff, ffb in rows:
     ps = peer.get((shape, True))
     pu = peer.get((shape, False))
-    for spec, (f, fb) in res.items():
-      ratio = f"{f / ps[0]:.2f}, {fb / ps[1]:.2f}" if ps else "n/a"
-      print(f"| {shape} | {spec} | {f:.3f} | {fb:.3f} | "
-            f"{f'{ps[0]:.3f} / {ps[1]:.3f}' if ps else 'n/a'} | "
-            f"{f'{pu[0]:.3f} / {pu[1]:.3f}' if pu else 'n/a'} | {ratio} | "
-            f"{ff:.3f} / {ffb:.3f} | {f / ff:.1f}, {fb / ffb:.1f} |")
+    for spec, timed in res.items():
+      for timing, (f, fb) in timed.items():
+        ratio = (f"{f / ps[timing][0]:.2f}, {fb / ps[timing][1]:.2f}" if ps and timing in ps
+                 else "n/a")
+        print(f"| {shape} | {spec} | {timing} | {f:.3f} | {fb:.3f} | {peer_cell(ps, timing)} | "
+              f"{peer_cell(pu, timing)} | {ratio} | "
+              f"{ff:.3f} / {ffb:.3f} | {f / ff:.1f}, {fb / ffb:.1f} |")
     if "pallas:dense" in res and "pallas:pairwise" in res:
-      (fd, fbd), (fp, fbp) = res["pallas:dense"], res["pallas:pairwise"]
-      print(f"| {shape} | pairwise/dense | {fp / fd:.2f}x | {fbp / fbd:.2f}x | | | | | |")
+      for timing in res["pallas:dense"]:
+        (fd, fbd), (fp, fbp) = res["pallas:dense"][timing], res["pallas:pairwise"][timing]
+        print(f"| {shape} | pairwise/dense | {timing} | {fp / fd:.2f}x | {fbp / fbd:.2f}x "
+              f"| | | | | |")
   sys.stdout.flush()
 
 

@@ -49,9 +49,17 @@ def test_peer_results_survive_its_timeout(capsys):
     assert time.time() - t0 < 20
   finally:
     flags.FLAGS.unparse_flags()
-  assert got == {("1x8x1x16", True): (1.5, 4.0)}
+  assert got == {("1x8x1x16", True): {"do_bench": (1.5, 4.0)}}
   out = capsys.readouterr().out
   assert "peer: {" in out and "1 results kept" in out
+
+
+def test_timers_return_per_call_times():
+  """Both timers run a jitted function and return a per-call time (no speed asserted)."""
+  fn = jax.jit(lambda x: x * 2.0 + 1.0)
+  x = jnp.ones((8,))
+  assert bench.time_ms(fn, x, iters=3, warmup=1) > 0
+  assert bench.pipelined_ms(fn, x, iters=3, rounds=2, warmup=1) > 0
 
 
 def test_tuning_grid_and_table():

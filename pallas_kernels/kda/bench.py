@@ -40,7 +40,11 @@ def make_inputs(key, b, t, h, d, dtype=jnp.bfloat16, lower_bound=-5.0):
 
 
 def time_ms(fn, *args, iters=20, warmup=3):
-  """Median wall time in ms of `fn(*args)` (already jitted), synchronised."""
+  """Median wall time in ms of `fn(*args)` (already jitted), synchronised.
+
+  Each call is waited for before the next is dispatched, so the time holds
+  the host's dispatch and the wait as well as the GPU's work ("sync" timing).
+  """
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
   times = []
@@ -48,6 +52,26 @@ def time_ms(fn, *args, iters=20, warmup=3):
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def pipelined_ms(fn, *args, iters=20, rounds=5, warmup=3):
+  """Time in ms per call of `fn(*args)` (already jitted) dispatched back to back.
+
+  Each round dispatches `iters` calls without waiting and then waits for all
+  of them, so the host's dispatch overlaps the GPU's work and the per-call
+  time is the GPU's ("pipelined" timing; what CUDA-event timers such as
+  triton's `do_bench` measure). Returns the median over `rounds` rounds.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(rounds):
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(iters)]
+    jax.block_until_ready(outs)
+    times.append((time.perf_counter() - t0) * 1e3 / iters)
+    del outs
   return statistics.median(times)
 
 
