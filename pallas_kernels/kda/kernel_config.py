@@ -193,8 +193,8 @@ class KernelConfig:
       L wide take `inverse_diag` operands, wider ones `inverse_mm_dtype`, in
       both. On the H200 (bf16, B16 T2048 H16 D128, 2026-12-01, Nsight Compute
       at locked clocks, `experiments/ablate_intra.py`) intra_fwd took 1.09 ms
-      recursive against 1.26 ms stacked (wall 0.995-1.018 against
-      1.161-1.182 ms), with 9% fewer instructions issued.
+      recursive against 1.26 ms stacked (back-to-back wall time 0.978-1.018
+      against 1.128-1.182 ms), with 9% fewer instructions issued.
     intra_bwd_impl: "rows" (row-block intra backward: [L, C] / [L, L]
       products, every output row block written once), "tiles" (masked
       [C, C] products over the whole chunk), "split" (two kernels: the
