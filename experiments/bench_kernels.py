@@ -61,6 +61,16 @@ def _run_fla(shapes, iters, lower_bound):
   from fla.ops.kda import chunk_kda  # pylint: disable=g-import-not-at-top
   from triton.testing import do_bench  # pylint: disable=g-import-not-at-top
   import fla_peer  # pylint: disable=g-import-not-at-top
+  # Imports no jax: the peer process keeps to torch.
+  from pallas_kernels import timing  # pylint: disable=g-import-not-at-top
+
+  def timed(fn):
+    """(sync, pipelined) ms of `fn` with the loops our side uses (`bench.time_ms`,
+    `bench.pipelined_ms`), waiting on a device synchronise."""
+    wait = lambda _: torch.cuda.synchronize()
+    return (timing.sync_ms(fn, wait, iters=iters, warmup=1),
+            timing.pipelined_ms(fn, wait, iters=iters, rounds=5, warmup=1))
+
   for shape in shapes:
     q, k, v, g, beta, do = fla_peer.inputs(*_parse(shape), lower_bound)
     for safe in [m == "safe" for m in _PEER_MODES.value]:
@@ -68,7 +78,7 @@ def _run_fla(shapes, iters, lower_bound):
       fwd = lambda: chunk_kda(q, k, v, g, beta, **kw)[0]
       with torch.no_grad():
         t_fwd = do_bench(fwd, return_mode="median", rep=max(iters * 5, 50))
-        f_sync, f_pipe = _torch_sync_ms(fwd, iters), _torch_pipelined_ms(fwd, iters)
+        f_sync, f_pipe = timed(fwd)
       print(f"fla {shape} safe={safe} fwd {t_fwd:.3f} ms", flush=True)
       xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
 
@@ -80,41 +90,10 @@ def _run_fla(shapes, iters, lower_bound):
 
       t_fb = do_bench(fwd_bwd, return_mode="median", rep=max(iters * 5, 50),
                       grad_to_none=xs)
-      fb_sync, fb_pipe = _torch_sync_ms(fwd_bwd, iters), _torch_pipelined_ms(fwd_bwd, iters)
+      fb_sync, fb_pipe = timed(fwd_bwd)
       print(json.dumps(dict(shape=shape, safe=safe, fwd=t_fwd, fwdbwd=t_fb, fwd_sync=f_sync,
                             fwdbwd_sync=fb_sync, fwd_pipe=f_pipe, fwdbwd_pipe=fb_pipe)),
             flush=True)
-
-
-def _torch_sync_ms(fn, iters):
-  """As `bench.time_ms` for a torch callable: median of synchronised calls."""
-  import statistics  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  times = []
-  for _ in range(iters):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
-
-
-def _torch_pipelined_ms(fn, iters, rounds=5):
-  """As `bench.pipelined_ms` for a torch callable: calls back to back, one wait."""
-  import statistics  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  times = []
-  for _ in range(rounds):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      fn()
-    torch.cuda.synchronize()
-    times.append((time.perf_counter() - t0) * 1e3 / iters)
-  return statistics.median(times)
 
 
 def _start_peer(shapes):

@@ -62,6 +62,19 @@ def test_timers_return_per_call_times():
   assert bench.pipelined_ms(fn, x, iters=3, rounds=2, warmup=1) > 0
 
 
+def test_shared_timer_loops_wait_as_documented():
+  """`timing` (used by both sides): sync waits on every call, pipelined once per
+  round on the round's list of results; warm-up calls are waited for too."""
+  from pallas_kernels import timing  # pylint: disable=g-import-not-at-top
+  calls, waits = [], []
+  call = lambda: calls.append(1) or len(calls)
+  assert timing.sync_ms(call, waits.append, iters=4, warmup=2) >= 0
+  assert len(calls) == 6 and waits == [1, 2, 3, 4, 5, 6]
+  calls.clear(), waits.clear()
+  assert timing.pipelined_ms(call, waits.append, iters=3, rounds=2, warmup=1) >= 0
+  assert len(calls) == 7 and waits == [1, [2, 3, 4], [5, 6, 7]]
+
+
 def test_tuning_grid_and_table():
   assert bench.parse_grid("block_v=32,64; warps.state_fwd=4,8") == [
       ["block_v=32", "warps.state_fwd=4"], ["block_v=32", "warps.state_fwd=8"],

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +19,7 @@ from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_fwd
 from pallas_kernels.kda import kernel_state_split
 from pallas_kernels.kda import pallas_op
+from pallas_kernels import timing
 
 
 def make_inputs(key, b, t, h, d, dtype=jnp.bfloat16, lower_bound=-5.0):
@@ -43,36 +42,21 @@ def time_ms(fn, *args, iters=20, warmup=3):
   """Median wall time in ms of `fn(*args)` (already jitted), synchronised.
 
   Each call is waited for before the next is dispatched, so the time holds
-  the host's dispatch and the wait as well as the GPU's work ("sync" timing).
+  the host's dispatch and the wait as well as the GPU's work ("sync" timing,
+  `timing.sync_ms`).
   """
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
+  return timing.sync_ms(lambda: fn(*args), jax.block_until_ready, iters=iters, warmup=warmup)
 
 
 def pipelined_ms(fn, *args, iters=20, rounds=5, warmup=3):
   """Time in ms per call of `fn(*args)` (already jitted) dispatched back to back.
 
   Each round dispatches `iters` calls without waiting and then waits for all
-  of them, so the host's dispatch overlaps the GPU's work and the per-call
-  time is the GPU's ("pipelined" timing; what CUDA-event timers such as
-  triton's `do_bench` measure). Returns the median over `rounds` rounds.
+  of them, so the per-call time is the GPU's ("pipelined" timing,
+  `timing.pipelined_ms`). Returns the median over `rounds` rounds.
   """
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    outs = [fn(*args) for _ in range(iters)]
-    jax.block_until_ready(outs)
-    times.append((time.perf_counter() - t0) * 1e3 / iters)
-    del outs
-  return statistics.median(times)
+  return timing.pipelined_ms(lambda: fn(*args), jax.block_until_ready, iters=iters,
+                             rounds=rounds, warmup=warmup)
 
 
 def kda_fn(implementation, diagonal, *, chunk_size=64, sub_chunk=16, lower_bound=-5.0,
