@@ -1,4 +1,5 @@
 """The kernel benchmark and tuning helpers: override parsing, grids, tables, the peer (no timing)."""
+import os
 import sys
 from pathlib import Path
 
@@ -251,3 +252,19 @@ def test_peer_kernel_table_sums_cuda_kernels_per_call():
   assert rows[0].startswith("| kernel_b | 0.300 | 0.5 | 60% |")
   assert rows[1].startswith("| kernel_a | 0.200 | 1 | 40% |")
   assert "aten::mm" not in table
+
+
+def test_ab_forward_smoke():
+  """The A/B script runs its variants interleaved (interpret mode, tiny shape) and
+  prints one row per variant, with the output difference from the first."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, os.path.join(root, "experiments", "ab_forward.py"), "--interpret",
+       "--rounds=1", "--variants=,inverse=blocked+block_k=16"],
+      capture_output=True, text=True, check=True, cwd=root).stdout
+  rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+  assert [row.split(" | ")[0] for row in rows] == ["| defaults", "| inverse=blocked+block_k=16"]
+  assert rows[0].endswith("| 0.0e+00 |")
+  # The blocked body computes the same outputs as the substitution one (bf16 rounding apart).
+  assert float(rows[1].split("|")[-2]) < 1e-2
