@@ -338,7 +338,7 @@ class TestKdaPallasGpuSplitIntraForward(TestKdaPallasGpu):
 @pytest.mark.gpu
 class TestKdaPallasGpuF32InverseDiagonal(TestKdaPallasGpu):
   """The GPU checks with the blocked inverse's f32 (3xTF32) diagonal products
-  forced (`KernelConfig.inverse_diag`; bf16 inputs default to bf16x3)."""
+  forced (`KernelConfig.inverse_diag`; bf16 inputs default to bf16)."""
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"inverse_diag": "f32"}, **kw)
@@ -352,3 +352,12 @@ class TestKdaPallasGpuStackedInverse(TestKdaPallasGpu):
 
   def _pallas(self, diagonal, **kw):
     return super()._pallas(diagonal, config_overrides={"blocked_inverse": "stacked"}, **kw)
+
+
+@pytest.mark.gpu
+class TestKdaPallasGpuBf16x3InverseDiagonal(TestKdaPallasGpu):
+  """The GPU checks with bf16x3 products on the blocked inverse's diagonal
+  levels (`KernelConfig.inverse_diag="bf16x3"`; bf16 inputs default to bf16)."""
+
+  def _pallas(self, diagonal, **kw):
+    return super()._pallas(diagonal, config_overrides={"inverse_diag": "bf16x3"}, **kw)

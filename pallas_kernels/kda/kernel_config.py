@@ -39,7 +39,7 @@ INTRA_FWD_IMPLS = ("fused", "split")
 
 # Operands of the blocked inverse's products on the diagonal tiles
 # (KernelConfig.inverse_diag).
-INVERSE_DIAGS = ("f32", "bf16x3")
+INVERSE_DIAGS = ("f32", "bf16x3", "bf16")
 
 # Schedules of the blocked inverse (KernelConfig.blocked_inverse).
 BLOCKED_INVERSES = ("stacked", "recursive")
@@ -174,14 +174,28 @@ class KernelConfig:
       bf16 head and a bf16 remainder, and the three products
       head x head + head x rest + rest x head summed (relative error about
       2^-16 per product instead of 2^-22; four bf16 k-steps per product;
-      the left operand's split is loop-invariant). The same arithmetic on
-      every backend, so interpret mode checks its accuracy. Default: bf16x3
-      for bf16 / f16 inputs (whose inverse is then rounded to bf16 below the
-      diagonal and as the W/U operand anyway), f32 for f32 inputs. On the
-      H200 (bf16, B16 T2048 H16 D128, 2026-12-01, `tune_kda.py
+      the left operand's split is loop-invariant). "bf16": the operands
+      rounded to bf16, one product (relative error about 2^-8 per product).
+      The same arithmetic on every backend, so interpret mode checks its
+      accuracy. Default: bf16 for bf16 / f16 inputs, f32 for f32 inputs.
+      Why bf16 suffices there: the levels above L already take bf16
+      operands (`inverse_mm_dtype`) and M is rounded to bf16 as the W/U
+      operand, so the inverse's error is set by those roundings. The
+      inverse alone vs float64 (C = 64, L = 16, bf16 below the diagonal;
+      `test_blocked_inverse_diag_products_match_float64`): 1.0e-4 with bf16
+      diagonal products against 1.1e-5 with bf16x3 (gates at the bound,
+      both below the 2^-9 rounding of M as an operand), 5.1e-3 against
+      9.0e-3 (nearly parallel keys, beta 1). End to end on the H200 (bf16,
+      `TestKdaPallasGpu` and its bf16x3 twin) the errors at the four
+      benchmark shapes are the same to three digits (o 4.03e-3, gradients
+      3.67-3.70e-3). Speed (H200, bf16, B16 T2048 H16 D128, 2026-12-01,
+      same call): the intra forward took 0.81-0.82 ms against 0.97-1.06
+      with bf16x3 (`ablate_intra.py --variants=full,full@inverse_diag=bf16`,
+      twice), the forward 1.44 against 1.60 ms (GPU time per call,
+      `ab_forward.py`); 120 against 168 HGMMA and 5,912 against 7,376
+      SASS instructions (`inspect_triton.py`). Earlier (`tune_kda.py
       --stages=intra_fwd,intra_fwd+M --grid="inverse_diag=f32,bf16x3"`)
-      intra_fwd took 1.29-1.39 ms with bf16x3 against 1.55-1.61 with f32,
-      intra_fwd+M 1.40 against 1.91 (one call, two sweeps).
+      intra_fwd took 1.29-1.39 ms with bf16x3 against 1.55-1.61 with f32.
     blocked_inverse: schedule of the blocked inverse (`inverse="blocked"`).
       "recursive" (the default): recursive 2 x 2 blocking,
       M_2s = M_s - (M_s E_s) M_s over the levels s = 2, 4, ..., C/2, every
@@ -434,7 +448,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
                      bwd_block_k=bwd_block_k, bwd_block_v=bwd_block_v, rec_block_v=rec_block_v,
                      num_warps=tuple(num_warps.items()), inverse=inverse,
                      mm_dtype=mm_dtype, intra_mm_dtype=mm_dtype, inverse_mm_dtype=mm_dtype,
-                     inverse_diag="f32" if mm_dtype == jnp.float32 else "bf16x3",
+                     inverse_diag="f32" if mm_dtype == jnp.float32 else "bf16",
                      intra_bwd_mm_dtype=intra_bwd, score_mm_dtype=mm_dtype,
                      residual_dtype=None if intra_bwd == jnp.float32 else intra_bwd)
   if overrides:

@@ -211,7 +211,7 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   * the C/L diagonal blocks together, by forward substitution in L steps on
     their vertical stack D [C, L] (D[rL + i, j] = M_rr[i, j]): step l sets the
     rows l of all blocks at once, D_l <- e_l - (A_diag D)_l, with f32
-    operands or their bf16x3 splits (`cfg.inverse_diag`);
+    operands, their bf16x3 splits or bf16 ones (`cfg.inverse_diag`);
   * below the diagonal, one block row i at a time, operands in `dtype`
     (default f32):
     M_ij = -M_ii sum_{k=j}^{i-1} A_ik M_kj (i > j), i.e.
@@ -239,7 +239,8 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
     a_parts = split_bf16(a_diag)                       # loop-invariant
     product = lambda stack: dot_bf16x3(a_parts, split_bf16(stack), cfg)
   else:
-    product = lambda stack: dot(a_diag, stack, cfg, dtype=_F32)
+    diag_dtype = jnp.bfloat16 if cfg.inverse_diag == "bf16" else _F32
+    product = lambda stack: dot(a_diag, stack, cfg, dtype=diag_dtype)
 
   def step(l, stack):
     # All rows of the product are formed, only rows l kept: the loop-invariant
@@ -272,8 +273,8 @@ def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   products of inverse blocks with blocks of A are formed, never powers of A,
   so no large terms cancel (the blocked triangular inversion of LAPACK's
   trtri). Levels whose blocks are at most L wide take `cfg.inverse_diag`
-  operands (f32, or bf16x3 splits), the wider ones `dtype` (default f32), the
-  same precision split as the stacked schedule.
+  operands (f32, bf16x3 splits or bf16), the wider ones `dtype` (default
+  f32), the same precision split as the stacked schedule.
 
   Args:
     a_cc: [C, C] f32, zero on and above the diagonal.
@@ -300,7 +301,8 @@ def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
       t = dot_bf16x3(m_parts, e_parts, cfg)
       m = m - dot_bf16x3(split_bf16(t), m_parts, cfg)
     else:
-      prec = _F32 if 2 * s <= ell else dtype
+      diag_dtype = jnp.bfloat16 if cfg.inverse_diag == "bf16" else _F32
+      prec = diag_dtype if 2 * s <= ell else dtype
       t = dot(m, jnp.where(quadrant, a_cc, 0.0), cfg, dtype=prec)
       m = m - dot(t, m, cfg, dtype=prec)
     s *= 2
