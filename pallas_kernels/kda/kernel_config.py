@@ -186,9 +186,8 @@ class KernelConfig:
       diagonal products against 1.1e-5 with bf16x3 (gates at the bound,
       both below the 2^-9 rounding of M as an operand), 5.1e-3 against
       9.0e-3 (nearly parallel keys, beta 1). End to end on the H200 (bf16,
-      `TestKdaPallasGpu` and its bf16x3 twin) the errors at the four
-      benchmark shapes are the same to three digits (o 4.03e-3, gradients
-      3.67-3.70e-3). Speed (H200, bf16, B16 T2048 H16 D128, 2026-12-01,
+      `TestKdaPallasGpu`) the errors at the four benchmark shapes are those
+      of bf16x3 to three digits (o 4.03e-3, gradients 3.67-3.70e-3). Speed (H200, bf16, B16 T2048 H16 D128, 2026-12-01,
       same call): the intra forward took 0.81-0.82 ms against 0.97-1.06
       with bf16x3 (`ablate_intra.py --variants=full,full@inverse_diag=bf16`,
       twice), the forward 1.44 against 1.60 ms (GPU time per call,
