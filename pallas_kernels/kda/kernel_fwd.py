@@ -203,6 +203,12 @@ def dot_bf16x3(a_parts, b_parts, cfg: KernelConfig):
   return small + dot(a_hi, b_hi, cfg, dtype=jnp.bfloat16)
 
 
+def diag_operand_dtype(cfg: KernelConfig):
+  """Operand dtype of the inverse's diagonal-level products when they are not
+  bf16x3 splits: bf16 (inverse_diag="bf16") or f32 ("f32")."""
+  return jnp.bfloat16 if cfg.inverse_diag == "bf16" else _F32
+
+
 def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   """(I + A)^-1 of a strictly lower-triangular A [C, C], blocked by L x L tiles.
 
@@ -239,8 +245,7 @@ def blocked_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
     a_parts = split_bf16(a_diag)                       # loop-invariant
     product = lambda stack: dot_bf16x3(a_parts, split_bf16(stack), cfg)
   else:
-    diag_dtype = jnp.bfloat16 if cfg.inverse_diag == "bf16" else _F32
-    product = lambda stack: dot(a_diag, stack, cfg, dtype=diag_dtype)
+    product = lambda stack: dot(a_diag, stack, cfg, dtype=diag_operand_dtype(cfg))
 
   def step(l, stack):
     # All rows of the product are formed, only rows l kept: the loop-invariant
@@ -292,6 +297,7 @@ def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   m = jnp.where(row == col, 1.0, 0.0) - jnp.where(same_block(2), a_cc, 0.0)
   if cfg.inverse_diag == "bf16x3":
     a_parts = split_bf16(a_cc)
+  diag_dtype = diag_operand_dtype(cfg)
   s = 2
   while s < c:
     quadrant = same_block(2 * s) & jnp.logical_not(same_block(s))
@@ -301,7 +307,6 @@ def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
       t = dot_bf16x3(m_parts, e_parts, cfg)
       m = m - dot_bf16x3(split_bf16(t), m_parts, cfg)
     else:
-      diag_dtype = jnp.bfloat16 if cfg.inverse_diag == "bf16" else _F32
       prec = diag_dtype if 2 * s <= ell else dtype
       t = dot(m, jnp.where(quadrant, a_cc, 0.0), cfg, dtype=prec)
       m = m - dot(t, m, cfg, dtype=prec)
