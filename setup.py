@@ -3,6 +3,7 @@
     pip install -e ".[test]"        # library + test tools
     pip install -e ".[notebooks]"   # ablation notebooks
     pip install -e ".[bench]"       # PyTorch/fla peer for kernel benchmarks (GPU)
+    pip install -e ".[tokamax]"     # tokamax grouped matmul for the dropless MoE mode (GPU)
 """
 from setuptools import find_packages, setup
 
@@ -33,6 +34,8 @@ setup(
                  "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8"],
         "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.10", "ipykernel", "matplotlib>=3.8"],
         "bench": ["torch>=2.5", "flash-linear-attention>=0.6.0"],
+        # Optional grouped-matmul kernel for the dropless MoE mode (GPU; needs jax >= 0.11.1).
+        "tokamax": ["tokamax==0.0.17"],
         "gpu": ["jax[cuda13]>=0.11.2"],
     },
 )

@@ -1,13 +1,21 @@
 """Mixture-of-experts SwiGLU FFN: sigmoid router, routed experts, shared expert(s).
 
-Routed experts run on tokens sorted by expert through a grouped matmul
-(`jax.lax.ragged_dot`); `impl="dense"` evaluates every expert on every token
-with einsums and is the reference the grouped path is tested against.
-`impl="buffered"` scatters the sorted tokens into per-expert buffers of the
-router's capacity and runs one batched matmul; it needs a capacity factor.
-XLA (jax 0.11) lowers `ragged_dot` on CPU and on NVIDIA GPUs by expanding it
-to every expert for every row (E times the work and memory), so at scale the
-buffered path is the practical one until a grouped-matmul kernel lands.
+The routed experts run in one of two modes (`impl`):
+
+- "buffered" (capacity mode): every expert has ceil(cf * N * k / E) slots,
+  the same capacity the router enforces, so every kept assignment fits and
+  one batched matmul runs over the [E, capacity, d] buffers. The quantile
+  router keeps expert loads even, so a tight factor (1.0-1.25) wastes little;
+  the GPU presets use this mode.
+- "ragged" (dropless mode): tokens sorted by expert in groups of any size,
+  through a grouped matmul (`grouped_matmul`: XLA's `ragged_dot`, or
+  tokamax's kernel on request).
+
+Both share one dispatch and combine (`moe_dispatch`): each token row is
+gathered once into the grouped layout, and each token's k expert rows are
+gathered back and summed with the combine weights, in the compute dtype and
+with gathers in the backward too. `impl="dense"` evaluates every expert on
+every token and is the reference the grouped modes are tested against.
 """
 import dataclasses
 
@@ -16,6 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax import routing
+from k3jax.layers import grouped_matmul
+from k3jax.layers import moe_dispatch
+from k3jax.layers.ffn import swiglu
 from k3jax.layers.params import logical_param
 from k3jax.routing import RouterConfig
 from k3jax.routing import capacity as capacity_lib
@@ -40,9 +51,13 @@ class MoEConfig:
       num_shared_experts * shared_hidden).
     shared_hidden: width of one shared expert; None means expert_hidden.
     router: RouterConfig.
-    impl: "ragged" (grouped matmul on sorted tokens), "buffered" (per-expert
-      capacity buffers, batched matmul; needs router.capacity_factor) or
-      "dense" (every expert on every token; the reference).
+    impl: "buffered" (capacity mode: per-expert buffers of the router's
+      capacity, one batched matmul; needs router.capacity_factor), "ragged"
+      (dropless mode: grouped matmul on tokens sorted by expert) or "dense"
+      (every expert on every token; the reference).
+    grouped_backend: grouped-matmul backend, one of `grouped_matmul.BACKENDS`
+      ("auto": einsum for "buffered", XLA's ragged_dot for "ragged";
+      "tokamax" is opt-in, see `grouped_matmul`).
     dtype: compute dtype of the expert matmuls (accumulation is float32).
     param_dtype: parameter dtype.
   """
@@ -55,6 +70,7 @@ class MoEConfig:
   shared_hidden: int | None = None
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
   impl: str = "ragged"
+  grouped_backend: str = "auto"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -77,6 +93,15 @@ class MoEConfig:
       raise ValueError(f"MoEConfig.router must be a RouterConfig, got {self.router!r}")
     if self.impl not in MOE_IMPLS:
       raise ValueError(f"MoEConfig.impl={self.impl!r}; allowed: {MOE_IMPLS}")
+    if self.grouped_backend not in grouped_matmul.BACKENDS:
+      raise ValueError(f"MoEConfig.grouped_backend={self.grouped_backend!r}; allowed: "
+                       f"{grouped_matmul.BACKENDS}")
+    if self.impl == "buffered" and self.grouped_backend not in ("auto", "einsum"):
+      raise ValueError(f"MoEConfig.impl='buffered' runs its buffers through the batched "
+                       f"einsum; grouped_backend={self.grouped_backend!r} is for impl='ragged'")
+    if self.impl == "ragged" and self.grouped_backend == "einsum":
+      raise ValueError("MoEConfig.impl='ragged' has no buffers for grouped_backend='einsum'; "
+                       "use 'auto', 'xla' or 'tokamax', or impl='buffered'")
     if self.impl == "buffered" and self.router.capacity_factor is None:
       raise ValueError(
           "MoEConfig.impl='buffered' needs router.capacity_factor (buffer size); "
@@ -142,8 +167,8 @@ class MoE(nnx.Module):
       self.router_state.set_value(new_state)
     y_nd, dispatch_drop = self._experts(x_nd, idx_nk, w_nk)
     if self.shared_gate is not None:
-      y_nd = y_nd + _swiglu(x_nd, self.shared_gate[...], self.shared_up[...],
-                            self.shared_out[...], c.dtype)
+      y_nd = y_nd + swiglu(x_nd, self.shared_gate[...], self.shared_up[...],
+                           self.shared_out[...], c.dtype)
     aux = {key: stats[key] for key in
            ("max_vio", "max_vio_routed", "drop_fraction", "reassigned_fraction", "load_cv",
             "aux_loss", "load")}
@@ -153,33 +178,20 @@ class MoE(nnx.Module):
   def _experts(self, x_nd, idx_nk, w_nk):
     """Routed experts by `impl`: ([N, d] f32, fraction of router-kept assignments the
     expert dispatch dropped; always 0 on one device, see `ExpertParallelMoE`)."""
-    impl = {"ragged": self._routed_ragged, "buffered": self._routed_buffered,
-            "dense": self._routed_dense}[self.config.impl]
-    return impl(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
+    if self.config.impl == "dense":
+      return self._routed_dense(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
+    return self._routed_grouped(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
 
-  def _routed_ragged(self, x_nd, idx_nk, w_nk):
-    """Sorts (token, expert) pairs by expert and runs grouped matmuls. [N, d] f32."""
+  def _routed_grouped(self, x_nd, idx_nk, w_nk):
+    """Dispatch to the grouped layout, grouped SwiGLU, weighted combine. [N, d] f32."""
     c = self.config
     n, k = idx_nk.shape
-    # Dropped pairs are empty rows: they sort after every expert, outside all groups.
-    expert_a = jnp.where((w_nk > 0).reshape(-1), idx_nk.reshape(-1), c.num_experts)
-    token_a = jnp.arange(n * k, dtype=jnp.int32) // k
-    y_a = ragged_swiglu(x_nd, token_a, expert_a, c.num_experts, self.wi_gate[...],
-                        self.wi_up[...], self.wo[...], c.dtype)
-    return jnp.sum((y_a * w_nk.reshape(-1)[:, None]).reshape(n, k, -1), axis=1)
-
-  def _routed_buffered(self, x_nd, idx_nk, w_nk):
-    """Per-expert buffers of the router's capacity, one batched matmul. [N, d] f32."""
-    c = self.config
-    n, k = idx_nk.shape
-    cap = capacity_lib.expert_capacity(n, c.num_experts, k, c.router.capacity_factor)
-    # Dropped pairs are empty rows. The router keeps at most `cap` per expert,
-    # so kept rows always fit.
-    expert_a = jnp.where((w_nk > 0).reshape(-1), idx_nk.reshape(-1), c.num_experts)
-    token_a = jnp.arange(n * k, dtype=jnp.int32) // k
-    y_a, _ = buffered_swiglu(x_nd, token_a, expert_a, c.num_experts, cap, self.wi_gate[...],
-                             self.wi_up[...], self.wo[...], c.dtype)
-    return jnp.sum((y_a * w_nk.reshape(-1)[:, None]).reshape(n, k, -1), axis=1)
+    # The router keeps at most `cap` assignments per expert (same formula), so
+    # every kept assignment has a slot; "ragged" places all kept ones.
+    cap = (None if c.impl == "ragged" else
+           capacity_lib.expert_capacity(n, c.num_experts, k, c.router.capacity_factor))
+    return routed_swiglu(x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
+                         capacity=cap, backend=c.grouped_backend, dtype=c.dtype)
 
   def _routed_dense(self, x_nd, idx_nk, w_nk):
     """Every expert on every token, combined by dense weights. [N, d] f32 (reference)."""
@@ -190,77 +202,35 @@ class MoE(nnx.Module):
     # the same arithmetic as the grouped path, on every backend.
     rnd = lambda a: a.astype(c.dtype).astype(jnp.float32)
     xs = rnd(x_nd)
-    gate = jnp.einsum("nd,edh->neh", xs, rnd(self.wi_gate[...]))
-    up = jnp.einsum("nd,edh->neh", xs, rnd(self.wi_up[...]))
+    gate = rnd(jnp.einsum("nd,edh->neh", xs, rnd(self.wi_gate[...])))
+    up = rnd(jnp.einsum("nd,edh->neh", xs, rnd(self.wi_up[...])))
     h = rnd(jax.nn.silu(gate) * up)
-    y_ned = jnp.einsum("neh,ehd->ned", h, rnd(self.wo[...]))
+    y_ned = rnd(jnp.einsum("neh,ehd->ned", h, rnd(self.wo[...])))
     return jnp.einsum("ned,ne->nd", y_ned, combine_ne)
 
 
-def ragged_swiglu(x_nd, src_r, expert_r, num_experts: int, wi_gate_edh, wi_up_edh, wo_ehd, dtype):
-  """SwiGLU experts on rows sorted by expert, through `jax.lax.ragged_dot`.
-
-  Row r is x_nd[src_r[r]] for expert expert_r[r] (num_experts = an empty row).
-
-  Args:
-    x_nd: [N, d]; src_r, expert_r: [R] int32.
-    wi_gate_edh, wi_up_edh: [E, d, h]; wo_ehd: [E, h, d]; dtype: operand dtype.
-
-  Returns:
-    [R, d] f32 expert outputs in row order, zero on empty rows.
-  """
-  order = jnp.argsort(expert_r, stable=True)
-  sizes = jnp.bincount(expert_r, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-  xs = x_nd[src_r[order]].astype(dtype)
-  gate = jax.lax.ragged_dot(xs, wi_gate_edh.astype(dtype), sizes, preferred_element_type=jnp.float32)
-  up = jax.lax.ragged_dot(xs, wi_up_edh.astype(dtype), sizes, preferred_element_type=jnp.float32)
-  h = (jax.nn.silu(gate) * up).astype(dtype)
-  ys = jax.lax.ragged_dot(h, wo_ehd.astype(dtype), sizes, preferred_element_type=jnp.float32)
-  # Rows past the last group are unspecified by ragged_dot: mask them.
-  ys = jnp.where((expert_r[order] < num_experts)[:, None], ys, 0.0)
-  return jnp.zeros_like(ys).at[order].set(ys)
-
-
-def buffered_swiglu(x_nd, src_r, expert_r, num_experts: int, cap: int, wi_gate_edh, wi_up_edh,
-                    wo_ehd, dtype):
-  """SwiGLU experts on rows grouped into per-expert buffers, one batched matmul.
-
-  Row r is x_nd[src_r[r]] for expert expert_r[r] (num_experts = an empty row).
-  Each expert's rows fill its `cap` slots in row order; rows past them overflow.
+def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacity: int | None,
+                  backend: str = "auto", dtype=jnp.float32, positions: str = "auto"):
+  """Routed SwiGLU experts: plan, dispatch, grouped matmuls, combine.
 
   Args:
-    x_nd: [N, d]; src_r, expert_r: [R] int32.
-    wi_gate_edh, wi_up_edh: [E, d, h]; wo_ehd: [E, h, d]; dtype: operand dtype.
+    x_nd: [N, d] tokens.
+    idx_nk: [N, k] int expert ids; w_nk: [N, k] float32 combine weights
+      (0 = dropped by the router: no slot, no work).
+    wi_gate_edh, wi_up_edh: [E, d, h]; wo_ehd: [E, h, d].
+    capacity: slots per expert (capacity layout; assignments past it add 0),
+      or None (ragged layout, dropless).
+    backend: grouped-matmul backend (`grouped_matmul.BACKENDS`).
+    dtype: compute dtype of the rows and products.
+    positions: `moe_dispatch.plan_slots` rank method.
 
   Returns:
-    ([R, d] f32 expert outputs in row order, zero on empty and overflowing rows;
-    [R] bool, the row overflowed its expert's buffer).
+    [N, d] float32: sum_j w[n, j] * expert_{idx[n, j]}(x[n]).
   """
-  rows = expert_r.shape[0]
-  order = jnp.argsort(expert_r, stable=True)
-  e_sorted = expert_r[order]
-  sizes = jnp.bincount(expert_r, length=num_experts + 1)
-  starts = jnp.cumsum(sizes) - sizes
-  pos = jnp.arange(rows, dtype=jnp.int32) - starts[e_sorted]
-  real = e_sorted < num_experts
-  fits = real & (pos < cap)
-  slot = jnp.where(fits, e_sorted * cap + pos, num_experts * cap)
-  buf = jnp.zeros((num_experts * cap, x_nd.shape[1]), dtype).at[slot].set(
-      x_nd[src_r[order]].astype(dtype), mode="drop").reshape(num_experts, cap, -1)
-  gate = jnp.einsum("ecd,edh->ech", buf, wi_gate_edh.astype(dtype), preferred_element_type=jnp.float32)
-  up = jnp.einsum("ecd,edh->ech", buf, wi_up_edh.astype(dtype), preferred_element_type=jnp.float32)
-  h = (jax.nn.silu(gate) * up).astype(dtype)
-  out = jnp.einsum("ech,ehd->ecd", h, wo_ehd.astype(dtype),
-                   preferred_element_type=jnp.float32).reshape(num_experts * cap, -1)
-  ys = jnp.where(fits[:, None], out[jnp.minimum(slot, num_experts * cap - 1)], 0.0)
-  overflow = jnp.zeros((rows,), bool).at[order].set(real & ~fits)
-  return jnp.zeros_like(ys).at[order].set(ys), overflow
-
-
-def _swiglu(x_nd, w_gate, w_up, w_out, dtype):
-  """Dense SwiGLU, [N, d] -> [N, d] float32."""
-  xs = x_nd.astype(dtype)
-  gate = jnp.dot(xs, w_gate.astype(dtype), preferred_element_type=jnp.float32)
-  up = jnp.dot(xs, w_up.astype(dtype), preferred_element_type=jnp.float32)
-  h = (jax.nn.silu(gate) * up).astype(dtype)
-  return jnp.dot(h, w_out.astype(dtype), preferred_element_type=jnp.float32)
+  num_experts = wi_gate_edh.shape[0]
+  plan = moe_dispatch.plan_slots(idx_nk, w_nk > 0, num_experts, capacity, positions=positions)
+  rows_sd = moe_dispatch.dispatch_rows(x_nd.astype(dtype), plan.source_s, plan.slot_nk)
+  y_sd = grouped_matmul.grouped_swiglu(rows_sd, wi_gate_edh, wi_up_edh, wo_ehd,
+                                       group_sizes=plan.group_sizes, capacity=capacity,
+                                       backend=backend, dtype=dtype)
+  return moe_dispatch.combine_rows(y_sd, w_nk, plan.slot_nk, plan.assign_s)

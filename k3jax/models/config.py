@@ -64,10 +64,14 @@ class ModelConfig:
   dense_hidden: int = 1024
   # Router of every MoE layer.
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
-  # MoE expert path: "ragged" (grouped matmul on sorted tokens; XLA expands it
-  # to every expert on GPU), "buffered" (per-expert capacity buffers and one
-  # batched matmul; needs router.capacity_factor), "dense" (reference).
+  # MoE expert path: "buffered" (capacity mode: per-expert buffers of the
+  # router's capacity and one batched matmul; needs router.capacity_factor;
+  # the GPU presets' choice), "ragged" (dropless mode: grouped matmul on
+  # tokens sorted by expert), "dense" (reference).
   moe_impl: str = "ragged"
+  # Grouped-matmul backend of the ragged mode: "auto" (= "xla", XLA's
+  # ragged_dot) or "tokamax" (tokamax's kernel; opt-in, see grouped_matmul).
+  moe_grouped_backend: str = "auto"
   # Residual strategy: "prenorm", "block_attnres" or "full_attnres".
   residual: str = "prenorm"
   # Sublayers per block of block_attnres (each layer has two sublayers).
@@ -130,6 +134,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.router must be a RouterConfig, got {type(self.router)}")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; allowed: {MOE_IMPLS}")
+    if self.moe_grouped_backend not in ("auto", "xla", "tokamax"):
+      raise ValueError(f"ModelConfig.moe_grouped_backend={self.moe_grouped_backend!r}; "
+                       "allowed: ('auto', 'xla', 'tokamax')")
     if self.moe_impl == "buffered" and self.router.capacity_factor is None:
       raise ValueError("ModelConfig.moe_impl='buffered' sizes its buffers by the router's "
                        "capacity_factor, which is None (dropless); set one or use 'ragged'")

@@ -55,10 +55,13 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | N
   dtype, pdt = config.compute_dtype, config.params_dtype
   if not config.is_moe_layer(layer):
     return DenseFFN(config.d_model, config.dense_hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
+  impl = moe_impl or config.moe_impl
+  # The grouped backend choice belongs to the ragged mode; buffers take the einsum.
+  backend = config.moe_grouped_backend if impl == "ragged" else "auto"
   moe_config = MoEConfig(
       d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
       expert_hidden=config.expert_hidden, num_shared_experts=config.num_shared_experts,
-      router=config.router, impl=moe_impl or config.moe_impl, dtype=dtype, param_dtype=pdt)
+      router=config.router, impl=impl, grouped_backend=backend, dtype=dtype, param_dtype=pdt)
   return MoE(moe_config, rngs=rngs)
 
 

@@ -3,27 +3,30 @@
 Inside `jax.shard_map`, every device holds a block of tokens (sharded over
 all mesh axes) and E / P experts (P = expert-axis size). Per device:
 
-1. dispatch: the (token, expert) assignments are sorted by expert, so those
-   bound for expert shard p are contiguous; each takes a slot in a fixed
-   [P, capacity, d] send buffer (slots past the capacity are dropped);
-2. `all_to_all` over the expert axis: row p of the buffer goes to shard p,
-   which receives [P, capacity, d] rows from every source;
-3. the received rows are grouped by local expert and run through the SwiGLU
-   experts: `local_impl="ragged"` sorts them for `jax.lax.ragged_dot` (as the
-   one-device ragged layer); `local_impl="buffered"` scatters them into
-   per-local-expert buffers of `local_capacity` rows and runs one batched
-   matmul (as the one-device buffered layer). XLA (jax 0.11.2) expands
-   `ragged_dot` on GPU into a product of every row with every expert, so the
-   buffered grouping is the GPU choice;
-4. combine: the results travel back with the inverse `all_to_all`, are
-   weighted by the combine weights and summed over each token's k experts.
+1. dispatch: every kept (token, expert) assignment takes a slot, in token
+   order, in its destination shard's block of a fixed [P, capacity, d] send
+   buffer (`moe_dispatch.plan_slots` with the shards as groups; assignments
+   past a block's capacity are dropped), and the token rows are gathered
+   into it in the compute dtype;
+2. `all_to_all` over the expert axis: block p goes to shard p, which
+   receives [P, capacity, d] rows from every source;
+3. the received rows go through the one-device computation, with the local
+   experts as groups: `local_impl="buffered"` plans per-local-expert buffers
+   of `local_capacity` rows and runs the batched einsum (the GPU choice);
+   `local_impl="ragged"` plans the ragged layout for a grouped matmul
+   (`grouped_matmul`). The outputs are gathered back into received order;
+4. combine: the results travel back with the inverse `all_to_all`, and each
+   token's k rows are gathered and summed with the combine weights.
+
+Every movement of rows is a gather, in both directions (the custom VJPs of
+`moe_dispatch`).
 
 Capacity. `capacity_factor=None` sizes each (source, destination) slot
 block for the worst case (all local assignments to one shard), so nothing
 is ever dropped and the result equals the unsharded layer. A factor c gives
 ceil(c * n_local * k / P) slots: communication and expert compute shrink by
 about P / c, and assignments beyond the slots are dropped (their output is
-zero), in expert order then token order within each source device.
+zero), in token order within each source device (the latest tokens lose their slots).
 
 Local capacity. A local expert's buffer holds ceil(local_capacity_factor *
 rows received / E_l) rows, at most every received row; rows past it are
@@ -43,7 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.layers import moe as moe_lib
+from k3jax.layers import grouped_matmul
+from k3jax.layers import moe_dispatch
 from k3jax.parallel import mesh as mesh_lib
 
 TOKEN_AXES = mesh_lib.AXES
@@ -87,7 +91,8 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
                    capacity_factor: float | None = None,
                    dtype=jnp.float32, return_dropped: bool = False,
                    local_impl: str = "ragged",
-                   local_capacity_factor: float | None = None):
+                   local_capacity_factor: float | None = None,
+                   grouped_backend: str = "auto"):
   """Routed SwiGLU experts with experts sharded over `expert_axis`.
 
   Args:
@@ -109,6 +114,8 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
       relative to an even split of the received rows (the expected number
       of real rows when capacity_factor is None); None = every received
       row fits (lossless, E_l x the work).
+    grouped_backend: ragged only: the grouped-matmul backend
+      (`grouped_matmul.BACKENDS`; buffered always uses the batched einsum).
 
   Returns:
     y_nd [N, d] float32: sum_k w[n, k] * expert_{idx[n, k]}(x[n]);
@@ -138,49 +145,43 @@ def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_
   cap = capacity(n_local, k, n_shards, capacity_factor)
   # Buffers are sized from the rows a device expects (n_local * k on average),
   # not from the padded all_to_all slots.
-  lcap = n_shards * cap
-  if local_capacity_factor is not None:
-    lcap = min(lcap, local_capacity(n_local * k, e_local, local_capacity_factor))
+  if local_impl == "buffered":
+    local_cap = n_shards * cap
+    if local_capacity_factor is not None:
+      local_cap = min(local_cap, local_capacity(n_local * k, e_local, local_capacity_factor))
+    backend = "einsum"
+  else:
+    local_cap, backend = None, grouped_backend
 
   def local(x_nd, idx_nk, w_nk, wi_gate, wi_up, wo):
-    nl = x_nd.shape[0]
-    expert_a = idx_nk.reshape(-1).astype(jnp.int32)
-    kept_a = (w_nk > 0).reshape(-1)
-    key_a = jnp.where(kept_a, expert_a, num_experts)
-    order = jnp.argsort(key_a, stable=True)  # sorted slot s -> assignment a
-    key_s = key_a[order]
-    dest_s = key_s // e_local  # == n_shards for router-dropped assignments
-    counts = jnp.bincount(dest_s, length=n_shards + 1)[:n_shards]
-    starts = jnp.cumsum(counts) - counts
-    pos_s = jnp.arange(nl * k) - starts[jnp.minimum(dest_s, n_shards - 1)]
-    ok_s = (dest_s < n_shards) & (pos_s < cap)
-    # Out-of-range rows are dropped by the scatter; they never reach a buffer.
-    row_s = jnp.where(ok_s, dest_s, n_shards)
-    token_s = order // k
-    send_x = jnp.zeros((n_shards, cap, d), dtype).at[row_s, pos_s].set(
-        x_nd[token_s].astype(dtype), mode="drop")
-    send_e = jnp.full((n_shards, cap), e_local, jnp.int32).at[row_s, pos_s].set(
-        key_s % e_local, mode="drop")
-    recv_x = jax.lax.all_to_all(send_x, expert_axis, 0, 0, tiled=True)
-    recv_e = jax.lax.all_to_all(send_e, expert_axis, 0, 0, tiled=True)
-    rows = n_shards * cap
-    row_args = (recv_x.reshape(rows, d), jnp.arange(rows, dtype=jnp.int32), recv_e.reshape(-1),
-                e_local)
-    if local_impl == "ragged":
-      y_r = moe_lib.ragged_swiglu(*row_args, wi_gate, wi_up, wo, dtype)
-      local_dropped = jnp.float32(0.0)
-    else:
-      y_r, overflow = moe_lib.buffered_swiglu(*row_args, lcap, wi_gate, wi_up, wo, dtype)
-      local_dropped = jnp.sum(overflow.astype(jnp.float32))
+    expert_nk = idx_nk.astype(jnp.int32)
+    kept_nk = w_nk > 0
+    # Send side: one slot block of `cap` rows per destination shard.
+    send = moe_dispatch.plan_slots(expert_nk // e_local, kept_nk, n_shards, cap)
+    send_x = moe_dispatch.dispatch_rows(x_nd.astype(dtype), send.source_s, send.slot_nk)
+    send_e = jnp.take((expert_nk % e_local).reshape(-1), send.assign_s, mode="fill",
+                      fill_value=e_local)  # e_local marks an empty slot
+    recv_x = jax.lax.all_to_all(send_x.reshape(n_shards, cap, d), expert_axis, 0, 0, tiled=True)
+    recv_e = jax.lax.all_to_all(send_e.reshape(n_shards, cap), expert_axis, 0, 0, tiled=True)
+    # Receive side: the one-device computation on the received rows.
+    recv_e = recv_e.reshape(-1, 1)
+    recv_kept = recv_e < e_local
+    grouped = moe_dispatch.plan_slots(recv_e, recv_kept, e_local, local_cap)
+    rows = moe_dispatch.dispatch_rows(recv_x.reshape(-1, d), grouped.source_s, grouped.slot_nk)
+    y_sd = grouped_matmul.grouped_swiglu(rows, wi_gate, wi_up, wo,
+                                         group_sizes=grouped.group_sizes, capacity=local_cap,
+                                         backend=backend, dtype=dtype)
+    # Back to received order: with one slot per row this is the same gather
+    # with the roles of the two index maps exchanged.
+    y_r = moe_dispatch.dispatch_rows(y_sd, grouped.slot_nk[:, 0], grouped.source_s[:, None])
     back = jax.lax.all_to_all(y_r.reshape(n_shards, cap, d), expert_axis, 0, 0, tiled=True)
-    y_s = back[jnp.minimum(row_s, n_shards - 1), jnp.minimum(pos_s, cap - 1)]
-    y_s = jnp.where(ok_s[:, None], y_s * w_nk.reshape(-1)[order][:, None], 0.0)
-    y_a = jnp.zeros_like(y_s).at[order].set(y_s)
-    kept = (dest_s < n_shards).astype(jnp.float32)
-    counts = jnp.stack([jnp.sum(kept * (1.0 - ok_s)) + local_dropped, jnp.sum(kept)])
+    y_nd = moe_dispatch.combine_rows(back.reshape(n_shards * cap, d), w_nk, send.slot_nk,
+                                     send.assign_s)
+    dropped = send.overflow_count(kept_nk) + grouped.overflow_count(recv_kept)
+    counts = jnp.stack([dropped, jnp.sum(kept_nk.astype(jnp.float32))])
     if t_axes:
       counts = jax.lax.psum(counts, t_axes)
-    return jnp.sum(y_a.reshape(nl, k, d), axis=1), counts
+    return y_nd, counts
 
   tok = P(t_axes if t_axes else None)
   wspec = P(expert_axis)

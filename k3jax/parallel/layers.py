@@ -78,7 +78,8 @@ class ExpertParallelMoE(MoE):
         x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
         capacity_factor=self.ep_capacity_factor, dtype=c.dtype, return_dropped=True,
         local_impl="buffered" if buffered else "ragged",
-        local_capacity_factor=c.router.capacity_factor if buffered else None)
+        local_capacity_factor=c.router.capacity_factor if buffered else None,
+        grouped_backend="auto" if buffered else c.grouped_backend)
 
 
 _SWAPS = ((MoE, ExpertParallelMoE), (KDA, ContextParallelKDA))

@@ -1,0 +1,111 @@
+"""Grouped SwiGLU experts on rows laid out by `moe_dispatch.SlotPlan`.
+
+One function, three backends:
+
+- "einsum": capacity layout, [G, c, d] buffers and one batched matmul per
+  projection. On the H200 this runs at about the rate of a dense matmul of
+  the same FLOPs (docs/benchmarks.md, "MoE layer"), so capacity mode always
+  uses it.
+- "xla": ragged layout through `jax.lax.ragged_dot`. Exact and portable, but
+  XLA (jax 0.11) expands it to every group for every row on CPU and NVIDIA
+  GPUs: G times the work (11x the einsum layer at the gpu_1b shape).
+- "tokamax": ragged layout through tokamax's `ragged_dot` kernel (optional
+  extra, `pip install -e ".[tokamax]"`); 2.3x the dense SwiGLU at the gpu_1b
+  shape. Opt-in only: its gradients did not match the dense reference in the
+  one H200 run of `tests/test_moe_dispatch.py`'s GPU twin (see
+  docs/benchmarks.md), so "auto" does not pick it.
+
+"auto" is einsum for the capacity layout and xla for the ragged layout.
+
+Products take operands in the compute dtype and write the compute dtype
+(tensor cores accumulate in float32), so the backward's products run on the
+same operands: a float32 output here would turn every backward product into
+a float32 one.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.layers.ffn import silu_mul
+
+BACKENDS = ("auto", "einsum", "xla", "tokamax")
+
+
+def tokamax_available() -> bool:
+  """Whether tokamax is importable (the optional grouped-matmul kernels)."""
+  return importlib.util.find_spec("tokamax") is not None
+
+
+def resolve_backend(backend: str, *, capacity: int | None) -> str:
+  """The backend "auto" stands for, checked against the layout.
+
+  Args:
+    backend: one of BACKENDS.
+    capacity: the layout's slots per group, None for the ragged layout.
+
+  Returns:
+    "einsum", "xla" or "tokamax".
+  """
+  if backend not in BACKENDS:
+    raise ValueError(f"grouped-matmul backend={backend!r}; allowed: {BACKENDS}")
+  if backend == "auto":
+    return "einsum" if capacity is not None else "xla"
+  if backend == "einsum" and capacity is None:
+    raise ValueError("grouped-matmul backend='einsum' needs the capacity layout (buffers); "
+                     "the ragged (dropless) layout takes 'xla', 'tokamax' or 'auto'")
+  if backend == "tokamax" and not tokamax_available():
+    raise ValueError("grouped-matmul backend='tokamax' but tokamax is not installed; "
+                     "install the extra (pip install -e '.[tokamax]') or use 'auto'")
+  return backend
+
+
+def _ragged_dot_fn(backend: str):
+  if backend == "xla":
+    return jax.lax.ragged_dot
+  import tokamax  # pylint: disable=g-import-not-at-top  (optional extra)
+  return tokamax.ragged_dot
+
+
+def grouped_swiglu(rows_sd: jax.Array, wi_gate_gdh: jax.Array, wi_up_gdh: jax.Array,
+                   wo_ghd: jax.Array, *, group_sizes: jax.Array, capacity: int | None,
+                   backend: str = "auto", dtype=jnp.float32) -> jax.Array:
+  """SwiGLU of group g's weights on group g's rows.
+
+  Args:
+    rows_sd: [S, d] rows in slot order (S = G * capacity for the capacity
+      layout; ragged: groups consecutive from row 0, sizes `group_sizes`).
+    wi_gate_gdh, wi_up_gdh: [G, d, h]; wo_ghd: [G, h, d].
+    group_sizes: [G] int32 rows per group (ragged layout; ignored for buffers).
+    capacity: slots per group, or None for the ragged layout.
+    backend: one of BACKENDS.
+    dtype: operand and output dtype of the products.
+
+  Returns:
+    [S, d] in `dtype`. Capacity layout: empty (zero) slots give zero rows.
+    Ragged layout: rows past sum(group_sizes) are unspecified; the plan never
+    reads them.
+  """
+  backend = resolve_backend(backend, capacity=capacity)
+  num_groups, d, hidden = wi_gate_gdh.shape
+  rows_sd = rows_sd.astype(dtype)
+  # Gate and up as one product against [G, d, 2h]: twice the width per
+  # group uses the tensor cores better, most of all for narrow experts.
+  w_in = jnp.concatenate([wi_gate_gdh, wi_up_gdh], axis=-1).astype(dtype)
+  wo = wo_ghd.astype(dtype)
+  if backend == "einsum":
+    if rows_sd.shape[0] != num_groups * capacity:
+      raise ValueError(f"capacity layout needs G * capacity = {num_groups * capacity} rows, "
+                       f"got {rows_sd.shape[0]}")
+    buf = rows_sd.reshape(num_groups, capacity, d)
+    gate_up = jnp.einsum("gcd,gdh->gch", buf, w_in, preferred_element_type=dtype)
+    h = silu_mul(gate_up[..., :hidden], gate_up[..., hidden:], dtype)
+    return jnp.einsum("gch,ghd->gcd", h, wo,
+                      preferred_element_type=dtype).reshape(num_groups * capacity, d)
+  ragged_dot = _ragged_dot_fn(backend)
+  sizes = group_sizes.astype(jnp.int32)
+  gate_up = ragged_dot(rows_sd, w_in, sizes, preferred_element_type=dtype)
+  h = silu_mul(gate_up[:, :hidden], gate_up[:, hidden:], dtype)
+  return ragged_dot(h, wo, sizes, preferred_element_type=dtype)
