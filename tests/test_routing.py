@@ -94,15 +94,16 @@ def _greedy_reference(cand, k, num_experts, cap):
   return out, np.arange(k)[None] < filled[:, None]
 
 
+@pytest.mark.parametrize("positions", ["sort", "count"])
 @pytest.mark.parametrize("seed", range(3))
-def test_capacity_assignment_matches_greedy_loop(seed):
+def test_capacity_assignment_matches_greedy_loop(seed, positions):
   rng = np.random.default_rng(seed)
   num_tokens, num_experts, k = 97, 9, 3
   num_cand = int(rng.integers(k, num_experts + 1))
   cap = int(rng.integers(5, 40))
   cand = np.stack([rng.permutation(num_experts)[:num_cand] for _ in range(num_tokens)])
   idx, kept = capacity_lib.assign_with_capacity(
-      jnp.asarray(cand), k=k, num_experts=num_experts, capacity=cap)
+      jnp.asarray(cand), k=k, num_experts=num_experts, capacity=cap, positions=positions)
   ref_idx, ref_kept = _greedy_reference(cand, k, num_experts, cap)
   np.testing.assert_array_equal(np.asarray(kept), ref_kept)
   np.testing.assert_array_equal(np.where(ref_kept, np.asarray(idx), -1),

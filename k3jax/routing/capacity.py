@@ -16,8 +16,15 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int,
   return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * k / num_experts)))
 
 
+POSITIONS = ("auto", "sort", "count")
+# With at most this many experts a one-hot running count ([T, E + 1] int32 per
+# rank) is cheaper than a sort of the T candidates.
+_COUNT_MAX_EXPERTS = 64
+
+
 def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
-                         capacity: int | None) -> tuple[jax.Array, jax.Array]:
+                         capacity: int | None,
+                         positions: str = "auto") -> tuple[jax.Array, jax.Array]:
   """Fills each token's k slots from its ranked candidates under a capacity.
 
   Candidates are visited rank by rank (all tokens' first choices, then all
@@ -26,12 +33,19 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
   so overflow falls to the token's next choice with room. Slots left empty
   after all M candidates are dropped.
 
+  The M ranks are unrolled (M is static and small, at most 2k by default), so
+  the compiler fuses each rank's few small steps instead of running a loop.
+
   Args:
     cand_tm: [T, M] int32 expert ids in preference order, M >= k, no repeats
       within a row.
     k: slots per token.
     num_experts: E.
     capacity: per-expert limit, or None for dropless (first k candidates).
+    positions: how a token's place among the same rank's tokens wanting the
+      same expert is found: "sort" (a stable sort of the candidates), "count"
+      (a one-hot running count, cheaper for few experts) or "auto" ("count"
+      up to 64 experts). The result is the same either way.
 
   Returns:
     indices_tk: [T, k] int32. Dropped slots hold the token's original choice
@@ -41,33 +55,48 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
   num_tokens, num_cand = cand_tm.shape
   if num_cand < k:
     raise ValueError(f"need at least k={k} candidates per token, got {num_cand}")
+  if positions not in POSITIONS:
+    raise ValueError(f"positions={positions!r}; allowed: {POSITIONS}")
   cand_tm = cand_tm.astype(jnp.int32)
   if capacity is None:
     return cand_tm[:, :k], jnp.ones((num_tokens, k), bool)
+  if positions == "auto":
+    positions = "count" if num_experts <= _COUNT_MAX_EXPERTS else "sort"
+  place = _place_by_count if positions == "count" else _place_by_sort
 
   token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
-
-  def visit_rank(carry, e_t):
-    counts_e, filled_t, out_tk = carry
+  counts_e = jnp.zeros((num_experts,), jnp.int32)
+  filled_t = jnp.zeros((num_tokens,), jnp.int32)
+  out_tk = cand_tm[:, :k]
+  for rank in range(num_cand):
+    e_t = cand_tm[:, rank]
     want_t = filled_t < k
     key_t = jnp.where(want_t, e_t, num_experts)
-    # Position of each token among the wanting tokens of the same expert,
-    # in token order: a stable sort groups them, cummax finds group starts.
-    order = jnp.argsort(key_t, stable=True)
-    key_sorted = key_t[order]
-    is_start = jnp.concatenate(
-        [jnp.ones((1,), bool), key_sorted[1:] != key_sorted[:-1]])
-    start = jax.lax.cummax(jnp.where(is_start, token_ids, 0))
-    pos_t = jnp.zeros_like(token_ids).at[order].set(token_ids - start)
+    pos_t = place(key_t, num_experts)
     accept_t = want_t & (counts_e[e_t] + pos_t < capacity)
     counts_e = counts_e + jnp.bincount(
         jnp.where(accept_t, e_t, num_experts), length=num_experts + 1)[:num_experts]
     slot_t = jnp.where(accept_t, filled_t, k)  # k is out of range: no write
     out_tk = out_tk.at[token_ids, slot_t].set(e_t, mode="drop")
-    return (counts_e, filled_t + accept_t.astype(jnp.int32), out_tk), None
-
-  init = (jnp.zeros((num_experts,), jnp.int32), jnp.zeros((num_tokens,), jnp.int32),
-          cand_tm[:, :k])
-  (_, filled_t, indices_tk), _ = jax.lax.scan(visit_rank, init, cand_tm.T)
+    filled_t = filled_t + accept_t.astype(jnp.int32)
   kept_tk = jnp.arange(k, dtype=jnp.int32)[None, :] < filled_t[:, None]
-  return indices_tk, kept_tk
+  return out_tk, kept_tk
+
+
+def _place_by_sort(key_t: jax.Array, num_experts: int) -> jax.Array:
+  """[T] place of each token among the earlier tokens with the same key."""
+  del num_experts
+  token_ids = jnp.arange(key_t.shape[0], dtype=jnp.int32)
+  # A stable sort groups equal keys in token order; cummax finds group starts.
+  order = jnp.argsort(key_t, stable=True)
+  key_sorted = key_t[order]
+  is_start = jnp.concatenate([jnp.ones((1,), bool), key_sorted[1:] != key_sorted[:-1]])
+  start = jax.lax.cummax(jnp.where(is_start, token_ids, 0))
+  return jnp.zeros_like(token_ids).at[order].set(token_ids - start)
+
+
+def _place_by_count(key_t: jax.Array, num_experts: int) -> jax.Array:
+  """`_place_by_sort` by a running count of each key over the tokens."""
+  onehot_te = key_t[:, None] == jnp.arange(num_experts + 1, dtype=jnp.int32)[None, :]
+  running_te = jnp.cumsum(onehot_te.astype(jnp.int32), axis=0)
+  return jnp.take_along_axis(running_te, key_t[:, None], axis=1)[:, 0] - 1
