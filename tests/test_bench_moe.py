@@ -1,0 +1,23 @@
+"""experiments/bench_moe.py runs end to end on the CPU and prints both tables."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_moe_smoke_prints_layer_and_parts_tables():
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_moe.py"), "--shapes=smoke",
+         "--impls=buffered,ragged", "--iters=1", "--rounds=1", "--warmup=0",
+         "--rate_matmul=128", "--backward=false"]
+  out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu")).stdout
+  assert "## layer" in out and "## parts (buffered)" in out
+  rows = [line for line in out.splitlines() if line.startswith("| smoke |")]
+  labels = [row.split("|")[2].strip() for row in rows]
+  assert labels[:3] == ["dense SwiGLU 48", "MoE buffered", "MoE ragged"]
+  for part in ("capacity pass alone (count)", "slot plan (sort)", "dispatch gather", "combine",
+               "shared expert"):
+    assert part in labels, part
+  for row in rows:  # every forward time is a positive number
+    assert float(row.split("|")[3]) > 0, row
