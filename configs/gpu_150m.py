@@ -51,9 +51,9 @@ def get_config():
   c.model.num_shared_experts = 1
   # Capacity mode: the quantile router keeps expert loads even, so capacity 1.25
   # dropped under 1% of any layer's assignments in a 60-step gpu_1b run, and the
-  # [E, cap, d] buffers run at dense-matmul
-  # rate. Dropless ("ragged") is 1.6x (tokamax) to 7.7x (XLA ragged_dot) slower
-  # at the gpu_1b layer shape (docs/benchmarks.md, "MoE layer").
+  # [E, cap, d] buffers run at dense-matmul rate. Dropless ("ragged") is 1.6x
+  # (tokamax) to 7.7x (XLA ragged_dot) slower at the gpu_1b layer shape
+  # (docs/benchmarks.md, "MoE layer").
   c.model.moe_impl = "buffered"
   c.model.dense_hidden = 2048
   c.model.router.name = "quantile"
