@@ -178,9 +178,8 @@ class MoE(nnx.Module):
   def _experts(self, x_nd, idx_nk, w_nk):
     """Routed experts by `impl`: ([N, d] f32, fraction of router-kept assignments the
     expert dispatch dropped; always 0 on one device, see `ExpertParallelMoE`)."""
-    if self.config.impl == "dense":
-      return self._routed_dense(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
-    return self._routed_grouped(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
+    routed = self._routed_dense if self.config.impl == "dense" else self._routed_grouped
+    return routed(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
 
   def _routed_grouped(self, x_nd, idx_nk, w_nk):
     """Dispatch to the grouped layout, grouped SwiGLU, weighted combine. [N, d] f32."""
@@ -198,8 +197,8 @@ class MoE(nnx.Module):
     c = self.config
     combine_ne = jnp.einsum("nke,nk->ne",
                             jax.nn.one_hot(idx_nk, c.num_experts, dtype=jnp.float32), w_nk)
-    # Operands rounded to the compute dtype, products accumulated in float32:
-    # the same arithmetic as the grouped path, on every backend.
+    # Operands and products rounded to the compute dtype, products accumulated
+    # in float32: the same arithmetic as the grouped path, on every backend.
     rnd = lambda a: a.astype(c.dtype).astype(jnp.float32)
     xs = rnd(x_nd)
     gate = rnd(jnp.einsum("nd,edh->neh", xs, rnd(self.wi_gate[...])))
