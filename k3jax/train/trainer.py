@@ -223,8 +223,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
     data_it.set_state(restored.data_state["iterator"])
     if restored.skipped:
       _set_aside(ckpt, [s for s, _ in restored.skipped], nproc)
-    log.info("resumed from step %d in %s%s", restored.step, ckpt.directory,
-             "" if restored.skipped else " (checksums verified)" if restored.verified else "")
+    log.info("resumed from step %d in %s (%s)", restored.step, ckpt.directory,
+             "checksums verified" if restored.verified else "saved without checksums")
   elif not sharded:  # batch-only mesh: the plain one-device initialisation, replicated
     state = create_train_state(model_fn, tx, config.seed, sharding=NamedSharding(mesh, P()))[1]
   elif sizes["fsdp"] > 1:  # ZeRO-3: initialised in its sharded layout, never as a full replica
