@@ -116,10 +116,13 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
 
-def _non_finite_message(step: int, host: dict, start: int, restored_from: int | None,
-                        last: int | None, directory: str) -> str:
-  origin = (f"resumed from the checkpoint of step {restored_from} (checksums and finite values "
-            "verified)" if restored_from is not None else f"started from step {start} (fresh initialisation)")
+def _non_finite_message(step: int, host: dict, start: int, restored, last: int | None,
+                        directory: str) -> str:
+  if restored is None:
+    origin = f"started from step {start} (fresh initialisation)"
+  else:
+    checked = "checksums and finite values" if restored.verified else "finite values"
+    origin = f"resumed from the checkpoint of step {restored.step} ({checked} verified)"
   kept = (f"The newest checkpoint is step {last} in {directory}; running again resumes there"
           if last is not None else f"No checkpoint was saved in {directory}")
   return (f"non-finite training loss {host['loss']} / grad norm {host['grad_norm']} at step {step}; "
@@ -294,7 +297,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
     if host.pop("finite") < 1.0 or not math.isfinite(host["loss"]):
       ckpt.wait()
       raise NonFiniteLossError(_non_finite_message(
-          step, host, start, result["resumed_from"], ckpt.latest_step(), ckpt.directory))
+          step, host, start, restored, ckpt.latest_step(), ckpt.directory))
     if write:
       now = time.perf_counter()
       if timer["warm"] and step > timer["step"]:
