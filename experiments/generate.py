@@ -13,6 +13,7 @@ import sys
 
 from absl import app
 from absl import flags
+from absl import logging
 
 # Run from a checkout without installing: the repository root holds the k3jax package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,11 +24,12 @@ from flax import nnx  # noqa: E402
 
 from k3jax.models import generate as gen  # noqa: E402
 from k3jax.models import lm  # noqa: E402
+from k3jax.train.checkpoint import CheckpointError  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Training run directory (config.json + checkpoints/).")
 flags.DEFINE_string("config", None, "Config file for a randomly initialised model (no --workdir).")
-flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: latest).")
+flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the newest intact one).")
 flags.DEFINE_string("prompt", "\n", "Text prompt (byte-level models).")
 flags.DEFINE_string("prompt_ids", None, "Comma-separated token ids (overrides --prompt).")
 flags.DEFINE_integer("num_samples", 1, "Continuations per prompt.")
@@ -39,7 +41,10 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
 def _load():
   if FLAGS.workdir:
-    model, cfg, step = gen.restore_model(FLAGS.workdir, FLAGS.step)
+    try:
+      model, cfg, step = gen.restore_model(FLAGS.workdir, FLAGS.step)
+    except (CheckpointError, ValueError) as e:  # a missing step lists the saved ones
+      sys.exit(f"error: {e}")
     print(f"restored step {step} from {FLAGS.workdir}")
     return model, cfg
   if not FLAGS.config:
@@ -53,6 +58,9 @@ def _load():
 
 def main(argv):
   del argv
+  if not FLAGS["verbosity"].present:
+    # Library INFO lines (orbax's restore steps, backend probing) hide the samples.
+    logging.set_verbosity(logging.WARNING)
   model, cfg = _load()
   byte_level = cfg.vocab_size == 256
   if FLAGS.prompt_ids:

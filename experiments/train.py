@@ -22,7 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from k3jax.train import report  # noqa: E402
 from k3jax.train import trainer  # noqa: E402
+from k3jax.train.checkpoint import CheckpointError  # noqa: E402
+from k3jax.train.run_config import ConfigMismatchError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.json.")
@@ -54,16 +57,12 @@ def main(argv):
     jax.distributed.initialize()  # JAX reads the coordinator from the environment / cluster
   pylogging.getLogger("k3jax").info("JAX process %d of %d, devices: %s", jax.process_index(),
                                     jax.process_count(), jax.devices())
-  result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  first, last = result["first_eval"], result["eval"]
-  summary = f"step {result['step']}"
-  if first:
-    summary += " | step 0 eval: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(first.items()))
-  if last:
-    summary += " | final eval: " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(last.items()))
-  if result["interrupted"]:
-    summary += " | stopped by a signal after saving a checkpoint"
-  print(summary, flush=True)
+  try:
+    result = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except (CheckpointError, ConfigMismatchError, trainer.NonFiniteLossError) as e:
+    # These name the run directory, the cause and the fix; a traceback adds nothing.
+    sys.exit(f"error: {e}")
+  print(report.summary(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -85,3 +85,49 @@ def test_generate_rejects_bad_arguments(model):
     gen.generate(model, _tokens(1, 3), max_new_tokens=0)
   with pytest.raises(ValueError, match="prompt"):
     gen.generate(model, np.zeros((3,), np.int32), max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A run directory as the trainer leaves it (config.json + a step-3 checkpoint), made without training."""
+  from k3jax.train import checkpoint as ckpt_lib
+  from k3jax.train.config_schema import model_config_from
+  from k3jax.train.optimizer import make_optimizer
+  from k3jax.train.run_config import write_config
+  from k3jax.train.state import create_train_state
+  from tests.test_train import _shrunk_tiny
+  workdir = tmp_path_factory.mktemp("run")
+  c = _shrunk_tiny()
+  cfg = model_config_from(c.model)
+  tx, _ = make_optimizer(c.optim, c.num_steps)
+  _, state = create_train_state(lambda rngs: lm.HybridLM(cfg, rngs=rngs), tx, c.seed)
+  mgr = ckpt_lib.Checkpointer(str(workdir / "checkpoints"), async_save=False)
+  mgr.save(3, state.replace(step=jnp.asarray(3, jnp.int32)), {"iterator": {"position": 3}})
+  mgr.close()
+  write_config(str(workdir), c)
+  return workdir
+
+
+def _generate_cli(*args):
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run([sys.executable, os.path.join(root, "experiments", "generate.py"), *args],
+                        capture_output=True, text=True, env=env, timeout=300, check=False)
+
+
+def test_restoring_a_missing_step_lists_the_saved_ones(run_dir):
+  from k3jax.train.checkpoint import CheckpointError
+  with pytest.raises(CheckpointError, match=r"no checkpoint of step 100 .*saved steps: 3"):
+    gen.restore_model(str(run_dir), 100)
+
+
+def test_generate_cli_is_quiet(run_dir):
+  ok = _generate_cli(f"--workdir={run_dir}", "--prompt=ab", "--max_new_tokens=3", "--temperature=0")
+  assert ok.returncode == 0, ok.stderr
+  assert f"restored step 3 from {run_dir}" in ok.stdout and "--- sample 0" in ok.stdout
+  # No library INFO lines (absl's "I<month><day>" prefix) by default.
+  info = [line for line in ok.stderr.splitlines() if line.startswith(("I0", "I1"))]
+  assert info == [], info

@@ -1,5 +1,7 @@
-"""Trainer: smoke run on a shrunk `tiny`, exact resume after a signal, non-finite stop, pieces."""
+"""Trainer: smoke run on a shrunk `tiny`, exact resume after a signal, non-finite stop, the
+run's config.json as the resume contract, honest logs and summaries, pieces."""
 import json
+import logging
 import os
 import signal
 
@@ -11,6 +13,8 @@ import pytest
 from flax import nnx
 
 from k3jax.train import checkpoint as ckpt_lib
+from k3jax.train import report
+from k3jax.train import run_config
 from k3jax.train.config_files import load_config_file
 from k3jax.train.metrics import MetricWriter, read_jsonl
 from k3jax.train.optimizer import make_optimizer
@@ -76,10 +80,18 @@ def _stop_at(stop_step):
 _RESUME_OVERRIDES = {"checkpoint_every": 0, "eval_every": 0, "model.router.name": "quantile_lagged"}
 
 
-def test_one_step_smoke_on_shrunk_tiny(tmp_path):
+def test_one_step_smoke_on_shrunk_tiny(tmp_path, caplog):
   c = _shrunk_tiny(**_RESUME_OVERRIDES)
-  result = train_and_evaluate(c, str(tmp_path), hooks=[_stop_at(1)])
+  with caplog.at_level(logging.INFO, logger="k3jax.train.trainer"):
+    result = train_and_evaluate(c, str(tmp_path), hooks=[_stop_at(1)])
   assert result["step"] == 1 and result["interrupted"]
+  # No progress bar: the step and eval lines go to the log.
+  assert "step 1/5 loss=" in caplog.text and "eval at step 0: accuracy=" in caplog.text
+  assert "bpb=" in caplog.text
+  # The summary labels the step-0 evaluation as such, never as final.
+  line = report.summary(result)
+  assert "eval at step 0:" in line and "final" not in line
+  assert "stopped by a signal at step 1" in line and "latest evaluation is from step 0" in line
   saved = json.loads((tmp_path / "config.json").read_text())
   assert saved["model"]["layer_pattern"] == "KA" and saved["num_steps"] == 5
   train = read_jsonl(str(tmp_path / "metrics.jsonl"), "train")
@@ -120,9 +132,12 @@ def test_signal_then_resume_reproduces_uninterrupted_losses(tmp_path):
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   c = _shrunk_tiny(num_steps=6, checkpoint_every=2, num_devices=0)  # all 8 devices: data parallel
   model_fn = lambda rngs: _StandIn(256, 16, rngs=rngs, nan_after=3)
-  with pytest.raises(NonFiniteLossError, match=r"at step 4.*Last good checkpoint: step 2"):
+  with pytest.raises(NonFiniteLossError, match=r"at step 4.*started from step 0.*newest checkpoint is step 2"):
     train_and_evaluate(c, str(tmp_path), model_fn=model_fn)
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+  # Run again: the restored (finite, verified) step 2 is named as the origin of the failure.
+  with pytest.raises(NonFiniteLossError, match=r"at step 4.*resumed from the checkpoint of step 2"):
+    train_and_evaluate(c, str(tmp_path), model_fn=model_fn)
   # The kept checkpoint holds finite parameters and the stand-in's non-trainable counter.
   mgr = ckpt_lib.Checkpointer(str(tmp_path / "checkpoints"))
   from k3jax.train.state import create_train_state
@@ -204,3 +219,93 @@ def test_mqar_run_reports_heldout_accuracy(tmp_path):
   assert [r["step"] for r in evals] == [0, 2]
   assert "bpb" not in evals[0] and 0.0 <= evals[0]["accuracy"] <= 1.0
   assert result["eval"]["accuracy"] == evals[-1]["accuracy"]
+
+
+def _standin_run(tmp_path, **overrides):
+  c = _shrunk_tiny(**{"num_steps": 2, "checkpoint_every": 0, "eval_every": 0, **overrides})
+  return c, train_and_evaluate(c, str(tmp_path), model_fn=lambda rngs: _StandIn(256, 16, rngs=rngs))
+
+
+def test_changed_model_config_is_refused_and_config_json_untouched(tmp_path):
+  _standin_run(tmp_path)
+  saved_bytes = (tmp_path / "config.json").read_bytes()
+  before = {p: os.path.getmtime(tmp_path / p) for p in ("config.json", "metrics.jsonl")}
+  changed = _shrunk_tiny(num_steps=4, checkpoint_every=0, eval_every=0, seed=3,
+                         **{"model.d_model": 64, "data.max_bytes": 100_000})
+  with pytest.raises(run_config.ConfigMismatchError) as info:
+    train_and_evaluate(changed, str(tmp_path), model_fn=lambda rngs: _StandIn(256, 16, rngs=rngs))
+  message = str(info.value)
+  refused = [line.split(":")[0].strip() for line in message.splitlines() if "(saved) ->" in line]
+  assert refused == ["data.max_bytes", "model.d_model", "seed"]  # exactly those; not num_steps
+  assert "model.d_model: 32 (saved) -> 64 (now)" in message and "new run directory" in message
+  assert (tmp_path / "config.json").read_bytes() == saved_bytes
+  assert {p: os.path.getmtime(tmp_path / p) for p in before} == before
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+def test_resumable_config_changes_are_allowed_and_logged(tmp_path, caplog):
+  _standin_run(tmp_path)
+  c = _shrunk_tiny(num_steps=3, checkpoint_every=0, eval_every=0, log_every=3,
+                   **{"optim.learning_rate": 1e-3})
+  with caplog.at_level(logging.INFO, logger="k3jax.train.run_config"):
+    result = train_and_evaluate(c, str(tmp_path), model_fn=lambda rngs: _StandIn(256, 16, rngs=rngs))
+  assert result["step"] == 3 and result["resumed_from"] == 2
+  assert "config change on resume: num_steps 2 -> 3" in caplog.text
+  assert "optim.learning_rate" in caplog.text and "log_every" in caplog.text
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["num_steps"] == 3 and saved["optim"]["learning_rate"] == 1e-3
+
+
+def test_diff_configs_splits_refused_from_allowed_fields():
+  saved = {"seed": 0, "num_steps": 10, "model": {"d_model": 32, "kda_implementation": "pallas"},
+           "parallel": {"expert": 2}, "data": {"paths": ["a"]}}
+  new = {"seed": 0, "num_steps": 20, "model": {"d_model": 32, "kda_implementation": "xla", "extra": 1},
+         "parallel": {"expert": 1}, "data": {"paths": ["a", "b"]}}
+  refused, allowed = run_config.diff_configs(saved, new)
+  assert refused == [("data.paths", ["a"], ["a", "b"])]
+  assert [k for k, *_ in allowed] == ["model.extra", "model.kda_implementation", "num_steps",
+                                      "parallel.expert"]
+
+
+def test_a_data_error_leaves_no_run_directory(tmp_path):
+  workdir = tmp_path / "run"
+  c = _shrunk_tiny(**{"data.paths": (str(tmp_path / "no_such_corpus"),)})
+  with pytest.raises(ValueError, match="does not exist"):
+    train_and_evaluate(c, str(workdir), model_fn=lambda rngs: _StandIn(256, 16, rngs=rngs))
+  assert not workdir.exists()
+
+
+def test_torn_trailing_jsonl_line_then_appended_records_read_fine(tmp_path, caplog):
+  w = MetricWriter(str(tmp_path), tensorboard=False)
+  w.write(1, "train", {"loss": 2.0})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 2, "split": "tra')  # a kill mid-write
+  with caplog.at_level(logging.WARNING):
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1]
+  assert "skipped 1 line" in caplog.text
+  w = MetricWriter(str(tmp_path), tensorboard=False)  # the resumed run appends
+  w.write(2, "train", {"loss": 1.5})
+  w.write(2, "eval", {"bpb": 3.0})
+  w.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert lines[1] == '{"step": 2, "split": "tra' and len(lines) == 4
+  assert read_jsonl(str(tmp_path / "metrics.jsonl")) == [
+      {"step": 1, "split": "train", "loss": 2.0}, {"step": 2, "split": "eval", "bpb": 3.0},
+      {"step": 2, "split": "train", "loss": 1.5}]
+
+
+def test_summary_and_step_lines_label_every_number():
+  rec = {"bpb": 8.5, "accuracy": 0.01}
+  done = {"step": 300, "num_steps": 300, "evals": [(0, rec), (100, rec), (300, {"bpb": 2.5})],
+          "interrupted": False}
+  line = report.summary(done)
+  assert line.startswith("step 300 of 300 | eval at step 0: accuracy=0.0100, bpb=8.5000")
+  assert line.endswith("eval at step 300: bpb=2.5000") and "step 100" not in line
+  resumed = {"step": 26, "num_steps": 300, "evals": [], "interrupted": True, "resumed_from": 20}
+  assert report.summary(resumed) == ("step 26 of 300 (resumed from step 20) | no evaluation in this "
+                                     "invocation | stopped by a signal at step 26 after saving a checkpoint")
+  step = report.step_line(20, 300, {"loss": 3.25, "tokens_per_s": 2700.4, "mfu": 0.0123,
+                                    "learning_rate": 3e-3})
+  assert step == "step 20/300 loss=3.2500 tokens/s=2700 MFU=1.23% lr=0.003"
+  assert "compilation" in report.step_line(10, 300, {"loss": 5.0})

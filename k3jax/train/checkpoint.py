@@ -1,6 +1,16 @@
-"""Orbax checkpoints of the whole TrainState plus the data position, and save-on-signal."""
+"""Orbax checkpoints of the whole TrainState plus the data position, their checksums, and save-on-signal.
+
+Every saved step directory holds `k3jax_checksums.json`: the size and SHA-256 of
+each file orbax wrote. Restoring verifies it first, so flipped, truncated or
+missing bytes are caught before any value reaches the model; the newest
+intact checkpoint is restored and every skipped step is logged with its reason.
+"""
 from __future__ import annotations
 
+import dataclasses
+import glob
+import hashlib
+import json
 import logging
 import os
 import signal
@@ -8,10 +18,26 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
 _STATE, _DATA = "state", "data"
+CHECKSUM_FILE = "k3jax_checksums.json"
+# Orbax's own step metadata is rewritten while a step is committed; the items' files are the content.
+_UNHASHED = ("_CHECKPOINT_METADATA", CHECKSUM_FILE)
+# Orbax writes a step into `<step><suffix>` and renames it when the save is complete.
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_HASH_BLOCK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+  """No checkpoint in a directory could be restored (or the one asked for does not exist)."""
+
+
+class _Rejected(Exception):
+  """One step's checkpoint cannot be used; the message says why."""
 
 
 def _key_name(entry: Any) -> str:
@@ -51,41 +77,245 @@ def from_nested_dict(template: Any, nested: dict) -> Any:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def saved_steps(directory: str) -> list[int]:
+  """The committed steps under a checkpoint directory, ascending. Creates nothing."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def _hashed(rel_path: str) -> bool:
+  name = os.path.basename(rel_path)
+  return not (name in _UNHASHED or name == "commit_success.txt" or name.startswith(CHECKSUM_FILE))
+
+
+def file_digests(step_dir: str) -> dict[str, list]:
+  """{path relative to `step_dir`: [size in bytes, SHA-256 hex]} of every content file of one step."""
+  out: dict[str, list] = {}
+  for root, dirs, files in os.walk(step_dir):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, step_dir)
+      if not _hashed(rel):
+        continue
+      digest, size = hashlib.sha256(), 0
+      with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_HASH_BLOCK), b""):
+          digest.update(block)
+          size += len(block)
+      out[rel] = [size, digest.hexdigest()]
+  return out
+
+
+def write_checksums(step_dir: str) -> None:
+  """Records `file_digests(step_dir)` in `<step_dir>/k3jax_checksums.json` (written atomically)."""
+  record = {"format": 1, "files": file_digests(step_dir)}
+  tmp = os.path.join(step_dir, CHECKSUM_FILE + ".partial")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(record, f, indent=1, sort_keys=True)
+  os.replace(tmp, os.path.join(step_dir, CHECKSUM_FILE))
+
+
+def verify_checksums(step_dir: str) -> bool:
+  """Compares a step's files with its recorded checksums.
+
+  Returns True when every file matches, False when the step has no checksum
+  file (written before checksums existed, or the process died between the
+  commit and the record). Raises `_Rejected` naming the first bad file.
+  """
+  path = os.path.join(step_dir, CHECKSUM_FILE)
+  if not os.path.isfile(path):
+    return False
+  try:
+    with open(path, encoding="utf-8") as f:
+      recorded = json.load(f)["files"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise _Rejected(f"its checksum file is unreadable ({type(e).__name__})") from None
+  actual = file_digests(step_dir)
+  for rel, (size, digest) in sorted(recorded.items()):
+    if rel not in actual:
+      raise _Rejected(f"file {rel} is missing")
+    got_size, got_digest = actual[rel]
+    if got_size != size:
+      raise _Rejected(f"file {rel} has {got_size} bytes, {size} were saved (truncated or overwritten)")
+    if got_digest != digest:
+      raise _Rejected(f"file {rel} fails its SHA-256 checksum (its bytes changed after the save)")
+  extra = sorted(set(actual) - set(recorded))
+  if extra:
+    raise _Rejected(f"file {extra[0]} was not part of the save")
+  return True
+
+
+def _first_non_finite(tree: Any) -> str | None:
+  """Path of the first floating leaf holding a NaN/inf, or None."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  floats = [(p, x) for p, x in flat if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
+  finite = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
+  for (path, _), ok in zip(floats, finite):
+    if not bool(np.asarray(ok)):
+      return "/".join(_key_name(p) for p in path)
+  return None
+
+
+def _short(e: BaseException) -> str:
+  """One line of an exception: its type and the first line of its message."""
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  text = lines[0] if lines else ""
+  return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
+
+
+@dataclasses.dataclass
+class Restored:
+  """The outcome of `Checkpointer.restore_intact`.
+
+  Attributes:
+    state: the restored tree, in the template's structure and shardings.
+    data_state: the JSON item saved with it (the data-iterator position).
+    step: the step restored.
+    verified: whether its checksums were checked (False: saved without them).
+    skipped: (step, reason) of each newer checkpoint that could not be used.
+  """
+  state: Any
+  data_state: dict[str, Any]
+  step: int
+  verified: bool
+  skipped: list[tuple[int, str]]
+
+
 class Checkpointer:
-  """An orbax CheckpointManager over {"state": TrainState pytree, "data": iterator position (JSON)}."""
+  """An orbax CheckpointManager over {"state": TrainState pytree, "data": iterator position (JSON)}.
+
+  Each committed step carries checksums of its files (see the module docstring).
+  """
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = directory
+    self.async_save = async_save
+    self._sealing: int | None = None  # the step whose asynchronous save is in flight
+    options = dict(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+    if async_save:  # checksums go into the step's directory before orbax commits it
+      options["async_options"] = ocp.AsyncOptions(post_finalization_callback=self._seal_pending)
     self.manager = ocp.CheckpointManager(
-        directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                             enable_async_checkpointing=async_save),
-        item_names=(_STATE, _DATA))
+        directory, options=ocp.CheckpointManagerOptions(**options), item_names=(_STATE, _DATA))
 
   def latest_step(self) -> int | None:
     """The newest saved step, or None."""
     return self.manager.latest_step()
 
+  def all_steps(self) -> list[int]:
+    """Every saved step, ascending."""
+    return sorted(self.manager.all_steps())
+
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _seal(self, step: int) -> None:
+    if jax.process_index() != 0:
+      return
+    # While the asynchronous commit runs the files are still in the temporary directory;
+    # checksums written there are committed (renamed) together with them.
+    staged = sorted(glob.glob(glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"))
+    target = staged[0] if staged else self._step_dir(step)
+    try:
+      write_checksums(target)
+    except OSError as e:  # a missing record only makes the step unverified, never unreadable
+      log.warning("could not record checksums of checkpoint step %d in %s: %s", step, target, e)
+
+  def _seal_pending(self) -> None:
+    if self._sealing is not None:
+      self._seal(self._sealing)
+      self._sealing = None
+
   def save(self, step: int, state: Any, data_state: dict[str, Any]) -> None:
-    """Saves (asynchronously) the state and the data-iterator position under `step`."""
+    """Saves (asynchronously) the state and the data-iterator position under `step`, with checksums."""
+    self.manager.wait_until_finished()  # one save in flight: `_sealing` names it
+    self._sealing = step if self.async_save else None
     self.manager.save(step, args=ocp.args.Composite(
         **{_STATE: ocp.args.StandardSave(to_nested_dict(state)), _DATA: ocp.args.JsonSave(data_state)}),
         force=True)
+    if not self.async_save:
+      self._seal(step)
 
-  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]] | None:
-    """Restores (state, data_state) at `step` (default: latest) into `template`'s structure and shardings.
-
-    Returns None when there is no checkpoint.
-    """
-    step = self.latest_step() if step is None else step
-    if step is None:
-      return None
+  def _restore_step(self, template: Any, step: int) -> tuple[Any, dict[str, Any], bool]:
+    verified = verify_checksums(self._step_dir(step))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         to_nested_dict(template))
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardRestore(abstract), _DATA: ocp.args.JsonRestore()}))
-    return from_nested_dict(template, restored[_STATE]), dict(restored[_DATA])
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          **{_STATE: ocp.args.StandardRestore(abstract), _DATA: ocp.args.JsonRestore()}))
+      state = from_nested_dict(template, restored[_STATE])
+      data_state = restored[_DATA]
+      if not isinstance(data_state, dict):
+        raise ValueError(f"the data item is {type(data_state).__name__}, not a dict")
+    except Exception as e:  # orbax raises many types for damaged files; each means "unusable"
+      raise _Rejected(f"orbax could not read it ({_short(e)})") from None
+    bad = _first_non_finite(state)
+    if bad is not None:
+      raise _Rejected(f"{bad} holds NaN or inf")
+    return state, dict(data_state), verified
+
+  def restore_intact(self, template: Any, step: int | None = None) -> Restored | None:
+    """Restores the newest intact checkpoint (or exactly `step`) into `template`'s structure and shardings.
+
+    A checkpoint is intact when its files match their checksums, orbax reads it
+    and every floating value is finite. Newer ones that are not are logged and
+    listed in `Restored.skipped`. Returns None when there is no checkpoint.
+
+    Raises:
+      CheckpointError: `step` is not saved or not intact, or no checkpoint is intact.
+    """
+    steps = self.all_steps()
+    if step is not None and step not in steps:
+      have = ", ".join(map(str, steps)) or "none"
+      raise CheckpointError(f"there is no checkpoint of step {step} in {self.directory}; "
+                            f"saved steps: {have}")
+    if not steps:
+      return None
+    skipped: list[tuple[int, str]] = []
+    for s in [step] if step is not None else steps[::-1]:
+      try:
+        state, data_state, verified = self._restore_step(template, s)
+      except _Rejected as e:
+        log.warning("checkpoint step %d in %s skipped: %s", s, self.directory, e)
+        skipped.append((s, str(e)))
+        continue
+      if not verified:
+        log.warning("checkpoint step %d in %s has no checksum file; restored without verification",
+                    s, self.directory)
+      return Restored(state, data_state, s, verified, skipped)
+    tried = "; ".join(f"step {s}: {why}" for s, why in skipped)
+    raise CheckpointError(
+        f"no intact checkpoint in {self.directory} (tried {tried}), so the run in "
+        f"{os.path.dirname(os.path.abspath(self.directory))} cannot resume. To start it fresh, move "
+        f"the checkpoints aside (mv {self.directory} {self.directory}.broken) and run again, or "
+        "give a new run directory.")
+
+  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]] | None:
+    """`restore_intact` returning only (state, data_state), or None when there is no checkpoint."""
+    restored = self.restore_intact(template, step)
+    return None if restored is None else (restored.state, restored.data_state)
+
+  def set_aside(self, steps: list[int]) -> list[str]:
+    """Moves the given steps' directories to `<directory>.rejected/` (kept for inspection, out of
+    orbax's sight, so that a resumed run can save those steps again). Returns the new paths."""
+    moved = []
+    if jax.process_index() == 0:
+      aside = self.directory.rstrip(os.sep) + ".rejected"
+      os.makedirs(aside, exist_ok=True)
+      for s in steps:
+        target, n = os.path.join(aside, str(s)), 1
+        while os.path.exists(target):
+          target, n = os.path.join(aside, f"{s}.{n}"), n + 1
+        os.replace(self._step_dir(s), target)
+        moved.append(target)
+    return moved
+
+  def reload(self) -> None:
+    """Re-reads the saved steps from disk (after `set_aside`)."""
+    self.manager.reload()
 
   def wait(self) -> None:
     """Blocks until pending asynchronous saves are on disk."""

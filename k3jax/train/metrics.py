@@ -35,6 +35,8 @@ class MetricWriter:
       return
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(self.path, "a", encoding="utf-8")
+    if _ends_mid_line(self.path):  # a record torn by a kill: start the next one on its own line
+      self._jsonl.write("\n")
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # imported lazily: heavy, and optional for readers
@@ -68,12 +70,37 @@ class MetricWriter:
       self._tb = None
 
 
+def _ends_mid_line(path: str) -> bool:
+  """Whether a non-empty file's last byte is not a newline."""
+  with open(path, "rb") as f:
+    f.seek(0, os.SEEK_END)
+    if f.tell() == 0:
+      return False
+    f.seek(-1, os.SEEK_END)
+    return f.read(1) != b"\n"
+
+
 def read_jsonl(path: str, split: str | None = None) -> list[dict[str, Any]]:
-  """Reads a metrics file, keeping the last record per (split, step), sorted by step."""
+  """Reads a metrics file, keeping the last record per (split, step), sorted by step.
+
+  Lines that are not whole records (torn when a run was killed mid-write; a
+  resumed run continues on the next line) are skipped with a warning.
+  """
   latest: dict[tuple[str, int], dict[str, Any]] = {}
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      rec = json.loads(line)
+  torn = []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+        key = (rec["split"], rec["step"])
+      except (ValueError, TypeError, KeyError):
+        torn.append(number)
+        continue
       if split is None or rec["split"] == split:
-        latest[(rec["split"], rec["step"])] = rec
+        latest[key] = rec
+  if torn:
+    logging.warning("%s: skipped %d line(s) that are not whole records (line %s)", path, len(torn),
+                    ", ".join(map(str, torn[:5])) + (", ..." if len(torn) > 5 else ""))
   return sorted(latest.values(), key=lambda r: (r["step"], r["split"]))

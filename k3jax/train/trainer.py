@@ -22,7 +22,9 @@ except ImportError:  # a bare accelerator image may lack tqdm; metrics still rea
 from k3jax.data import BatchIterator, make_dataset
 from k3jax.parallel import rules as rules_lib
 from k3jax.parallel import training
-from k3jax.train.checkpoint import Checkpointer, SignalGuard
+from k3jax.train import report
+from k3jax.train import run_config
+from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
 from k3jax.train.config_schema import parallel_config
 from k3jax.train.metrics import MetricWriter
 from k3jax.train.optimizer import make_optimizer
@@ -114,6 +116,20 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
 
+def _non_finite_message(step: int, host: dict, start: int, restored, last: int | None,
+                        directory: str) -> str:
+  if restored is None:
+    origin = f"started from step {start} (fresh initialisation)"
+  else:
+    checked = "checksums and finite values" if restored.verified else "finite values"
+    origin = f"resumed from the checkpoint of step {restored.step} ({checked} verified)"
+  kept = (f"The newest checkpoint is step {last} in {directory}; running again resumes there"
+          if last is not None else f"No checkpoint was saved in {directory}")
+  return (f"non-finite training loss {host['loss']} / grad norm {host['grad_norm']} at step {step}; "
+          f"stopped without saving. This run {origin}. {kept}. Lower optim.learning_rate or "
+          "optim.grad_clip (both may change on resume), or check the data.")
+
+
 def train_and_evaluate(config: Any, workdir: str, *,
                        model_fn: Callable[[nnx.Rngs], nnx.Module] | None = None,
                        flops_per_token: float | None = None,
@@ -123,6 +139,11 @@ def train_and_evaluate(config: Any, workdir: str, *,
   Writes `config.json`, `metrics.jsonl`, TensorBoard events under `tb/` and orbax
   checkpoints under `checkpoints/`. SIGTERM/SIGINT save a checkpoint and return
   early. A non-finite loss raises `NonFiniteLossError` without saving.
+
+  Nothing is written to `workdir` before the config, the data and (when
+  resuming) the saved `config.json` have been checked: see `run_config` for the
+  fields that may change on resume. Resuming restores the newest checkpoint whose
+  checksums match; newer damaged ones are moved to `checkpoints.rejected/`.
 
   Args:
     config: the full ConfigDict (validated here before anything is computed).
@@ -134,8 +155,10 @@ def train_and_evaluate(config: Any, workdir: str, *,
       host sync per step; meant for tests and notebooks).
 
   Returns:
-    {"step", "interrupted", "train": last train record, "eval": last eval record,
-     "first_eval": eval record at step 0 of a fresh run (or None), "num_params",
+    {"step", "num_steps", "interrupted", "train": last train record, "eval": last eval
+     record, "eval_step": its step, "evals": [(step, record)] of this invocation,
+     "first_eval": eval record at step 0 of a fresh run (or None), "resumed_from": the
+     restored step (or None), "skipped_checkpoints": [(step, reason)], "num_params",
      "mesh": {axis: size}}.
   """
   nproc = jax.process_count()
@@ -149,10 +172,10 @@ def train_and_evaluate(config: Any, workdir: str, *,
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                 "use --config.model.kda_implementation=xla for CPU runs")
   is_main = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
-  if is_main:
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+  resuming = bool(saved_steps(ckpt_dir))
+  if resuming:  # before anything is read from or written to the run directory
+    run_config.check_resume(workdir, config)
 
   dataset = make_dataset(config.data, seed=config.seed)
   dataset.check_seq_len(config.seq_len)
@@ -183,17 +206,28 @@ def train_and_evaluate(config: Any, workdir: str, *,
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
                                         config.num_steps)
-  ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                      max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
   abstract_state = jax.eval_shape(lambda: create_train_state(model_fn, tx, config.seed)[1])
   shardings = rules_lib.tree_shardings(abstract_state, mesh, pconf.rules)
-  if ckpt.latest_step() is not None:
+  # Every check has passed: from here on the run directory is written.
+  os.makedirs(workdir, exist_ok=True)
+  ckpt = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
+  restored = None
+  if resuming:
     # Straight onto this mesh's shardings, whatever mesh wrote it; no initialisation.
     template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract_state, training.full_shardings(shardings, abstract_state))
-    state, data_state = ckpt.restore(template)
-    data_it.set_state(data_state["iterator"])
-    log.info("resumed from step %d in %s", int(state.step), ckpt.directory)
+    try:
+      restored = ckpt.restore_intact(template)
+    except BaseException:
+      ckpt.close()
+      raise
+  if restored is not None:
+    state = restored.state
+    data_it.set_state(restored.data_state["iterator"])
+    if restored.skipped:
+      _set_aside(ckpt, [s for s, _ in restored.skipped], nproc)
+    log.info("resumed from step %d in %s (%s)", restored.step, ckpt.directory,
+             "checksums verified" if restored.verified else "saved without checksums")
   elif not sharded:  # batch-only mesh: the plain one-device initialisation, replicated
     state = create_train_state(model_fn, tx, config.seed, sharding=NamedSharding(mesh, P()))[1]
   elif sizes["fsdp"] > 1:  # ZeRO-3: initialised in its sharded layout, never as a full replica
@@ -205,9 +239,14 @@ def train_and_evaluate(config: Any, workdir: str, *,
   num_params = param_count(state.params)
   start = int(state.step)
   if int(data_it.position) != start:
+    ckpt.close()
     raise ValueError(f"checkpoint mismatch: state step {start}, data position {data_it.position}")
+  if is_main:
+    run_config.write_config(workdir, config)
 
   writer = MetricWriter(workdir, enabled=is_main)
+  bar_enabled = is_main and config.progress_bar and tqdm is not None
+  log_lines = is_main and not bar_enabled  # without a bar, step lines go to the log
   peak = peak_flops_per_device(config)
   tokens_per_step = config.batch_size * config.seq_len
   log.info("model: %d parameters; %d devices, %d processes, mesh %s%s; start step %d of %d",
@@ -225,18 +264,31 @@ def train_and_evaluate(config: Any, workdir: str, *,
     nats = float(host["nll_sum"]) / count
     record = {"loss": nats, "accuracy": float(host["correct_sum"]) / count, **dataset.metrics_from_loss(nats)}
     writer.write(step, "eval", record)
+    result["evals"].append((step, record))
+    result["eval"], result["eval_step"] = record, step
+    if log_lines:
+      log.info(report.eval_line(step, record))
     return record
 
-  result: dict[str, Any] = {"first_eval": None, "eval": None, "train": None, "interrupted": False,
-                            "num_params": num_params, "mesh": dict(mesh.shape)}
+  result: dict[str, Any] = {
+      "first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
+      "interrupted": False, "num_params": num_params, "mesh": dict(mesh.shape),
+      "num_steps": config.num_steps, "resumed_from": restored.step if restored else None,
+      "skipped_checkpoints": restored.skipped if restored else []}
   if start == 0:
-    result["first_eval"] = result["eval"] = evaluate(0)
-  if tqdm is None:
-    log.warning("tqdm is not installed: no progress bar")
-    bar = _NoBar()
-  else:
-    bar = tqdm(total=config.num_steps, initial=start, disable=not (is_main and config.progress_bar),
-               dynamic_ncols=True, desc="train")
+    result["first_eval"] = evaluate(0)
+  if tqdm is None and is_main and config.progress_bar:
+    log.warning("tqdm is not installed: no progress bar; step lines go to the log")
+  # The bar starts once the first step is compiled, so its first estimate is the step time's.
+  bar = _NoBar()
+
+  def open_bar(step: int):
+    if not bar_enabled:
+      return _NoBar()
+    return tqdm(total=config.num_steps, initial=step, dynamic_ncols=True, desc="train")
+
+  if is_main and start < config.num_steps:
+    log.info("compiling the training step (the first step takes longer than the rest)")
   timer = {"step": start, "time": time.perf_counter(), "warm": False}
 
   def flush(step: int, metrics: dict, write: bool) -> dict[str, float]:
@@ -244,11 +296,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if host.pop("finite") < 1.0 or not math.isfinite(host["loss"]):
       ckpt.wait()
-      last = ckpt.latest_step()
-      raise NonFiniteLossError(
-          f"non-finite training loss {host['loss']} / grad norm {host['grad_norm']} at step {step}; "
-          f"stopped without saving. Last good checkpoint: step {last} in {ckpt.directory}. "
-          "Lower optim.learning_rate or optim.grad_clip, or check the data.")
+      raise NonFiniteLossError(_non_finite_message(
+          step, host, start, restored, ckpt.latest_step(), ckpt.directory))
     if write:
       now = time.perf_counter()
       if timer["warm"] and step > timer["step"]:
@@ -259,6 +308,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
       timer.update(step=step, time=now, warm=True)  # the first interval holds compilation
       writer.write(step, "train", host)
       bar.set_postfix(loss=f"{host['loss']:.3f}", refresh=False)
+      if log_lines:
+        log.info(report.step_line(step, config.num_steps, host))
     return host
 
   def stop_requested() -> bool:
@@ -276,7 +327,10 @@ def train_and_evaluate(config: Any, workdir: str, *,
         with on_mesh():
           state, metrics = train_step(state, batch)
         step += 1
-        bar.update(1)
+        if step == start + 1:
+          bar = open_bar(step)
+        else:
+          bar.update(1)
         if pending is not None:  # check the previous step while this one runs
           flush(*pending, write=False)
           pending = None
@@ -291,7 +345,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
           stopping = stop_requested() if (nproc == 1 or do_log) else False
           paused = time.perf_counter()
           if do_eval:
-            result["eval"] = evaluate(step)
+            evaluate(step)
             bar.set_postfix(loss=f"{host['loss']:.3f}",
                             **{"eval_" + dataset.eval_metric: f"{result['eval'][dataset.eval_metric]:.3f}"})
           if do_ckpt or stopping:
@@ -311,3 +365,15 @@ def train_and_evaluate(config: Any, workdir: str, *,
     ckpt.close()
   result["step"] = step
   return result
+
+
+def _set_aside(ckpt: Checkpointer, steps: list[int], nproc: int) -> None:
+  """Moves damaged checkpoints newer than the restored one out of the way, so the run can
+  save those steps again and a later resume does not try them first."""
+  moved = ckpt.set_aside(steps)
+  if nproc > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("k3jax_set_aside_checkpoints")
+  ckpt.reload()
+  for path in moved:
+    log.warning("moved the damaged checkpoint to %s", path)
