@@ -51,24 +51,24 @@ def test_intra_bwd_body_choice():
 def test_vjp_saved_and_recomputed_residuals_match_naive():
   """All six gradients vs the naive recurrence, with and without saved residuals.
 
-  Gates at the bound, T = 40 (not a multiple of C = 32), four row tiles of
-  L = 8, an initial state and a final-state cotangent, with the split intra
-  backward (the GPU's body at L >= 16). The one-program "tiles" body, which
-  runs at L = 8 by default, sums the e^35 diagonal factors in another order:
-  its dg is 2.2e-5 from the recurrence here, just over this bound (its VJP is
-  checked at spread gates in `test_kda_pallas.py`). Both residual modes run
-  the same kernels on the same operands, so their gradients must agree bit
-  for bit.
+  Per-channel gates spread over (g_min, 0), T = 40 (not a multiple of C = 32),
+  four row tiles of L = 8 (the one-program "tiles" body, the GPU's at
+  L < 16), an initial state and a final-state cotangent. (Gates at the bound
+  put e^35 factors on the diagonal tiles; there dg is 2.2e-5 from the f32
+  recurrence with both kept bodies, just over this bound, a matter of f32
+  summation order: `test_kda_bwd_split.test_split_vjp_matches_naive` checks
+  the bound at other shapes.) Both residual modes run the same kernels on the
+  same operands, so their gradients must agree bit for bit.
   """
   dk = 16
-  xs, do, dht = vjp_inputs(1, b=1, t=40, h=1, dk=dk, dv=16, gates="at_bound")
+  xs, do, dht = vjp_inputs(1, b=1, t=40, h=1, dk=dk, dv=16, gates="spread")
   grads = lambda fn: state_loss_grads(fn, xs, do, dht)
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = {}
   for save in (True, False):
     got[save] = grads(functools.partial(
         chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal="dense",
-        interpret=True, config_overrides=dict(save_residuals=save, intra_bwd="split")))
+        interpret=True, config_overrides=dict(save_residuals=save)))
     assert_each_within(got[save], want, GRAD_NAMES, F32_TOL, label=f"save_residuals={save}")
   for a, r in zip(got[True], got[False]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(r))

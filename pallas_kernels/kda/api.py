@@ -45,11 +45,12 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] float32 or None).
   """
+  impl = spec.implementation if isinstance(spec, KdaSpec) else implementation or "xla"
+  if config_overrides and impl != "pallas":
+    raise ValueError(f"config_overrides apply to implementation='pallas' only, got "
+                     f"implementation={impl!r}")
   spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           lower_bound=lower_bound, implementation=implementation)
-  if config_overrides and spec.implementation != "pallas":
-    raise ValueError(f"config_overrides apply to implementation='pallas' only, got "
-                     f"implementation={spec.implementation!r}")
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
   if spec.implementation == "naive":
