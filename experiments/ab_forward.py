@@ -12,10 +12,10 @@ computes the same thing (correctness itself is the `gpu` tests' job).
 On the GPU machine, from the repository root:
 
   python experiments/ab_forward.py --shapes=16x2048x16x128,4x8192x16x128 \\
-      --variants=",inverse_diag=bf16x3"
+      --variants=",block_k=32"
 
 A variant is "" (the defaults) or overrides joined by "+", e.g.
-`blocked_inverse=stacked+inverse_diag=bf16x3` (syntax of
+`block_k=32+warps.intra_fwd=8` (syntax of
 `bench_kernels.py --overrides`).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SHAPES = flags.DEFINE_list("shapes", ["16x2048x16x128"], "BxTxHxD (K = V = D) shapes.")
-_VARIANTS = flags.DEFINE_list("variants", ["", "inverse_diag=bf16x3"],
+_VARIANTS = flags.DEFINE_list("variants", ["", "block_k=32"],
                               "Override sets to compare (see the module docstring).")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds (median over them).")
 _ITERS = flags.DEFINE_integer("iters", 10, "Calls per timing within a round.")

@@ -1,6 +1,6 @@
 """Times the intra-chunk forward kernel with parts of its body replaced.
 
-Each variant swaps one or more pieces of `kernel_fwd`'s blocked intra body
+Each variant swaps one or more pieces of `kernel_intra_fwd`'s blocked body
 for a cheap stand-in of the same shapes, so the time it saves against
 `full` is what that piece costs. The outputs of the stand-ins are wrong on
 purpose: this is a profiling target, never a result. Variants:
@@ -13,11 +13,11 @@ purpose: this is a profiling target, never a result. Variants:
   nothing       all three: roughly the kernel's loads and stores.
 
 A variant may carry KernelConfig overrides after "@", joined by "+", e.g.
-`full@blocked_inverse=stacked`. On the GPU machine, from the repository root:
+`full@block_k=32`. On the GPU machine, from the repository root:
 
   python experiments/ablate_intra.py --variants=full,inv_cheap,scores_cheap,wu_none
   ncu -k regex:kda_intra --metrics gpu__time_duration.sum,launch__registers_per_thread \\
-      python experiments/ablate_intra.py --variants=full,full@blocked_inverse=stacked
+      python experiments/ablate_intra.py --variants=full,full@block_k=32
 
 Each variant runs --calls + 1 times (the first compiles); the printed time
 is per call, calls dispatched back to back (`bench.pipelined_ms`).
@@ -43,7 +43,7 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "Emulate the kernels (CPU smo
 
 
 def _stand_ins(kf):
-  """The cheap replacements, keyed by the `kernel_fwd` name they replace."""
+  """The cheap replacements, keyed by the `kernel_intra_fwd` name they replace."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   def inverse(a_cc, ell, cfg, dtype=None):
@@ -55,8 +55,8 @@ def _stand_ins(kf):
                    cfg):
     del g_ref, beta_ref, scale, ell, diagonal
     k = k_ref[:, ks]
-    return (p_qk + kf.dot(q_ref[:, ks], k, cfg, tb=True, dtype=cfg.score_mm_dtype),
-            p_kk + kf.dot(k, k, cfg, tb=True, dtype=cfg.score_mm_dtype))
+    return (p_qk + kf.dot(q_ref[:, ks], k, cfg, tb=True),
+            p_kk + kf.dot(k, k, cfg, tb=True))
 
   def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
     del k_ref, v_ref, g_ref, beta_ref, cfg
@@ -67,7 +67,7 @@ def _stand_ins(kf):
       for ref in gated[2:]:
         ref[...] = jnp.zeros(ref.shape, ref.dtype)
 
-  inv = {"blocked_unit_lower_inverse": inverse, "recursive_unit_lower_inverse": inverse}
+  inv = {"recursive_unit_lower_inverse": inverse}
   scores = {"_blocked_slice_scores": slice_scores}
   wu = {"write_w_u": write_w_u}
   return {"full": {}, "inv_cheap": inv, "scores_cheap": scores, "wu_none": wu,
@@ -80,7 +80,7 @@ def main(argv):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import kernel_config  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import kernel_fwd as kf  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda import kernel_intra_fwd as kf  # pylint: disable=g-import-not-at-top
 
   b, t, h, d = (int(x) for x in _SHAPE.value.split("x"))
   if _INTERPRET.value:
@@ -97,7 +97,7 @@ def main(argv):
   base = kernel_config.make_config(backend="interpret" if _INTERPRET.value else "triton",
                                    dtype=dt, head_k=d, head_v=d, chunk_size=c, sub_chunk=ell,
                                    state_programs=b * h,
-                                   overrides=dict(inverse="blocked") if _INTERPRET.value else None)
+                                   overrides=dict(inverse="blocked"))
   stand_ins = _stand_ins(kf)
   for spec in _VARIANTS.value:
     name, _, ov = spec.partition("@")

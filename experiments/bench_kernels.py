@@ -42,7 +42,7 @@ _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Chunk length C.")
 _SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
 _OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields of the pallas path "
                                "(see pallas_kernels.kda.bench.parse_overrides), e.g. "
-                               "score_mm_dtype=float32,inverse=blocked,warps.intra_fwd=8.")
+                               "mm_dtype=float32,inverse=blocked,warps.intra_fwd=8.")
 _CEIL_BYTES = flags.DEFINE_integer("ceiling_bytes", 2 ** 32, "Array size of the bandwidth "
                                    "measurement.")
 _CEIL_MM = flags.DEFINE_integer("ceiling_matmul", 8192, "Size of the square bf16 matmul.")

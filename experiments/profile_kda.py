@@ -37,7 +37,7 @@ _SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D).")
 _CALLS = flags.DEFINE_integer("calls", 2, "Forward+backward calls after the first (compiling) one.")
 _DIAGONAL = flags.DEFINE_enum("diagonal", "dense", ["dense", "pairwise"], "Diagonal strategy.")
 _OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields, as bench_kernels.py "
-                               "--overrides (e.g. intra_bwd_impl=tiles,warps.intra_bwd_k=4).")
+                               "--overrides (e.g. intra_bwd=tiles,warps.intra_bwd_k=4).")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Emulate the kernels (CPU smoke run).")
 
 

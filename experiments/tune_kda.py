@@ -7,12 +7,12 @@ GPU machine, from the repository root:
 
   python experiments/tune_kda.py --shape=16x2048x16x128 \\
       --grid="block_v=32,64,128;warps.state_fwd=4,8;warps.state_bwd=4,8"
-  python experiments/tune_kda.py --grid="inverse=substitution,blocked;intra_bwd_impl=tiles,rows"
+  python experiments/tune_kda.py --grid="inverse=substitution,blocked;intra_bwd=split,tiles"
   python experiments/tune_kda.py --stages=state_rec,output_fwd \\
-      --grid="rec_block_v=32,64;warps.state_rec=2,4;pipe.state_rec=1,2,3"
+      --grid="rec_block_v=32,64;warps.state_rec=2,4;num_stages=1,2,3"
 
 Grid syntax: `;` separates fields, `,` separates a field's values; fields
-are KernelConfig names, `warps.<stage>` or `pipe.<stage>` (as
+are KernelConfig names or `warps.<stage>` (as
 `bench_kernels.py --overrides`). A combination that fails (an invalid tile, a compiler error)
 prints an error row and the sweep goes on. Timings only: correctness of a
 new choice is the job of the `gpu` tests.

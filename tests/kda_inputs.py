@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kda import kernel_config, kernel_intra_bwd, kernel_intra_bwd_split
+
 # Relative tolerance per compute dtype for ||a - b|| / ||b|| (relative L2) of
 # two exact-arithmetic-equivalent forms. Reductions grow with T; the factor
 # below scales by sqrt of the number of chunks crossed.
@@ -113,7 +115,7 @@ def bounded_gates(key, shape, at_bound: bool, g_min: float = -5.0):
 
 
 def intra_bwd_operands(seed: int, *, b: int, h: int, nc: int, c: int, dk: int, dv: int):
-  """Random operands of `kernel_bwd.intra_bwd` in the kernels' layout (f32).
+  """Random operands of the intra backward kernels in their layout (f32).
 
   q, k unit-norm [B, Tp, H*K]; v [B, Tp, H*V]; within-chunk cumsum of gates
   off the bound [B, Tp, H*K]; beta [B, H, Tp, 1]; dO, V', dV' [B, Tp, H*V];
@@ -143,16 +145,18 @@ def intra_bwd_operands(seed: int, *, b: int, h: int, nc: int, c: int, dk: int, d
 
 def intra_bwd_by_impl(operands, impls, *, heads: int, chunk: int, sub_chunk: int,
                       diagonal: str = "dense", **overrides) -> dict:
-  """{impl: (dq, dk, dv, dG, dbeta)} of interpret-mode `intra_bwd` for each intra_bwd_impl."""
-  from pallas_kernels.kda import kernel_bwd, kernel_config  # pylint: disable=g-import-not-at-top
+  """{impl: IntraBwdOut} of the interpret-mode intra backward for each body
+  ("split", "tiles"; `KernelConfig.intra_bwd`)."""
   q, v = operands[0], operands[2]
   dk, dv = q.shape[-1] // heads, v.shape[-1] // heads
   outs = {}
   for impl in impls:
     cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=dk,
                                     head_v=dv, chunk_size=chunk, sub_chunk=sub_chunk,
-                                    overrides=dict(intra_bwd_impl=impl, **overrides))
-    fn = jax.jit(functools.partial(kernel_bwd.intra_bwd, heads=heads, chunk_size=chunk,
+                                    overrides=dict(intra_bwd=impl, **overrides))
+    body = (kernel_intra_bwd_split.intra_bwd_split if impl == "split"
+            else kernel_intra_bwd.intra_bwd_tiles)
+    fn = jax.jit(functools.partial(body, heads=heads, chunk_size=chunk,
                                    sub_chunk=sub_chunk, diagonal=diagonal, scale=dk ** -0.5,
                                    cfg=cfg))
     outs[impl] = fn(*operands)

@@ -1,4 +1,5 @@
 """The kernel benchmark and tuning helpers: override parsing, grids, tables, the peer (no timing)."""
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -16,10 +17,10 @@ from pallas_kernels.kda import kernel_config  # pylint: disable=wrong-import-pos
 
 def test_overrides_parse_to_kernel_config_fields():
   got = bench.parse_overrides(
-      ["inverse=blocked", "score_mm_dtype=bfloat16", "save_residuals=false", "block_v=32",
+      ["inverse=blocked", "mm_dtype=bfloat16", "save_residuals=false", "block_v=32",
        "warps.intra_fwd=8"])
   assert got["inverse"] == "blocked"
-  assert got["score_mm_dtype"] == jnp.dtype(jnp.bfloat16)
+  assert got["mm_dtype"] == jnp.dtype(jnp.bfloat16)
   assert got["save_residuals"] is False
   assert got["block_v"] == 32
   assert got["num_warps"] == (("intra_fwd", 8),)   # only the named stage
@@ -121,9 +122,9 @@ def test_block_k_override_is_validated(backend, block_k):
 
 @pytest.mark.parametrize("overrides, match", [
     ({"rec_block_v": 24}, "rec_block_v must be None or a power of two dividing V=64"),
-    ({"out_block_v": 8}, "out_block_v must be None or a power of two dividing V=64"),
     ({"bwd_block_v": 128}, "bwd_block_v must be None or a power of two dividing V=64"),
-    ({"pipeline_stages": (("state_recc", 1),)}, "pipeline_stages names unknown stages"),
+    ({"num_warps": (("state_recc", 1),)}, "num_warps names unknown stages"),
+    ({"out_block_v": 8}, "unknown KernelConfig fields in overrides: \\['out_block_v'\\]"),
 ])
 def test_state_pass_tiles_are_validated(overrides, match):
   with pytest.raises(ValueError, match=match):
@@ -131,14 +132,13 @@ def test_state_pass_tiles_are_validated(overrides, match):
                               chunk_size=64, sub_chunk=16, overrides=overrides)
 
 
-def test_pipeline_stages_override_one_stage():
-  got = bench.parse_overrides(["pipe.state_rec=3", "warps.state_rec=2"])
-  assert got["pipeline_stages"] == (("state_rec", 3),)
+def test_warps_override_one_stage():
+  got = bench.parse_overrides(["warps.state_rec=2", "num_stages=3"])
   cfg = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=64, head_v=64,
                                   chunk_size=64, sub_chunk=16, overrides=got)
   rec, other = cfg.compiler_params("state_rec"), cfg.compiler_params("state_bwd")
   assert (rec.num_stages, rec.num_warps) == (3, 2)
-  assert (other.num_stages, other.num_warps) == (cfg.num_stages, 4)
+  assert (other.num_stages, other.num_warps) == (3, 4)
 
 
 def test_reverse_state_tile_default_and_partial_warps_overrides():
@@ -195,9 +195,9 @@ def test_block_k_defaults():
   # The split backward's slice (faster at 32 than 64 on the H200).
   assert make("triton", 128).bwd_block_k == 32
   assert make("interpret", 16).bwd_block_k == 16
-  # The blocked inverse is the GPU default (faster there); CPU and TPU keep substitution.
+  # The blocked inverse is the GPU default (and so interpret mode's); TPU keeps substitution.
   assert make("triton", 128).inverse == "blocked"
-  assert make("interpret", 128).inverse == "substitution"
+  assert make("interpret", 128).inverse == "blocked"
   assert make("tpu_interpret", 128).inverse == "substitution"
   small_tiles = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=64,
                                           head_v=64, chunk_size=64, sub_chunk=8)
@@ -205,20 +205,36 @@ def test_block_k_defaults():
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_intra_forward_operand_dtypes_follow_the_inputs(dtype):
-  """W/U and the blocked inverse's block products take the input dtype (f32 stays f32)."""
-  cfg = kernel_config.make_config(backend="triton", dtype=dtype, head_k=128, head_v=128,
-                                  chunk_size=64, sub_chunk=16)
-  assert cfg.intra_mm_dtype == jnp.dtype(dtype)
-  assert cfg.inverse_mm_dtype == jnp.dtype(dtype)
-  assert cfg.intra().mm_dtype == jnp.dtype(dtype)
+def test_operand_dtypes_follow_the_inputs(dtype):
+  """The matmuls take the input dtype (f32 stays f32); the intra backward's
+  too at K * V >= 128 * 128 on the GPU (and in interpret mode), else f32."""
+  make = lambda backend, d: kernel_config.make_config(
+      backend=backend, dtype=dtype, head_k=d, head_v=d, chunk_size=64, sub_chunk=16)
+  for backend in ("triton", "interpret"):
+    assert make(backend, 128).mm_dtype == jnp.dtype(dtype)
+    assert make(backend, 128).intra_bwd_mm_dtype == jnp.dtype(dtype)
+    assert make(backend, 64).intra_bwd_mm_dtype == jnp.float32
+  assert make("tpu", 128).intra_bwd_mm_dtype == jnp.float32
+  assert make("triton", 128).backward().mm_dtype == jnp.dtype(dtype)
+
+
+def test_heuristic_config_is_make_config_without_overrides():
+  shape = kernel_config.KernelShape(head_k=128, head_v=128, chunk_size=64, sub_chunk=16,
+                                    state_programs=256)
+  for backend in kernel_config.BACKENDS:
+    assert kernel_config.heuristic_config(shape, jnp.bfloat16, backend) == (
+        kernel_config.make_config(backend=backend, dtype=jnp.bfloat16, head_k=128, head_v=128,
+                                  chunk_size=64, sub_chunk=16, state_programs=256))
+  gpu = kernel_config.heuristic_config(shape, jnp.bfloat16, "triton")
+  cpu = kernel_config.heuristic_config(shape, jnp.bfloat16, "interpret")
+  assert dataclasses.replace(cpu, backend="triton") == gpu   # interpret mode runs the GPU's
 
 
 def test_stage_times_smoke_with_split_backward():
   """Every stage runs (interpret mode, tiny shape), the split kernels timed on their own."""
   args = bench.make_inputs(jax.random.PRNGKey(0), 1, 40, 1, 16, jnp.float32)
   times = bench.stage_times_ms(*args, diagonal="dense", chunk_size=16, sub_chunk=8, iters=1,
-                               config_overrides={"intra_bwd_impl": "split", "bwd_block_k": 8},
+                               config_overrides={"intra_bwd": "split", "bwd_block_k": 8},
                                interpret=True)
   assert set(times) == {"cumsum", "cumsum_xla", "intra_fwd", "state_fwd", "intra_fwd+M",
                         "state_fwd+save", "state_rec", "output_fwd", "state_bwd", "intra_bwd",
@@ -226,7 +242,7 @@ def test_stage_times_smoke_with_split_backward():
   assert set(times) == set(bench.ALL_STAGES)
   assert all(t > 0 for t in times.values())
   only = bench.stage_times_ms(*args, diagonal="dense", chunk_size=16, sub_chunk=8, iters=1,
-                              config_overrides={"intra_bwd_impl": "split", "bwd_block_k": 8},
+                              config_overrides={"intra_bwd": "split", "bwd_block_k": 8},
                               interpret=True,
                               stages=["state_rec", "intra_bwd_k"])
   assert set(only) == {"state_rec", "intra_bwd_k"}

@@ -1,11 +1,10 @@
-"""KDA Pallas backward: the split intra kernels (`intra_bwd_impl="split"`, and
-"split_rows" with the second kernel by row tile).
+"""KDA Pallas backward: the split intra kernels (`intra_bwd="split"`).
 
 Checked in interpret mode against the one-program "tiles" kernel on random
 chunk operands with four K slices, and end to end (the whole VJP) against the
 float32 naive recurrence with four K slices, for dense gates at the bound and
 GDN-style gates with the pairwise diagonal. Interpret mode fills kernel
-outputs with NaN first, so an unwritten slice or row block fails. "split"
+outputs with NaN first, so an unwritten slice fails. "split"
 is the Triton default, so `test_kda_pallas.TestKdaPallasGpu` checks it on
 the GPU.
 """
@@ -26,8 +25,7 @@ from tests.kda_inputs import (GRAD_NAMES, assert_each_within, intra_bwd_by_impl,
 F32_TOL = 2e-5
 
 
-@pytest.mark.parametrize("impl", ["split", "split_rows"])
-def test_split_kernels_match_full_tile_kernel(impl, diagonal="dense"):
+def test_split_kernels_match_full_tile_kernel(impl="split", diagonal="dense"):
   """intra_bwd "split" == "tiles" on random chunk operands (all five outputs).
 
   K = 64 in bwd_block_k = 16 slices (four programs per chunk), C = 32, L = 8
@@ -43,13 +41,9 @@ def test_split_kernels_match_full_tile_kernel(impl, diagonal="dense"):
   assert [a.dtype for a in outs[impl]] == [r.dtype for r in outs["tiles"]]
 
 
-@pytest.mark.parametrize("impl,diagonal,gdn", [("split", "dense", False),
-                                               ("split", "pairwise", True),
-                                               ("split_rows", "dense", False),
-                                               ("split_rows", "pairwise", True)])
-def test_split_vjp_matches_naive(impl, diagonal, gdn):
-  """All six gradients vs the naive recurrence with the split backward ("split_rows":
-  its second kernel by row tile).
+@pytest.mark.parametrize("diagonal,gdn", [("dense", False), ("pairwise", True)])
+def test_split_vjp_matches_naive(diagonal, gdn, impl="split"):
+  """All six gradients vs the naive recurrence with the split backward.
 
   K = 32 in bwd_block_k = 8 slices (block_k too, for the forward), T = 40 (not a multiple of C = 32), four row
   tiles of L = 8, an initial state and a final-state cotangent. Dense: KDA
@@ -61,18 +55,15 @@ def test_split_vjp_matches_naive(impl, diagonal, gdn):
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = grads(functools.partial(
       chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal=diagonal,
-      interpret=True, config_overrides=dict(intra_bwd_impl=impl, block_k=8, bwd_block_k=8)))
+      interpret=True, config_overrides=dict(intra_bwd=impl, block_k=8, bwd_block_k=8)))
   assert_each_within(got, want, GRAD_NAMES, F32_TOL, label=f"{impl} {diagonal}")
 
 
-@pytest.mark.parametrize("impl", ["split", "split_rows"])
-def test_split_is_rejected_for_tpu(impl):
+def test_split_is_rejected_for_tpu():
   """"split" is a ValueError on TPU backends, through the public entry too
-  (`test_kda_bwd_rows.test_intra_bwd_body_choice` covers the choice itself)."""
-  # Through the public entry: the VJP (not the forward) reaches intra_bwd.
+  (`test_kda_bwd_residuals.test_intra_bwd_body_choice` covers the choice itself)."""
   x = jnp.ones((1, 16, 1, 128), jnp.float32)
   fn = functools.partial(chunk_kda_pallas, scale=0.1, chunk_size=16, sub_chunk=16,
-                         backend="tpu_interpret",
-                         config_overrides=dict(intra_bwd_impl=impl))
+                         backend="tpu_interpret", config_overrides=dict(intra_bwd="split"))
   with pytest.raises(ValueError, match="not lowered for TPU"):
-    jax.eval_shape(jax.grad(lambda q: jnp.sum(fn(q, x, x, -x, jnp.ones((1, 16, 1)))[0])), x)
+    fn(x, x, x, -x, jnp.ones((1, 16, 1)))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import kernel_config
-from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
 from tests.kda_inputs import rel_err
@@ -100,7 +100,7 @@ def _check_intra(backend, shape, dtype, diagonal, inverse, seed, **overrides):
                                   chunk_size=chunk, sub_chunk=16,
                                   overrides=dict(inverse=inverse, **overrides))
   scale = dk ** -0.5
-  run = jax.jit(functools.partial(kernel_fwd.intra_fwd, heads=h, chunk_size=chunk,
+  run = jax.jit(functools.partial(kernel_intra_fwd.intra_fwd, heads=h, chunk_size=chunk,
                                   sub_chunk=16, diagonal=diagonal, scale=scale, cfg=cfg,
                                   save_m=True))
   got = run(*xs)
@@ -119,66 +119,52 @@ def _check_intra(backend, shape, dtype, diagonal, inverse, seed, **overrides):
   return errs
 
 
-@pytest.mark.parametrize("diagonal,inverse,seed,variant", [
-    ("dense", "blocked", 11, {}),
-    ("pairwise", "blocked", 12, {}),
-    ("dense", "substitution", 13, {}),
-    ("dense", "blocked", 16, dict(inverse_diag="bf16x3")),
-    ("pairwise", "blocked", 17, dict(inverse_diag="bf16x3")),
-    ("dense", "blocked", 18, dict(blocked_inverse="stacked")),
-    ("dense", "blocked", 19, dict(blocked_inverse="stacked", inverse_diag="bf16x3"))])
-def test_intra_matches_float64_reference(diagonal, inverse, seed, variant):
-  """T = 100 (not a multiple of C = 64), 4 diagonal tiles, gates at / near g_min.
-
-  variant: the blocked inverse's bf16x3 diagonal products (each product
-  within about 2^-16 of f32, inside the f32 tolerance for these
-  well-conditioned blocks), or its stacked schedule (the default is
-  recursive). bf16 diagonal products (the default for bf16 inputs) are
-  checked with bf16 inputs below.
-  """
+@pytest.mark.parametrize("diagonal,inverse,seed", [
+    ("dense", "blocked", 11), ("pairwise", "blocked", 12), ("dense", "substitution", 13)])
+def test_intra_matches_float64_reference(diagonal, inverse, seed):
+  """T = 100 (not a multiple of C = 64), 4 diagonal tiles, gates at / near g_min."""
   errs = _check_intra("interpret", (1, 100, 2, 32, 16, 64), jnp.float32, diagonal, inverse,
-                      seed=seed, **variant)
+                      seed=seed)
   for name, err in errs.items():
     assert err < TOL[("interpret", "float32")], f"{name}: {err:.2e}"
 
 
 @pytest.mark.parametrize("diagonal,seed", [("dense", 62), ("pairwise", 63)])
-def test_bf16_inputs_inverse_diag_products(diagonal, seed):
-  """bf16 inputs vs float64 with each kind of diagonal-level products in the inverse.
+def test_bf16_inputs_blocked_inverse(diagonal, seed):
+  """bf16 inputs vs float64: the blocked inverse (bf16 products on its diagonal
+  levels, `KernelConfig.diag_dtype`) against the f32 row-by-row substitution.
 
-  The default for bf16 inputs, plain bf16 products, must cost W, U and A_qk
-  nothing measurable against f32 products (their errors are the bf16
-  roundings of the inputs and outputs) and keep M's error within a small
-  factor of it (measured 6.0e-4 against 3.2e-4 at seed 62; the outputs
-  2.0e-3 to 2.9e-3 for all three).
+  Its bf16 products must cost W, U and A_qk nothing measurable (their errors
+  are the bf16 roundings of the inputs and outputs) and keep M's error within
+  a small factor of the substitution's.
   """
   cfg = kernel_config.make_config(backend="interpret", dtype=jnp.bfloat16, head_k=32,
                                   head_v=16, chunk_size=64, sub_chunk=16)
-  assert cfg.inverse_diag == "bf16"
-  errs = {diag: _check_intra("interpret", (1, 100, 2, 32, 16, 64), jnp.bfloat16, diagonal,
-                             "blocked", seed=seed, inverse_diag=diag)
-          for diag in kernel_config.INVERSE_DIAGS}
-  for diag, by_name in errs.items():
+  assert cfg.inverse == "blocked" and cfg.diag_dtype == jnp.bfloat16
+  errs = {inverse: _check_intra("interpret", (1, 100, 2, 32, 16, 64), jnp.bfloat16, diagonal,
+                                inverse, seed=seed)
+          for inverse in kernel_config.INVERSES}
+  for inverse, by_name in errs.items():
     for name, err in by_name.items():
-      assert err < TOL[("interpret", "bfloat16")], f"{diag} {name}: {err:.2e}"
-      ref = errs["f32"][name]
-      bound = 2.5 * ref if name == "m" else 1.05 * ref + 1e-5
-      assert err <= bound, f"{diag} {name}: {err:.2e} against {ref:.2e} with f32 products"
+      assert err < TOL[("interpret", "bfloat16")], f"{inverse} {name}: {err:.2e}"
+  for name, err in errs["blocked"].items():
+    ref = errs["substitution"][name]
+    bound = 2.5 * ref if name == "m" else 1.05 * ref + 1e-5
+    assert err <= bound, f"{name}: {err:.2e} against {ref:.2e} by substitution"
 
 
 @pytest.mark.parametrize("kind", ["bound", "aligned"])
-def test_blocked_inverse_diag_products_match_float64(kind):
-  """The blocked inverse alone, both schedules (`recursive_unit_lower_inverse`,
-  `blocked_unit_lower_inverse`), f32 and bf16x3 diagonal products, vs the
+def test_blocked_inverse_matches_float64(kind):
+  """The recursive blocked inverse alone (`recursive_unit_lower_inverse`) with f32
+  (f32 inputs) and bf16 (16-bit inputs) diagonal-level products, vs the
   float64 inverse of I + A_kk at C = 64, L = 16.
 
   kind "bound": unit-norm keys, beta in (0, 1), gates spread up to g_min = -5;
   "aligned": nearly parallel keys, beta = 1 and slow decay, so A_kk is close
   to all-ones below the diagonal (its inverse is then near-bidiagonal and the
-  substitution subtracts terms of size ~1 at every step). f32 operands below
-  the diagonal isolate the diagonal products' error; bf16 ones (the default
-  for bf16 inputs) show that their rounding, not the diagonal products',
-  sets the bf16 inverse's error.
+  substitution subtracts terms of size ~1 at every step). f32 operands above
+  the diagonal levels isolate the diagonal products' error; bf16 ones (the
+  default for bf16 inputs) show the error of the default.
   """
   c, ell, dk = 64, 16, 128
   ks = jax.random.split(jax.random.PRNGKey(41 if kind == "bound" else 42), 3)
@@ -195,53 +181,35 @@ def test_blocked_inverse_diag_products_match_float64(kind):
   decay = np.exp(np.minimum(g_cum[:, None, :] - g_cum[None, :, :], 0.0))
   a = np.tril(np.einsum("id,jd,ijd->ij", beta[:, None] * keys, keys, decay), -1)
   want = np.linalg.inv(np.eye(c) + a)
-  schedules = {"recursive": kernel_fwd.recursive_unit_lower_inverse,
-               "stacked": kernel_fwd.blocked_unit_lower_inverse}
-  assert set(schedules) == set(kernel_config.BLOCKED_INVERSES)
-  errs = {}
-  for schedule, inverse in schedules.items():
-    for diag in kernel_config.INVERSE_DIAGS:
-      for below_dtype in (jnp.float32, jnp.bfloat16):
-        cfg = kernel_config.make_config(
-            backend="interpret", dtype=jnp.float32, head_k=dk, head_v=dk, chunk_size=c,
-            sub_chunk=ell, overrides=dict(inverse_diag=diag))
-        m = jax.jit(lambda a: inverse(a, ell, cfg, dtype=below_dtype))(
-            jnp.asarray(a, jnp.float32))
-        m = np.asarray(m, np.float64)
-        assert not np.any(np.triu(m, 1)), (schedule, diag)
-        errs[schedule, diag, jnp.dtype(below_dtype).name] = (
-            np.abs(m - want).max() / np.abs(want).max())
-  for (schedule, diag, below_dtype), err in errs.items():
-    # f32: exact f32 products on the CPU (3e-7 measured for "aligned"); bf16x3:
-    # 2^-16 per product (1e-5 measured); bf16: 2^-8 per product (1.0e-4 at
-    # the bound, 4.9e-3 "aligned"). bf16 below: the default's rounding (9e-3
-    # measured for "aligned"), whichever diagonal products.
-    diag_bound = {"f32": 2e-6, "bf16x3": 5e-5, "bf16": 1e-2}[diag]
-    bound = {"float32": diag_bound, "bfloat16": 1e-2}[below_dtype]
-    assert err < bound, f"{kind} {schedule} {diag} {below_dtype}: {err:.2e}"
-  for schedule in schedules:
-    bf16_below = errs[schedule, "f32", "bfloat16"], errs[schedule, "bf16x3", "bfloat16"]
-    assert abs(bf16_below[0] - bf16_below[1]) < 0.1 * bf16_below[0], (schedule, bf16_below)
+  for inputs in (jnp.float32, jnp.bfloat16):
+    for below_dtype in (jnp.float32, jnp.bfloat16):
+      cfg = kernel_config.make_config(backend="interpret", dtype=inputs, head_k=dk, head_v=dk,
+                                      chunk_size=c, sub_chunk=ell)
+      m = jax.jit(lambda a: kernel_intra_fwd.recursive_unit_lower_inverse(
+          a, ell, cfg, dtype=below_dtype))(jnp.asarray(a, jnp.float32))
+      m = np.asarray(m, np.float64)
+      label = f"{kind} diag {cfg.diag_dtype.__name__} above {jnp.dtype(below_dtype).name}"
+      assert not np.any(np.triu(m, 1)), label
+      err = np.abs(m - want).max() / np.abs(want).max()
+      # f32: exact f32 products on the CPU (3e-7 measured for "aligned"); bf16:
+      # 2^-8 per product (1.0e-4 at the bound, 4.9e-3 "aligned").
+      bound = 2e-6 if inputs == jnp.float32 and below_dtype == jnp.float32 else 1e-2
+      assert err < bound, f"{label}: {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype,inverse_mm,block_k", [(jnp.float32, jnp.float32, 32),
-                                                      (jnp.bfloat16, jnp.bfloat16, 32),
-                                                      (jnp.float32, jnp.float32, 16)])
-def test_blocked_forward_matches_naive(dtype, inverse_mm, block_k):
+@pytest.mark.parametrize("dtype,block_k", [(jnp.float32, 32), (jnp.bfloat16, 32),
+                                           (jnp.float32, 16)])
+def test_blocked_forward_matches_naive(dtype, block_k):
   """End to end (o and final state) with the blocked inverse vs the f32 recurrence.
 
-  block_k = 16 < K = 32 runs the K-sliced scores and W/U. Inverse operands in
-  the input dtype are the default; bf16 inputs with f32 inverse operands are
-  checked on the GPU (`test_gpu_bf16_accuracy_issue_shape`).
+  block_k = 16 < K = 32 runs the K-sliced scores and W/U.
   """
   b, t, h, d = 2, 100, 1, 32
   q, k, v, g, beta = _inputs(21, b, t, h, d, d, dtype)
   h0 = jax.random.normal(jax.random.PRNGKey(22), (b, h, d, d))
   fn = jax.jit(functools.partial(
       chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16, interpret=True,
-      output_final_state=True,
-      config_overrides=dict(inverse="blocked", inverse_mm_dtype=inverse_mm,
-                            block_k=block_k)))
+      output_final_state=True, config_overrides=dict(inverse="blocked", block_k=block_k)))
   o, ht = fn(q, k, v, g, beta, initial_state=h0)
   f32 = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
   o_ref, ht_ref = reference.naive_recurrent_kda(*f32, initial_state=h0,
@@ -269,24 +237,21 @@ def test_blocked_causal_under_future_gates():
 def test_config_picks_and_validates_inverse():
   make = functools.partial(kernel_config.make_config, dtype=jnp.bfloat16, head_k=64,
                            head_v=64, chunk_size=64)
-  assert make(backend="triton", sub_chunk=16).inverse == "blocked"
-  assert make(backend="triton", sub_chunk=8).inverse == "substitution"
-  for backend in ("tpu", "interpret"):
+  for backend in ("triton", "interpret"):      # interpret mode takes the GPU's choice
+    assert make(backend=backend, sub_chunk=16).inverse == "blocked"
+    assert make(backend=backend, sub_chunk=8).inverse == "substitution"
+  for backend in ("tpu", "tpu_interpret"):
     assert make(backend=backend, sub_chunk=16).inverse == "substitution"
   assert make(backend="interpret", sub_chunk=16,
-              overrides=dict(inverse="blocked")).inverse == "blocked"
+              overrides=dict(inverse="substitution")).inverse == "substitution"
   with pytest.raises(ValueError, match="inverse must be one of"):
     make(backend="interpret", sub_chunk=16, overrides=dict(inverse="newton"))
   with pytest.raises(ValueError, match="sub_chunk >= 16"):
     make(backend="triton", sub_chunk=8, overrides=dict(inverse="blocked"))
-  with pytest.raises(ValueError, match="inverse_diag must be one of"):
-    make(backend="interpret", sub_chunk=16, overrides=dict(inverse_diag="tf32"))
-  with pytest.raises(ValueError, match="blocked_inverse must be one of"):
-    make(backend="interpret", sub_chunk=16, overrides=dict(blocked_inverse="doubling"))
-  assert make(backend="triton", sub_chunk=16).blocked_inverse == "recursive"
   # bf16 diagonal products for bf16 / f16 inputs, f32 ones for f32 inputs.
-  assert make(backend="triton", sub_chunk=16).inverse_diag == "bf16"
-  assert make(backend="triton", sub_chunk=16, dtype=jnp.float32).inverse_diag == "f32"
+  assert make(backend="triton", sub_chunk=16).diag_dtype == jnp.bfloat16
+  assert make(backend="triton", sub_chunk=16, dtype=jnp.float16).diag_dtype == jnp.bfloat16
+  assert make(backend="triton", sub_chunk=16, dtype=jnp.float32).diag_dtype == jnp.float32
 
 
 @pytest.mark.tpu_export
@@ -304,28 +269,23 @@ def test_blocked_lowers_for_tpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("diagonal,inverse,variant", [
-    ("dense", "blocked", {}), ("pairwise", "blocked", {}), ("dense", "substitution", {}),
-    ("dense", "blocked", dict(inverse_diag="f32")),
-    ("dense", "blocked", dict(inverse_diag="bf16x3")),
-    ("dense", "blocked", dict(blocked_inverse="stacked"))])
-def test_gpu_intra_matches_float64_reference(dtype, diagonal, inverse, variant):
-  errs = _check_intra("triton", (1, 300, 2, 128, 128, 64), dtype, diagonal, inverse, seed=31,
-                      **variant)
-  print(f"{jnp.dtype(dtype).name} {diagonal} {inverse} {variant}: " +
+@pytest.mark.parametrize("diagonal,inverse", [
+    ("dense", "blocked"), ("pairwise", "blocked"), ("dense", "substitution")])
+def test_gpu_intra_matches_float64_reference(dtype, diagonal, inverse):
+  errs = _check_intra("triton", (1, 300, 2, 128, 128, 64), dtype, diagonal, inverse, seed=31)
+  print(f"{jnp.dtype(dtype).name} {diagonal} {inverse}: " +
         ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
   for name, err in errs.items():
     assert err < TOL[("triton", jnp.dtype(dtype).name)], f"{name}: {err:.2e}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("inverse_mm", [jnp.float32, jnp.bfloat16])
-def test_gpu_bf16_accuracy_issue_shape(inverse_mm):
+def test_gpu_bf16_accuracy_issue_shape():
   """bf16 forward and VJP at B1 T1024 H4 D128 vs the f32 recurrence, blocked inverse."""
   q, k, v, g, beta = _inputs(32, 1, 1024, 4, 128, 128, jnp.bfloat16)
   do = jax.random.normal(jax.random.PRNGKey(33), q.shape, jnp.bfloat16)
   fn = functools.partial(chunk_kda_pallas, scale=128 ** -0.5, chunk_size=64, sub_chunk=16,
-                         config_overrides=dict(inverse="blocked", inverse_mm_dtype=inverse_mm))
+                         config_overrides=dict(inverse="blocked"))
 
   def o_and_grads(f, xs, do):
     o, vjp = jax.vjp(lambda *a: f(*a)[0], *xs)
@@ -335,7 +295,7 @@ def test_gpu_bf16_accuracy_issue_shape(inverse_mm):
   f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
   o_ref, grads_ref = jax.jit(functools.partial(o_and_grads, reference.naive_recurrent_kda))(
       f32, do.astype(jnp.float32))
-  name = jnp.dtype(inverse_mm).name
+  name = "bf16"
   err = rel_err(o, o_ref, jnp.bfloat16)
   print(f"blocked inverse ({name} operands) bf16 o rel L2: {err:.2e}")
   assert err < BF16_FWD_BOUND

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.kda import kernel_config
-from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
 from tests.kda_inputs import GRAD_NAMES, assert_each_within, vjp_inputs
@@ -46,10 +46,10 @@ def _check_against_naive(xs, do, dht, *, save, impl, cu_seqlens=None):
                                                  scale=DK ** -0.5))
   (_, (o, ht)), got = run(functools.partial(
       chunk_kda_pallas, scale=DK ** -0.5, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
-      interpret=True, block_v=BLOCK_V,
-      config_overrides=dict(block_k=BLOCK_K, save_residuals=save, state_fwd_impl=impl)))
+      backend="tpu_interpret" if impl == "fused" else "interpret", block_v=BLOCK_V,
+      config_overrides=dict(block_k=BLOCK_K, save_residuals=save)))
   assert_each_within((o, ht, *got), (o_r, ht_r, *want), ("o", "ht") + GRAD_NAMES, F32_TOL,
-                     label=f"save_residuals={save}, state_fwd_impl={impl}")
+                     label=f"save_residuals={save}, state pass {impl}")
 
 
 @pytest.mark.parametrize("impl", ["fused", "split"])
@@ -57,7 +57,8 @@ def _check_against_naive(xs, do, dht, *, save, impl, cu_seqlens=None):
 def test_sliced_state_forward_and_vjp_match_naive(save, impl):
   """o, final state and all six gradients; T = 40 is not a multiple of C = 16.
 
-  impl: the forward state pass (`KernelConfig.state_fwd_impl`)."""
+  impl: the forward state pass, "split" (the GPU's, in interpret mode) or
+  "fused" (the TPU's, with TPU semantics on the CPU)."""
   xs, do, dht = _inputs(0, 2, 40, 1, n_states=2)
   _check_against_naive(xs, do, dht, save=save, impl=impl)
 
@@ -74,11 +75,11 @@ def test_k_slices():
   cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=DK,
                                   head_v=DV, chunk_size=CHUNK, sub_chunk=SUB,
                                   overrides=dict(block_k=BLOCK_K))
-  slices = kernel_fwd.k_slices(cfg, DK)
+  slices = kernel_common.k_slices(cfg, DK)
   assert [(s.start, s.size) for s in slices] == [(0, 8), (8, 8), (16, 8), (24, 8)]
   # block_k wider than K: one slice of all of K.
-  assert [(s.start, s.size) for s in kernel_fwd.k_slices(cfg, 4)] == [(0, 4)]
+  assert [(s.start, s.size) for s in kernel_common.k_slices(cfg, 4)] == [(0, 4)]
   with pytest.raises(ValueError, match="slice width must divide K=12"):
-    kernel_fwd.k_slices(cfg, 12)
+    kernel_common.k_slices(cfg, 12)
   # An explicit width (the split backward's bwd_block_k) replaces block_k.
-  assert [(s.start, s.size) for s in kernel_fwd.k_slices(cfg, DK, 16)] == [(0, 16), (16, 16)]
+  assert [(s.start, s.size) for s in kernel_common.k_slices(cfg, DK, 16)] == [(0, 16), (16, 16)]

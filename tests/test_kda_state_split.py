@@ -1,9 +1,9 @@
-"""The split forward state pass (`kernel_state_split`) against the fused kernel.
+"""The GPU's split forward state pass (`kernel_state_split`) against the TPU's fused one.
 
 The split pass runs the chunk recurrence alone and forms the outputs in a
 parallel kernel; with f32 operands it must reproduce the fused
-`kernel_fwd.state_fwd` (outputs, final states, and the entry states and V'
-the backward keeps). Interpret mode fills kernel outputs with NaN first, so
+`kernel_state_fwd.state_fwd` (run with TPU semantics on the CPU: outputs,
+final states, and the entry states and V' the backward keeps). Interpret mode fills kernel outputs with NaN first, so
 an unwritten element fails the finiteness checks. End to end (o, final state
 and the VJP against the naive recurrence, K sliced, V tiled, varlen) it runs
 as the interpret default in `test_kda_state_slices.py` and
@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import kernel_bwd
 from pallas_kernels.kda import kernel_config
-from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_intra_fwd
+from pallas_kernels.kda import kernel_state_bwd
+from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
 from tests.kda_inputs import rel_max, vjp_inputs
 
@@ -59,7 +60,7 @@ def test_intra_kernel_writes_gated_keys_and_queries(inverse):
   q, k, v, g_cum, beta_t, _ = _kernel_inputs(0)
   cfg = _cfg(inverse=inverse)
   run = lambda gated: jax.jit(functools.partial(
-      kernel_fwd.intra_fwd, heads=H, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
+      kernel_intra_fwd.intra_fwd, heads=H, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
       scale=DK ** -0.5, cfg=cfg, save_m=True, save_gated=gated))(q, k, v, g_cum, beta_t)
   outs = run(True)
   assert len(outs) == 6
@@ -71,7 +72,7 @@ def test_intra_kernel_writes_gated_keys_and_queries(inverse):
     assert rel_max(x, want) < F32_TOL, f"{name}: {rel_max(x, want):.2e}"
   assert np.all(np.abs(np.asarray(outs[4])) <= 1.0 + 1e-6)  # unit-norm keys, decay <= 1
   plain = run(False)
-  assert len(plain) == 4
+  assert plain.kg is None and plain.qg is None
   for name, x, r in zip(("w", "u", "a_qk", "m"), plain, outs):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(r), err_msg=name)
 
@@ -81,26 +82,25 @@ def _intra_outputs(seed):
   q, k, v, g_cum, beta_t, h0 = _kernel_inputs(seed)
   kw = dict(heads=H, chunk_size=CHUNK, scale=DK ** -0.5, cfg=_cfg())
   intra = jax.jit(functools.partial(
-      kernel_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_gated=True, **kw))(
+      kernel_intra_fwd.intra_fwd, sub_chunk=SUB, diagonal="dense", save_gated=True, **kw))(
           q, k, v, g_cum, beta_t)
-  return (q, k, v, g_cum, beta_t, h0), kw, tuple(intra)
+  return (q, k, v, g_cum, beta_t, h0), kw, (intra.w, intra.u, intra.a_qk, intra.kg, intra.qg)
 
 
-@pytest.mark.parametrize("save,tiles", [(True, None), (False, None), (True, (16, 8))])
-def test_split_matches_fused(save, tiles):
+@pytest.mark.parametrize("save,rec_block_v", [(True, None), (False, None), (True, 16)])
+def test_split_matches_fused(save, rec_block_v):
   """o and ht (and with save, the entry states and V') of both state passes.
 
-  tiles: (rec_block_v, out_block_v) other than the defaults (block_v = 8 and
-  the whole V): one recurrence tile and two output tiles.
+  rec_block_v: the recurrence's V tile other than block_v = 8 (one tile).
   """
   (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg, qg) = _intra_outputs(1)
   cfg = kw["cfg"]
   meta = _meta()
-  if tiles:
-    cfg = dataclasses.replace(cfg, rec_block_v=tiles[0], out_block_v=tiles[1])
-    kw = dict(kw, cfg=cfg)
-  fused = jax.jit(functools.partial(kernel_fwd.state_fwd, varlen=False, save=True,
-                                    out_dtype=jnp.float32, **kw))(
+  if rec_block_v:
+    cfg = dataclasses.replace(cfg, rec_block_v=rec_block_v)
+  tpu = dict(kw, cfg=dataclasses.replace(cfg, backend="tpu_interpret"))
+  fused = jax.jit(functools.partial(kernel_state_fwd.state_fwd, varlen=False, save=True,
+                                    out_dtype=jnp.float32, **tpu))(
                                         meta, q, k, g_cum, w, u, a_qk, h0)
 
   @jax.jit
@@ -131,7 +131,7 @@ def test_state_bwd_reads_the_gated_operands(bwd_block_v):
   dht = jax.random.normal(jax.random.key(4), h0.shape, jnp.float32)
   tiled = dict(kw, cfg=dataclasses.replace(cfg, bwd_block_v=bwd_block_v))
   run = lambda x, y, gated: jax.jit(functools.partial(
-      kernel_bwd.state_bwd, varlen=False, gated=gated, **(tiled if gated else kw)))(
+      kernel_state_bwd.state_bwd, varlen=False, gated=gated, **(tiled if gated else kw)))(
           _meta(), x, y, g_cum, w, a_qk, do, dht)
   want = run(q, k, False)
   got = run(qg, kg, True)
@@ -143,12 +143,12 @@ def test_state_bwd_reads_the_gated_operands(bwd_block_v):
   assert rel_max(other[1], want[1]) > 1e-2
 
 
-def test_state_fwd_body_choice():
-  assert kernel_state_split.state_fwd_body(_cfg()) == "split"
-  assert kernel_state_split.state_fwd_body(_cfg(backend="triton")) == "split"
-  assert kernel_state_split.state_fwd_body(_cfg(backend="tpu_interpret")) == "fused"
-  assert kernel_state_split.state_fwd_body(_cfg(state_fwd_impl="fused")) == "fused"
+def test_each_state_pass_refuses_the_other_backend():
+  """The split pass is the GPU's (and interpret mode's), the fused one the TPU's."""
+  (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg, qg) = _intra_outputs(5)
+  with pytest.raises(ValueError, match="the TPU state pass"):
+    kernel_state_fwd.state_fwd(_meta(), q, k, g_cum, w, u, a_qk, h0, varlen=False, **kw)
+  tpu = dataclasses.replace(kw["cfg"], backend="tpu_interpret")
   with pytest.raises(ValueError, match="not lowered for TPU"):
-    kernel_state_split.state_fwd_body(_cfg(backend="tpu_interpret", state_fwd_impl="split"))
-  with pytest.raises(ValueError, match="state_fwd_impl must be"):
-    kernel_state_split.state_fwd_body(_cfg(state_fwd_impl="splt"))
+    kernel_state_split.state_recurrence(_meta(), w, u, kg, g_cum, h0, heads=H,
+                                        chunk_size=CHUNK, cfg=tpu, varlen=False)

@@ -21,12 +21,12 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers import gates
+from k3jax.layers.gates import GATES
 from k3jax.layers.norms import l2_norm, rms_norm
 from k3jax.layers.params import fan_in_init, logical_param
 from pallas_kernels.kda import api as kda_api
 from pallas_kernels.kda import reference as kda_reference
-
-GATES = ("bounded", "softplus")
+from pallas_kernels.kda import spec as kda_spec
 
 
 def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array) -> jax.Array:
@@ -64,25 +64,42 @@ class KDA(nnx.Module):
     conv_size: width of the short causal depthwise convolutions.
     gate: "bounded" or "softplus".
     g_min: lower bound of the bounded gate (negative).
-    chunk_size, sub_chunk, diagonal, implementation: passed to `chunk_kda`.
+    spec: the `chunk_kda` choices (`KdaSpec`; `ModelConfig.kda_spec` builds
+      it), held whole and passed to every call. Its lower bound must be g_min
+      for the bounded gate and None for the softplus one. Without it, the
+      keyword choices build one (the lower bound from the gate).
+    chunk_size, sub_chunk, diagonal, implementation: KdaSpec fields, when no
+      spec is given (None: KdaSpec's defaults).
     dtype: compute dtype of projections and the kernel's q/k/v.
     param_dtype: parameter dtype.
   """
 
   def __init__(self, d_model: int, num_heads: int, head_dim: int, *, conv_size: int = 4,
-               gate: str = "bounded", g_min: float = -5.0, chunk_size: int = 64,
-               sub_chunk: int = 16, diagonal: str = "dense", implementation: str = "xla",
-               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               gate: str = "bounded", g_min: float = -5.0,
+               spec: kda_spec.KdaSpec | None = None, chunk_size: int | None = None,
+               sub_chunk: int | None = None, diagonal: str | None = None,
+               implementation: str | None = None, dtype=jnp.float32,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
     if gate not in GATES:
       raise ValueError(f"unknown KDA gate {gate!r}; allowed: {GATES}")
     if conv_size < 1:
       raise ValueError(f"conv_size must be >= 1, got {conv_size}")
-    if gate == "softplus" and diagonal == "dense":
+    if gate == "softplus" and (diagonal or (spec.diagonal if spec else "dense")) == "dense":
       raise ValueError("the softplus gate is unbounded; it needs diagonal='pairwise', not 'dense'")
+    lower = float(g_min) if gate == "bounded" else None
+    if spec is None:
+      spec = kda_spec.resolve(None, chunk_size=chunk_size, sub_chunk=sub_chunk,
+                              diagonal=diagonal, implementation=implementation,
+                              lower_bound=lower)
+    else:
+      spec = kda_spec.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk,
+                              diagonal=diagonal, implementation=implementation)
+      if spec.lower_bound != lower:
+        raise ValueError(f"spec.lower_bound={spec.lower_bound} does not match the {gate} gate's "
+                         f"lower bound {lower}; build the spec with lower_bound={lower}")
     self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
     self.conv_size, self.gate, self.g_min = conv_size, gate, float(g_min)
-    self.chunk_size, self.sub_chunk = chunk_size, sub_chunk
-    self.diagonal, self.implementation = diagonal, implementation
+    self.spec = spec
     self.dtype = dtype
     h, k = num_heads, head_dim
     dense = fan_in_init(d_model)
@@ -149,13 +166,15 @@ class KDA(nnx.Module):
     o = (o * og.astype(jnp.float32)).astype(self.dtype)
     return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(self.dtype))
 
+  @property
+  def interpret(self) -> bool:
+    """Pallas kernels run emulated when the default platform is the CPU."""
+    return self.spec.implementation == "pallas" and jax.default_backend() == "cpu"
+
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
-    lower = self.g_min if self.gate == "bounded" else None
     return kda_api.chunk_kda(
-        q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-        chunk_size=self.chunk_size, lower_bound=lower, diagonal=self.diagonal,
-        sub_chunk=self.sub_chunk, implementation=self.implementation,
-        interpret=self.implementation == "pallas" and jax.default_backend() == "cpu")
+        q, k, v, g, beta, spec=self.spec, initial_state=initial_state,
+        output_final_state=output_final_state, interpret=self.interpret)
 
   @staticmethod
   def _stats(g):

@@ -2,19 +2,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 
+from k3jax.layers.gates import GATES
+from k3jax.layers.moe import MOE_IMPLS
+from k3jax.layers.residual import STRATEGIES as RESIDUALS
 from k3jax.routing.config import RouterConfig
-from pallas_kernels.kda import tiling
+from pallas_kernels.kda.spec import KdaSpec
 
 LAYER_KINDS = ("K", "A")  # K: KDA token mixer, A: softmax attention
-GATES = ("bounded", "softplus")
-DIAGONALS = ("dense", "pairwise")
-KDA_IMPLEMENTATIONS = ("xla", "pallas", "naive")
-RESIDUALS = ("prenorm", "block_attnres", "full_attnres")
-MOE_IMPLS = ("ragged", "buffered", "dense")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -48,7 +47,8 @@ class ModelConfig:
   kda_sub_chunk: int = 16
   # Diagonal-tile strategy: "dense" (needs the bounded gate) or "pairwise".
   kda_diagonal: str = "dense"
-  # chunk_kda implementation: "xla", "pallas" or "naive" (recurrent loop).
+  # chunk_kda implementation: "xla", "pallas" or "naive" (recurrent loop;
+  # `pallas_kernels.kda.spec.IMPLEMENTATIONS`).
   kda_implementation: str = "xla"
   # Routed experts per MoE layer; 0 makes every FFN a dense SwiGLU.
   num_experts: int = 8
@@ -102,26 +102,18 @@ class ModelConfig:
                        f"num_heads={self.num_heads}")
     if self.gate not in GATES:
       raise ValueError(f"ModelConfig.gate={self.gate!r}; allowed: {GATES}")
-    if self.kda_diagonal not in DIAGONALS:
-      raise ValueError(f"ModelConfig.kda_diagonal={self.kda_diagonal!r}; allowed: {DIAGONALS}")
-    if self.kda_implementation not in KDA_IMPLEMENTATIONS:
-      raise ValueError(f"ModelConfig.kda_implementation={self.kda_implementation!r}; "
-                       f"allowed: {KDA_IMPLEMENTATIONS}")
-    if self.kda_chunk_size % self.kda_sub_chunk:
-      raise ValueError(f"ModelConfig.kda_sub_chunk={self.kda_sub_chunk} must divide "
-                       f"kda_chunk_size={self.kda_chunk_size}")
-    if self.gate == "bounded":
-      if not self.g_min < 0:
-        raise ValueError(f"ModelConfig.g_min={self.g_min!r}; the bounded gate needs g_min < 0")
-      if self.kda_diagonal == "dense":
-        try:
-          tiling.check_lower_bound(self.g_min, self.kda_sub_chunk)
-        except ValueError as e:
-          raise ValueError(f"ModelConfig.g_min={self.g_min} with kda_sub_chunk="
-                           f"{self.kda_sub_chunk}: {e}") from None
-    elif self.kda_diagonal == "dense":
+    if self.gate == "bounded" and not self.g_min < 0:
+      raise ValueError(f"ModelConfig.g_min={self.g_min!r}; the bounded gate needs g_min < 0")
+    if self.gate == "softplus" and self.kda_diagonal == "dense":
       raise ValueError("ModelConfig.gate='softplus' is unbounded and needs "
                        "kda_diagonal='pairwise', got 'dense'")
+    try:
+      self.kda_spec  # pylint: disable=pointless-statement  (built and validated once)
+    except ValueError as e:
+      raise ValueError(f"ModelConfig.g_min={self.g_min} with kda_sub_chunk="
+                       f"{self.kda_sub_chunk}, kda_chunk_size={self.kda_chunk_size}, "
+                       f"kda_diagonal={self.kda_diagonal!r}, kda_implementation="
+                       f"{self.kda_implementation!r}: {e}") from None
     if not (isinstance(self.num_experts, int) and self.num_experts >= 0):
       raise ValueError(f"ModelConfig.num_experts={self.num_experts!r}; must be an int >= 0")
     if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:
@@ -147,6 +139,15 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; allowed: {tuple(DTYPES)}")
 
   # -- derived ---------------------------------------------------------------
+
+  @functools.cached_property
+  def kda_spec(self) -> KdaSpec:
+    """The KDA layers' chunk_kda choices, validated once (by `KdaSpec`); the
+    lower bound is g_min for the bounded gate, None for the unbounded one."""
+    return KdaSpec(chunk_size=self.kda_chunk_size, sub_chunk=self.kda_sub_chunk,
+                   diagonal=self.kda_diagonal,
+                   lower_bound=self.g_min if self.gate == "bounded" else None,
+                   implementation=self.kda_implementation)
 
   @property
   def layer_types(self) -> tuple[str, ...]:

@@ -32,7 +32,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.parallel import mesh as mesh_lib
 from pallas_kernels.kda import api as kda_api
+from pallas_kernels.kda import spec as kda_spec
 from pallas_kernels.kda.kernel_config import is_pow2
+from pallas_kernels.kda.spec import KdaSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -56,8 +58,7 @@ def _local_summary(q, k, v, g, beta, kernel_kwargs):
   eye = jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (bsz, h, dk, dk))
   zero_v = jnp.zeros(v.shape[:-1] + (dk,), v.dtype)
   zero_s = jnp.zeros((bsz, h, dk, dv), jnp.float32)
-  impl = kernel_kwargs["implementation"]
-  if impl != "pallas" or is_pow2(dk + dv):
+  if kernel_kwargs["spec"].implementation != "pallas" or is_pow2(dk + dv):
     o_aug, s_aug = kda_api.chunk_kda(
         q, k, jnp.concatenate([v, zero_v], -1), g, beta,
         initial_state=jnp.concatenate([zero_s, eye], -1), output_final_state=True,
@@ -93,11 +94,13 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                                batch_axes: Sequence[str] = (mesh_lib.DATA, mesh_lib.FSDP,
                                                             mesh_lib.EXPERT),
                                scale=None, initial_state=None, output_final_state=False,
-                               chunk_size=64, lower_bound=None, diagonal="dense",
-                               sub_chunk=16, implementation="xla", interpret=False):
+                               spec: KdaSpec | None = None, chunk_size=None, lower_bound=None,
+                               diagonal=None, sub_chunk=None, implementation=None,
+                               interpret=False):
   """`chunk_kda` with the time axis sharded over `context_axis` of `mesh`.
 
-  Same arguments and results as `pallas_kernels.kda.chunk_kda` (fla layouts:
+  Same arguments and results as `pallas_kernels.kda.chunk_kda` (the spec, or
+  its fields to build one from, and fla layouts:
   q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H]; beta
   [B, T, H]; initial_state [B, H, K, V]), except packed sequences
   (cu_seqlens), which are not supported here. The batch is sharded over
@@ -114,9 +117,9 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
   """
   n_ctx = mesh_lib.axis_size(mesh, context_axis)
   b_axes = _batch_axes(mesh, batch_axes, context_axis)
-  kernel_kwargs = dict(scale=scale, chunk_size=chunk_size, lower_bound=lower_bound,
-                       diagonal=diagonal, sub_chunk=sub_chunk,
-                       implementation=implementation, interpret=interpret)
+  spec = kda_spec.resolve(spec, chunk_size=chunk_size, lower_bound=lower_bound,
+                          diagonal=diagonal, sub_chunk=sub_chunk, implementation=implementation)
+  kernel_kwargs = dict(scale=scale, spec=spec, interpret=interpret)
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
   bsz, t_len, h, dk = q.shape
@@ -136,7 +139,7 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
   h0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
   if n_ctx == 1:
-    if implementation == "pallas" and n_batch > 1:
+    if spec.implementation == "pallas" and n_batch > 1:
       return _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes,
                             kernel_kwargs)
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,

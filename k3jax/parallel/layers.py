@@ -41,16 +41,13 @@ class ContextParallelKDA(KDA):
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
     n_batch = _batch_devices()
-    batch_split = self.implementation == "pallas" and n_batch > 1 and q.shape[0] % n_batch == 0
+    batch_split = (self.spec.implementation == "pallas" and n_batch > 1
+                   and q.shape[0] % n_batch == 0)
     if _axis(mesh_lib.CONTEXT) == 1 and not batch_split:
       return super()._kernel(q, k, v, g, beta, initial_state, output_final_state)
-    lower = self.g_min if self.gate == "bounded" else None
     return context_parallel.chunk_kda_context_parallel(
         q, k, v, g, beta, mesh=expert_parallel.current_mesh(), initial_state=initial_state,
-        output_final_state=output_final_state, chunk_size=self.chunk_size,
-        lower_bound=lower, diagonal=self.diagonal, sub_chunk=self.sub_chunk,
-        implementation=self.implementation,
-        interpret=self.implementation == "pallas" and jax.default_backend() == "cpu")
+        output_final_state=output_final_state, spec=self.spec, interpret=self.interpret)
 
 
 class ExpertParallelMoE(MoE):

@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import api
-from pallas_kernels.kda import kernel_bwd
-from pallas_kernels.kda import kernel_bwd_split
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
-from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_intra_bwd
+from pallas_kernels.kda import kernel_intra_bwd_split
+from pallas_kernels.kda import kernel_intra_fwd
+from pallas_kernels.kda import kernel_state_bwd
+from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
 from pallas_kernels.kda import pallas_op
 from pallas_kernels import timing
@@ -183,24 +185,22 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   cums_rev = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, reverse=True, cfg=cfg))
   cums_xla = jax.jit(lambda x: kernel_cumsum.chunk_cumsum_xla(x, c))
   g_cum = cums(g2)
-  split_state = kernel_state_split.state_fwd_body(cfg) == "split"
+  split_state = not cfg.is_tpu
   # What `pallas_op._forward` asks of the intra kernel (the split state pass
   # reads the gated keys and queries, in inference too).
-  intra = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                  save_gated=split_state, **kw))
-  intra_m = jax.jit(lambda *a: kernel_fwd.intra_fwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                                    save_m=True, save_gated=split_state,
-                                                    m_dtype=cfg.saved_state_dtype,
-                                                    **kw))
-  w, u, a_qk, m, *gated = intra_m(q2, k2, v2, g_cum, beta_t)
+  intra = jax.jit(lambda *a: kernel_intra_fwd.intra_fwd(
+      *a, sub_chunk=sub_chunk, diagonal=diagonal, save_gated=split_state, **kw))
+  intra_m = jax.jit(lambda *a: kernel_intra_fwd.intra_fwd(
+      *a, sub_chunk=sub_chunk, diagonal=diagonal, save_m=True, save_gated=split_state,
+      m_dtype=cfg.saved_state_dtype, **kw))
+  w, u, a_qk, m, kg, qg = intra_m(q2, k2, v2, g_cum, beta_t)
   state_split = {}
   if split_state:
-    kg, qg = gated
     # Storage dtypes as `pallas_op._forward` picks them.
     rec_kw = dict(heads=h, chunk_size=c, cfg=cfg, varlen=False)
     out_kw = dict(heads=h, chunk_size=c, cfg=cfg, out_dtype=q.dtype)
     train_kw = dict(state_dtype=cfg.saved_state_dtype,
-                    v_new_dtype=cfg.intra(backward=True).mm_dtype)
+                    v_new_dtype=cfg.intra_bwd_mm_dtype)
 
     def split_pass(qg, g_cum, w, u, kg, a_qk, h0, save):
       dtypes = train_kw if save else dict(state_dtype=cfg.mm_dtype)
@@ -221,28 +221,31 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
                    "output_fwd": (out, qg, a_qk, hs, v_new)}
   else:
     args = (q2, k2, g_cum, w, u, a_qk, h0)
-    state = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, **kw))
-    state_s = jax.jit(lambda *a: kernel_fwd.state_fwd(meta, *a, varlen=False, save=True, **kw))
+    state = jax.jit(lambda *a: kernel_state_fwd.state_fwd(meta, *a, varlen=False, **kw)[:2])
+    state_s = jax.jit(lambda *a: kernel_state_fwd.state_fwd(meta, *a, varlen=False, save=True,
+                                                            **kw))
     _, _, hs, v_new = state_s(*args)
     gated_qk = None
   do2 = v2
   # The reverse state kernel reads what the forward kept: the gated queries and
-  # keys after the split pass, q and k after the fused one.
+  # keys after the GPU's split pass, q and k after the TPU's fused one.
   sb_args = (*(gated_qk or (q2, k2)), g_cum, w, a_qk, do2, h0)
-  sb = jax.jit(lambda *a: kernel_bwd.state_bwd(meta, *a, varlen=False,
-                                               gated=gated_qk is not None, **kw))
+  sb = jax.jit(lambda *a: kernel_state_bwd.state_bwd(meta, *a, varlen=False,
+                                                     gated=gated_qk is not None, **kw))
   needs_bwd = stages is None or {"state_bwd", "intra_bwd", "intra_bwd_cc",
                                  "intra_bwd_k"} & set(stages)
   dv_new, dhs, _ = sb(*sb_args) if needs_bwd else (None, None, None)
-  ib = jax.jit(lambda *a: kernel_bwd.intra_bwd(*a, sub_chunk=sub_chunk, diagonal=diagonal,
-                                               **kw))
+  intra_bwd = (kernel_intra_bwd_split.intra_bwd_split if cfg.intra_bwd == "split"
+               else kernel_intra_bwd.intra_bwd_tiles)
+  ib = jax.jit(lambda *a: intra_bwd(*a, sub_chunk=sub_chunk, diagonal=diagonal, **kw))
   split = {}
-  if needs_bwd and kernel_bwd.intra_bwd_body(cfg, sub_chunk).startswith("split"):
+  if needs_bwd and cfg.intra_bwd == "split":
     # Its two kernels on their own (their sum is the "intra_bwd" stage).
     cc_args = (k2, v2, g_cum, beta_t, do2, hs, v_new, dv_new, m)
     cc_kw = {n: kw[n] for n in ("heads", "chunk_size", "cfg")}
-    cc_fn = jax.jit(lambda *a: kernel_bwd_split.intra_bwd_cc(*a, diagonal=diagonal, **cc_kw))
-    k_fn = jax.jit(lambda *a: kernel_bwd_split.second_kernel(cfg)(
+    cc_fn = jax.jit(lambda *a: kernel_intra_bwd_split.intra_bwd_cc(*a, diagonal=diagonal,
+                                                                   **cc_kw))
+    k_fn = jax.jit(lambda *a: kernel_intra_bwd_split.intra_bwd_k(
         *a, sub_chunk=sub_chunk, diagonal=diagonal, **kw))
     split = {"intra_bwd_cc": (cc_fn, *cc_args)}
     if want("intra_bwd_k"):
@@ -275,10 +278,9 @@ def parse_overrides(items):
 
   `name=value` sets a field: dtype fields take a dtype name, `true`/`false`
   are booleans, integers are ints, anything else a string (e.g.
-  `inverse=blocked`). `warps.<stage>=N` sets one stage's Triton warps,
-  `pipe.<stage>=N` its software-pipelining stages.
+  `inverse=blocked`). `warps.<stage>=N` sets one stage's Triton warps.
   """
-  overrides, warps, pipe = {}, {}, {}
+  overrides, warps = {}, {}
   for item in items:
     name, sep, value = item.partition("=")
     if not sep:
@@ -288,11 +290,6 @@ def parse_overrides(items):
       if stage not in kernel_config.STAGES:
         raise ValueError(f"override {item!r}: stage must be one of {kernel_config.STAGES}")
       warps[stage] = int(value)
-    elif name.startswith("pipe."):
-      stage = name[len("pipe."):]
-      if stage not in kernel_config.STAGES:
-        raise ValueError(f"override {item!r}: stage must be one of {kernel_config.STAGES}")
-      pipe[stage] = int(value)
     elif name.endswith("dtype"):
       overrides[name] = jnp.dtype(value)
     elif value.lower() in ("true", "false"):
@@ -305,8 +302,6 @@ def parse_overrides(items):
   if warps:
     # Only the named stages; `make_config` keeps its defaults for the others.
     overrides["num_warps"] = tuple(sorted(warps.items()))
-  if pipe:
-    overrides["pipeline_stages"] = tuple(sorted(pipe.items()))
   return overrides
 
 

@@ -81,8 +81,7 @@ def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelCo
       "tpu_interpret") this returns `chunk_cumsum_xla` (Mosaic has no cumsum
       lowering); every other backend runs the Pallas kernel.
     block_f: F-width of a program's block, a power of two dividing F;
-      default cfg.cumsum_block_f, else `default_block_f(F)` (128 for
-      F = 2048).
+      default `default_block_f(F)` (128 for F = 2048).
 
   Returns:
     [B, Tp, F] f32. Forward: out[t] = sum of g over the chunk's rows <= t;
@@ -95,7 +94,7 @@ def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelCo
   _check(g_btf, chunk_size)
   b, tp, f = g_btf.shape
   if block_f is None:
-    block_f = cfg.cumsum_block_f or default_block_f(f)
+    block_f = default_block_f(f)
   if not isinstance(block_f, int) or not is_pow2(block_f) or f % block_f:
     raise ValueError(f"block_f must be a power of two dividing F={f}, got {block_f!r}")
   if cfg.is_tpu:

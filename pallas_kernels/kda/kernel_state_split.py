@@ -1,83 +1,117 @@
-"""Split forward state pass of chunked KDA (`state_fwd_impl="split"`).
+"""Forward state pass of chunked KDA on the GPU: recurrence, then outputs.
 
-The fused `kernel_fwd.state_fwd` computes each chunk's output inside the
-sequential chunk loop. Only the state carries a dependency from chunk to
-chunk, so here the loop keeps just the recurrence and a second, fully
-parallel kernel forms the outputs:
+Only the state carries a dependency from chunk to chunk, so the sequential
+loop keeps just the recurrence and a second, fully parallel kernel forms the
+outputs:
 
-1. `state_recurrence`, grid (V/BV, B, H), chunks in order: per chunk
+1. `state_recurrence` (`kda_state_rec`), grid (V/BV, B, H), chunks in order:
      V' = U - W S,   S <- e^{G_last} S + kg^T V',
    with kg = k e^{G_last - G} written by the intra kernel (`save_gated`), so
    the loop reads W, U, kg and one gate row per chunk, and does no exp on a
    [C, K] tile. It writes the entry state of every chunk and V'.
-2. `output_fwd`, grid (B, H, NC): O = qg S_entry + A_qk V' with the gated
-   queries qg = (scale q) e^G, also written by the intra kernel next to W
-   (which shares e^G): two products per program, no element-wise work and
-   no f32 gate tile to read. In training the reverse state kernel reads qg
-   and kg too (`kernel_bwd.state_bwd`, gated): state_bwd took 0.93 ms
-   against 1.82 ms forming both exps in its loop (H200, bf16, B16 T2048 H16
-   D128, `tune_kda.py`; docs/benchmarks.md).
+2. `output_fwd` (`kda_output_fwd`), grid (B, H, NC): O = qg S_entry + A_qk V'
+   with the gated queries qg = (scale q) e^G, also written by the intra
+   kernel: two products per program. The reverse state kernel reads qg and
+   kg too (`kernel_state_bwd.state_bwd`, gated).
 
-On the H200 (bf16, B16 T2048 H16 D128, 2026-11-30, scratch kernels of this
-design in one run) the fused kernel took 1.74 ms (2.32 ms saving the states
-and V' for the backward); the recurrence 0.55 ms (f32 states) or 0.44 ms
-(bf16) and the output kernel 0.58 / 0.44 ms. Computing kg inside the loop
-instead of reading it took the recurrence to 0.87 ms. In-tree, in the
-training forward (states and V' kept), the pass took 1.43-1.50 ms against
-2.15-2.26 ms fused (`tune_kda.py`, same shape, 21:40 UTC; docs/benchmarks.md).
-Since the fixed-length loop carries h0 in and ht out around the chunks
-(`kernel_fwd.chunk_state_loop`) and the training states are bf16
-(`KernelConfig.residual_dtype`), the recurrence takes 0.58-0.64 ms and the
-training pass 0.95 ms (2026-12-01).
-
-Numerics match the fused kernel: it rounds S, V' and k e^{G_last - G} to the
-matmul dtype as operands, which is what storing them in that dtype does.
-
-GPU (Triton) and interpret mode only; the TPU state kernels already stream
-one chunk per grid step (`kernel_fwd.state_grid`) and stay fused there.
+Numerics match the TPU's fused pass (`kernel_state_fwd`): it rounds S, V' and
+k e^{G_last - G} to the matmul dtype as operands, which is what storing them
+in that dtype does. Not lowered for TPU, whose state kernels stream one chunk
+per grid step and stay fused.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.kernel_common import dot, exp, k_slices, state_grid
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import chunk_state_loop, dot, exp, k_slices, state_grid
 
 _F32 = jnp.float32
 
-# Forward state bodies (KernelConfig.state_fwd_impl, besides "auto").
-STATE_FWD_BODIES = ("fused", "split")
+
+class StateRecOut(NamedTuple):
+  """Outputs of `state_recurrence`: hs [B, H, NC*K, V] (entry state of every
+  chunk), v_new [B, Tp, H*V] (V'), ht [Nh, H, K, V] f32."""
+  hs: jax.Array
+  v_new: jax.Array
+  ht: jax.Array
 
 
-def state_fwd_body(cfg: KernelConfig) -> str:
-  """Which forward state pass runs, one of STATE_FWD_BODIES (validates the choice).
+def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chunks: int,
+                     chunk_size: int, slices, block_v: int, varlen: bool):
+  """The GPU recurrence's loop over one program's chunks, in order.
 
-  "auto" picks "split" on Triton and in interpret mode, "fused" on TPU; an
-  explicit "split" on TPU is a ValueError (its whole-sequence blocks are the
-  GPU layout).
+  Per chunk i: the entering state is h0's row seq_n[i] where the chunk starts
+  a sequence, else the carried one; `chunk_fn` advances it; with `save_refs`
+  the entering state and V' are stored; the leaving state is written to ht's
+  row seq_n[i] where the chunk ends a sequence.
+
+  Fixed length (not `varlen`) the program's rows are one sequence: h0's only
+  row enters chunk 0 and the last chunk's state goes to ht, outside the loop,
+  and the metadata is not read. Inside the loop the per-chunk selection would
+  load a whole [K, BV] f32 h0 block every chunk (registers and pipelined
+  shared memory the loop needs for its operands).
+
+  Args:
+    chunk_fn(s, rows, last_row) -> (v_new [C, BV] f32, s_next): one chunk;
+      s and s_next are tuples of [block_k, BV] f32 K slices of the state,
+      rows / last_row the chunk's row slice and its last row.
+    meta_refs: (first_ref, last_ref, seq_ref), int32 [NC] each.
+    h0_ref, ht_ref: [Nh', K, BV] initial and final states (Nh' = 1 when not
+      varlen).
+    save_refs: () or (hs_ref [NC*K, BV], vn_ref [Tp, BV]).
+    slices: the K slices (`k_slices`).
+    varlen: the chunks hold several sequences (the metadata says where).
   """
-  impl = cfg.state_fwd_impl
-  if impl not in ("auto",) + STATE_FWD_BODIES:
-    raise ValueError(f"state_fwd_impl must be 'auto' or one of {STATE_FWD_BODIES}, "
-                     f"got {impl!r}")
-  if impl == "split" and cfg.is_tpu:
-    raise ValueError(f"state_fwd_impl='split' is not lowered for TPU (backend "
-                     f"{cfg.backend!r}); use 'fused' or 'auto'")
-  if impl != "auto":
-    return impl
-  return "fused" if cfg.is_tpu else "split"
+  first_ref, last_ref, seq_ref = meta_refs
+  c = chunk_size
+  dk = sum(ks.size for ks in slices)
+
+  def body(i, s):
+    if varlen:
+      seq = seq_ref[i]
+      s = tuple(jnp.where(first_ref[i] != 0, h0_ref[seq, ks, :].astype(_F32), s_kb)
+                for ks, s_kb in zip(slices, s))
+    start = pl.multiple_of(i * c, c)
+    rows = pl.ds(start, c)
+    v_new, s_next = chunk_fn(s, rows, pl.ds(start + c - 1, 1))
+    if save_refs:
+      hs_ref, vn_ref = save_refs
+      base = pl.multiple_of(i * dk, dk)
+      for ks, s_kb in zip(slices, s):
+        at = pl.multiple_of(base + ks.start, ks.size)
+        hs_ref[pl.ds(at, ks.size), :] = s_kb.astype(hs_ref.dtype)
+      vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
+    if varlen:
+      @pl.when(last_ref[i] != 0)
+      def _():
+        for ks, s_kb in zip(slices, s_next):
+          ht_ref[seq, ks, :] = s_kb
+
+    return s_next
+
+  if varlen:
+    lax.fori_loop(0, num_chunks, body,
+                  tuple(jnp.zeros((ks.size, block_v), _F32) for ks in slices))
+    return
+  s_last = lax.fori_loop(0, num_chunks, body,
+                         tuple(h0_ref[0, ks, :].astype(_F32) for ks in slices))
+  for ks, s_kb in zip(slices, s_last):
+    ht_ref[0, ks, :] = s_kb
 
 
 def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref, h0_ref,
                        hs_ref, vn_ref, ht_ref, *, chunk_size, cfg, varlen):
   """Block shapes: w_ref, kg_ref, g_ref [Tp, K]; u_ref, vn_ref [Tp, BV];
   h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]. The state is carried as
-  K/block_k slices of [block_k, BV] f32 (`kernel_fwd.k_slices`)."""
+  K/block_k slices of [block_k, BV] f32 (`kernel_common.k_slices`)."""
   tp, dk = w_ref.shape
   slices = k_slices(cfg, dk)
 
@@ -100,16 +134,15 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
   """Kernel 1: the state recurrence alone.
 
   Args:
-    meta: (first_n, last_n, seq_n) int32 [NC], as for `kernel_fwd.state_fwd`.
+    meta: (first_n, last_n, seq_n) int32 [NC], as for `kernel_state_fwd.state_fwd`.
     w, kg, g_cum: [B, Tp, H*K]; u: [B, Tp, H*V]; h0: [Nh, H, K, V] f32.
     state_dtype: storage dtype of the entry states (f32 when the backward
       keeps them; the matmul dtype when only the output reads them).
     v_new_dtype: storage dtype of V' (default state_dtype).
 
   Returns:
-    hs [B, H, NC*K, V] (entry state of every chunk; state_dtype), v_new
-    [B, Tp, H*V] (v_new_dtype), ht [Nh, H, K, V] f32 (rows of sequences that
-    end; others untouched).
+    StateRecOut: hs in state_dtype, v_new in v_new_dtype, ht's rows of
+    sequences that end (others untouched).
   """
   if cfg.is_tpu:
     raise ValueError("the split state recurrence is not lowered for TPU")
@@ -121,7 +154,7 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
                     num_state_rows=h0.shape[0])
   nc = tp // chunk_size
   kernel = functools.partial(_recurrence_kernel, chunk_size=chunk_size, cfg=cfg, varlen=varlen)
-  return pl.pallas_call(
+  return StateRecOut(*pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k, grid.v, grid.k, grid.k, grid.state],
       out_specs=[grid.chunk_states, grid.v, grid.state],
@@ -130,7 +163,7 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
                  jax.ShapeDtypeStruct(h0.shape, _F32)],
       compiler_params=cfg.compiler_params("state_rec"), interpret=cfg.interpret,
       name="kda_state_rec",
-  )(*meta, w, u, kg, g_cum, h0)
+  )(*meta, w, u, kg, g_cum, h0))
 
 
 def _output_kernel(qg_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, cfg):
@@ -154,8 +187,8 @@ def output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg: KernelConfig, out
   b, tp, hk = qg.shape
   h, c = heads, chunk_size
   dk, dv = hk // h, v_new.shape[-1] // h
-  bv = cfg.out_block_v or dv
-  nv = dv // bv
+  bv = dv
+  nv = 1  # one V tile per program
   kspec = pl.BlockSpec((None, c, dk), lambda ib, ih, ic, iv: (ib, ic, ih))
   vspec = pl.BlockSpec((None, c, bv), lambda ib, ih, ic, iv: (ib, ic, ih * nv + iv))
   cspec = pl.BlockSpec((None, None, c, c), lambda ib, ih, ic, iv: (ib, ih, ic, 0))

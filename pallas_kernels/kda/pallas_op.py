@@ -1,8 +1,12 @@
 """`implementation="pallas"` of chunked KDA: layout, varlen packing, custom VJP.
 
-The Pallas kernels (`kernel_fwd`, `kernel_bwd`) work on a chunk grid: every
-sequence starts at a chunk boundary and the time axis is a multiple of C.
-This module
+The Pallas kernels work on a chunk grid: every sequence starts at a chunk
+boundary and the time axis is a multiple of C. Stages, in order: the gate
+cumsum (`kernel_cumsum`), the intra-chunk forward (`kernel_intra_fwd`), the
+state pass (`kernel_state_split` on the GPU, `kernel_state_fwd` on TPU);
+backward: the reverse state pass (`kernel_state_bwd`), the intra-chunk
+backward (`kernel_intra_bwd_split` or `kernel_intra_bwd`, by
+`KernelConfig.intra_bwd`) and the reverse cumsum. This module
 
 * pads T (fixed length) or gathers packed sequences onto the grid
   (`tiling.pack_varlen`), and scatters the outputs back; plain autodiff
@@ -19,12 +23,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import kernel_bwd
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
-from pallas_kernels.kda import kernel_fwd
+from pallas_kernels.kda import kernel_intra_bwd
+from pallas_kernels.kda import kernel_intra_bwd_split
+from pallas_kernels.kda import kernel_intra_fwd
+from pallas_kernels.kda import kernel_state_bwd
+from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
+from pallas_kernels.kda import spec as spec_lib
 from pallas_kernels.kda import tiling
+from pallas_kernels.kda import validation
+from pallas_kernels.kda.spec import KdaSpec
 
 _F32 = jnp.float32
 
@@ -59,39 +69,35 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
   g_cum = kernel_cumsum.chunk_cumsum(g.reshape(b, tp, h * dk).astype(_F32), st.chunk_size,
                                      cfg=cfg)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
-  split = kernel_state_split.state_fwd_body(cfg) == "split"
+  split = not cfg.is_tpu   # the GPU's state pass: recurrence, then outputs
   # Kept for the backward: M and (split pass) the entry states are written
   # straight in cfg.saved_state_dtype (bf16 by default on the GPU with bf16
   # intra-backward operands).
   res_dtype = cfg.saved_state_dtype
-  intra = kernel_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
-                               diagonal=st.diagonal, save_m=save, save_gated=split,
-                               m_dtype=res_dtype, **kw)
-  w, u, a_qk = intra[:3]
+  intra = kernel_intra_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
+                                     diagonal=st.diagonal, save_m=save, save_gated=split,
+                                     m_dtype=res_dtype, **kw)
   if split:
-    kg, qg = intra[-2:]
     # Without the backward only the output kernel reads the entry states and
     # V', as matmul operands. The backward keeps the states in res_dtype and
     # V' in its matmul dtype, V''s only use there.
     hs, v_new, ht = kernel_state_split.state_recurrence(
-        meta, w, u, kg, g_cum, h0, heads=h, chunk_size=st.chunk_size, cfg=cfg,
-        varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
-        v_new_dtype=cfg.intra(backward=True).mm_dtype if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(qg, a_qk, hs, v_new, heads=h, chunk_size=st.chunk_size,
-                                      cfg=cfg, out_dtype=q.dtype)
-    # The reverse state kernel reads the gated queries and keys instead of
-    # forming e^G and e^{G_last - G} on [C, K] tiles in its sequential loop.
-    gated = dict(qg=qg, kg=kg)
+        meta, intra.w, intra.u, intra.kg, g_cum, h0, heads=h, chunk_size=st.chunk_size,
+        cfg=cfg, varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
+        v_new_dtype=cfg.intra_bwd_mm_dtype if save else cfg.mm_dtype)
+    o = kernel_state_split.output_fwd(intra.qg, intra.a_qk, hs, v_new, heads=h,
+                                      chunk_size=st.chunk_size, cfg=cfg, out_dtype=q.dtype)
   else:
-    o, ht, *saved = kernel_fwd.state_fwd(meta, q2, k2, g_cum, w, u, a_qk, h0, varlen=st.varlen,
-                                         save=save, out_dtype=q.dtype, **kw)
-    if save:
-      hs, v_new = saved
-      gated = dict(qg=None, kg=None)
+    o, ht, hs, v_new = kernel_state_fwd.state_fwd(
+        meta, q2, k2, g_cum, intra.w, intra.u, intra.a_qk, h0, varlen=st.varlen, save=save,
+        out_dtype=q.dtype, **kw)
   o = o.reshape(b, tp, h, dv)
   if not save:
     return o, ht
-  return o, ht, dict(lay, g_cum=g_cum, w=w, a_qk=a_qk, m=intra[3], hs=hs, v_new=v_new, **gated)
+  # The GPU's reverse state kernel reads the gated queries and keys instead of
+  # forming e^G and e^{G_last - G} on [C, K] tiles in its sequential loop.
+  return o, ht, dict(lay, g_cum=g_cum, w=intra.w, a_qk=intra.a_qk, m=intra.m, hs=hs,
+                     v_new=v_new, qg=intra.qg, kg=intra.kg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -113,20 +119,14 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
 
   save_residuals=True keeps the forward's intermediates so the backward need
   not rerun the intra-chunk and state kernels: the cumulative gates G (f32,
-  kept instead of g), W (cfg.mm_dtype), A_qk (cfg.mm_dtype, [C] per row), M
-  ([C] per row) and the per-chunk entry states (K*V per chunk), both in
-  cfg.residual_dtype (f32 when None; the GPU default with bf16 intra-backward
-  operands is bf16, written so by the kernels), and V' (the split state
-  pass, the GPU default: the intra backward's matmul dtype, bf16 at
-  K = V = 128 with bf16 inputs; the fused kernel: f32). The split pass also
+  kept instead of g), W and A_qk (cfg.mm_dtype), and M, the per-chunk entry
+  states and V' in cfg.saved_state_dtype (written so by the GPU kernels; the
+  TPU's f32 states and V' take one cast pass). The GPU's split state pass also
   keeps the gated queries and keys qg = (scale q) e^G and
   kg = k e^{G_last - G} (cfg.mm_dtype) for the reverse state kernel. Per
-  token and head beyond the inputs, with bf16 inputs, the split pass and
-  bf16 M, states and V', that is 2K + 2C + 2C + 2KV/C + 2V + 4K bytes (G
-  takes g's place); K = V = 128, C = 64: 1792 bytes, 1.4x the bf16 q, k, v
-  plus f32 g themselves (1280 bytes), i.e. 0.94 GB at B16 T2048 H16 (f32 M
-  and states: 2432 bytes, 1.3 GB; the fused pass: 4K bytes less, and its f32
-  states and V' take one cast pass to residual_dtype).
+  token and head beyond the inputs, with bf16 inputs and bf16 M, states and
+  V', that is 2K + 2C + 2C + 2KV/C + 2V + 4K bytes (G takes g's place):
+  1792 bytes at K = V = 128, C = 64.
   save_residuals=False keeps only the inputs and recomputes
   everything in the backward (costing a second forward's intra and state
   kernels).
@@ -137,9 +137,8 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
     return out, (q, k, v, g, beta, h0, meta, None)
   o, ht, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
   saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "qg", "kg")}
-  if st.cfg.residual_dtype is not None:
-    for name in ("m", "hs", "v_new"):
-      saved[name] = saved[name].astype(st.cfg.residual_dtype)
+  for name in ("m", "hs", "v_new"):
+    saved[name] = saved[name].astype(st.cfg.saved_state_dtype)
   # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
   return (o, ht), (q, k, v, None, beta, h0, meta, saved)
 
@@ -160,12 +159,14 @@ def _core_bwd(st, res, cts):
   do2 = do.reshape(b, tp, h * dv).astype(cfg.mm_dtype)
   gated = r["qg"] is not None
   q_state, k_state = (r["qg"], r["kg"]) if gated else (r["q2"], r["k2"])
-  dv_new, dhs, dh0 = kernel_bwd.state_bwd(meta, q_state, k_state, r["g_cum"], r["w"],
-                                          r["a_qk"], do2, dht.astype(_F32),
-                                          varlen=st.varlen, gated=gated, **kw)
+  dv_new, dhs, dh0 = kernel_state_bwd.state_bwd(meta, q_state, k_state, r["g_cum"], r["w"],
+                                                r["a_qk"], do2, dht.astype(_F32),
+                                                varlen=st.varlen, gated=gated, **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
-  dq, dk_, dv_, dg_cum, dbeta = kernel_bwd.intra_bwd(
+  intra_bwd = (kernel_intra_bwd_split.intra_bwd_split if cfg.intra_bwd == "split"
+               else kernel_intra_bwd.intra_bwd_tiles)
+  dq, dk_, dv_, dg_cum, dbeta = intra_bwd(
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
       grad_dtype=q.dtype if same else _F32, **kw)
@@ -187,38 +188,42 @@ def _next_pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def chunk_kda_pallas(q, k, v, g, beta, *, scale, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, chunk_size=64, lower_bound=None, diagonal="dense",
-                     sub_chunk=16, interpret=False, backend=None, block_v=None,
-                     config_overrides=None):
+def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
+                     output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
+                     chunk_size=64, lower_bound=None, diagonal="dense", sub_chunk=16,
+                     interpret=False, backend=None, block_v=None, config_overrides=None):
   """Chunked KDA with Pallas kernels; differentiable (custom VJP).
 
-  Arguments are validated by `api.chunk_kda` (this entry re-checks only what
-  the kernels need: power-of-two tiles, dtypes).
-
   Args:
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] float32 log-decay;
-    beta: [B, T, H].
-    scale: python float multiplying q.
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] or [B, T, H] float32
+    log-decay; beta: [B, T, H].
+    scale: multiplies q; defaults to K ** -0.5.
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final states.
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
-    chunk_size: C; sub_chunk: L, the diagonal tile length.
-    lower_bound: g_min; only validated (by api) for the dense path.
-    diagonal: "dense" or "pairwise".
+    spec: the tiling (`KdaSpec`, validated when built; `chunk_kda` passes
+      it), or None to take chunk_size (C), sub_chunk (L, the diagonal tile)
+      and diagonal ("dense" or "pairwise") as given. lower_bound is not
+      read here: the dense path's bound on the gates is checked by KdaSpec.
+      With spec, the three keyword values are not read.
     interpret: emulate the kernels on the CPU.
     backend: override of the lowering ("triton", "tpu", "interpret"); None
       picks from `interpret` and the default JAX platform.
     block_v: V-tile of the state kernels (default min(V, 64)).
     config_overrides: dict of `kernel_config.KernelConfig` fields to force
-      (e.g. {"score_mm_dtype": jnp.bfloat16}) for benchmarks and ablations.
+      (e.g. {"block_k": 32}) for benchmarks and ablations.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
   """
-  del lower_bound  # Validated by the caller against sub_chunk.
-  if diagonal not in ("dense", "pairwise"):
-    raise ValueError(f"diagonal must be 'dense' or 'pairwise', got {diagonal!r}")
+  del lower_bound
+  if spec is not None:
+    chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
+  elif diagonal not in spec_lib.DIAGONALS:
+    raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
+  args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                             cu_seqlens=cu_seqlens)
+  g, scale = args.g, args.scale
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
   if backend is None:

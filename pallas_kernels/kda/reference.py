@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import tiling
+from pallas_kernels.kda import spec as spec_lib
 from pallas_kernels.kda import validation
+from pallas_kernels.kda.spec import KdaSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -193,11 +195,12 @@ def _intra_chunk(q_ck, k_ck, v_cv, g_cum_ck, beta_c, *, sub_chunk, diagonal):
 
 
 def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, chunk_size=64,
-                  diagonal="dense", lower_bound=None, sub_chunk=16):
+                  output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
+                  chunk_size=None, diagonal=None, lower_bound=None, sub_chunk=None):
   """Chunked KDA in plain JAX (the `xla` implementation).
 
-  Same arguments and results as `naive_recurrent_kda`, plus:
+  Same arguments and results as `naive_recurrent_kda`, plus the tiling: a
+  validated `spec`, or these fields of one (None: KdaSpec's defaults):
     chunk_size: C, the chunk length of the inter-chunk scan.
     diagonal: "dense" (every intra-chunk tile an anchored matmul; needs
       `lower_bound`) or "pairwise" (explicit position-pair decay on the
@@ -209,10 +212,11 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
   T need not be a multiple of C: the tail is zero-padded (g = 0, beta = 0),
   which leaves outputs and states unchanged.
   """
+  spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
+                          lower_bound=lower_bound)
+  chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
   args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                             diagonal=diagonal, lower_bound=lower_bound,
-                             sub_chunk=sub_chunk)
+                             cu_seqlens=cu_seqlens)
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
   c = chunk_size

@@ -1,6 +1,7 @@
-"""Argument checks shared by every KDA implementation.
+"""Tensor argument checks shared by every KDA implementation.
 
 Errors name the argument, the shape or value received and what is allowed.
+The tiling choices are checked once, by `spec.KdaSpec`.
 """
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import tiling
-
-DIAGONALS = ("dense", "pairwise")
 _FLOAT_INPUTS = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -36,9 +34,8 @@ def _check_float(name, x):
     raise TypeError(f"{name} must be a floating array (bf16/f16/f32/f64), got {x.dtype}")
 
 
-def validate(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
-             chunk_size=None, diagonal=None, lower_bound=None, sub_chunk=None) -> KdaArgs:
-  """Checks shapes, dtypes and tiling; returns normalised arguments.
+def validate(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None) -> KdaArgs:
+  """Checks shapes and dtypes; returns normalised arguments.
 
   Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H];
   beta [B, T, H]; initial_state [N, H, K, V]; cu_seqlens [N + 1] (B == 1).
@@ -81,13 +78,4 @@ def validate(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=Non
 
   if scale is None:
     scale = dk ** -0.5
-  if chunk_size is not None:
-    if chunk_size < 1:
-      raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if diagonal not in DIAGONALS:
-      raise ValueError(f"diagonal must be one of {DIAGONALS}, got {diagonal!r}")
-    if sub_chunk is None or sub_chunk < 1 or chunk_size % sub_chunk:
-      raise ValueError(f"sub_chunk must divide chunk_size={chunk_size}, got {sub_chunk}")
-    if diagonal == "dense":
-      tiling.check_lower_bound(lower_bound, sub_chunk)
   return KdaArgs(scale=float(scale), g=g, num_states=num_states)

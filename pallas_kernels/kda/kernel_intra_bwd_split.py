@@ -1,6 +1,6 @@
-"""Split intra-chunk backward of chunked KDA (`intra_bwd_impl="split"`).
+"""Split intra-chunk backward of chunked KDA (`KernelConfig.intra_bwd="split"`).
 
-The same gradients as `kernel_bwd._intra_bwd_kernel`, in two pallas_calls:
+The same gradients as `kernel_intra_bwd`, in two pallas_calls:
 
 1. `kda_intra_bwd_cc`, grid (B, H, NC): the terms without a per-channel gate
    factor, all [C, C] or [C, V]:
@@ -18,16 +18,14 @@ The same gradients as `kernel_bwd._intra_bwd_kernel`, in two pallas_calls:
    the slices by the wrapper).
 
 Why split: the one-program body holds [C, K] f32 tiles next to the [C, C]
-ones. A K-sliced single kernel gave wrong f32 gradients on the H200 while
-matching in interpret mode; the suspected cause, not isolated, is its
-products with a transposed [C, C] left operand and N = block_k < K (see
-docs/benchmarks.md). Here the only transposed-left products (M^T dM,
+ones. A K-sliced single kernel gave wrong f32 gradients on the GPU while
+matching in interpret mode. Here the only transposed-left products (M^T dM,
 M^T dV') have N = C or V and live in kernel 1; kernel 2 gets the column-side
 score gradients as plain products with the stored transposes,
 t_qc = dAqk^T @ xq (xq is zero outside tile r; see `add_score_grads`).
 
-The Triton default (`kernel_bwd.intra_bwd_body`); not lowered for TPU
-(Mosaic), where it is a ValueError.
+The GPU's body at sub_chunk >= 16 (`KernelConfig.intra_bwd="split"`); not
+lowered for TPU (Mosaic).
 """
 from __future__ import annotations
 
@@ -37,10 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-# kernel_bwd imports this module lazily (in `intra_bwd`), so no import cycle.
-from pallas_kernels.kda.kernel_bwd import add_score_grads, state_term_grads
+from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_score_grads, chunk_specs, dot,
+                                              exp, iota, k_slices, state_decay_grad)
 from pallas_kernels.kda.kernel_config import KernelConfig
-from pallas_kernels.kda.kernel_fwd import chunk_specs, dot, exp, iota, k_slices
 
 _F32 = jnp.float32
 
@@ -48,17 +45,58 @@ _F32 = jnp.float32
 def cc_store_dtype(cfg: KernelConfig, diagonal: str):
   """Storage dtype of dA, dAqk and their transposes between the two kernels.
 
-  "dense": cfg.score_mm_dtype. Every use is an anchored score product that
-  rounds them to it first (`rnd`, as in `_intra_bwd_kernel`), so storing them
+  "dense": the score products' operand dtype (cfg.mm_dtype). Every use is an
+  anchored score product that rounds them to it first, so storing them
   rounded loses nothing, and bf16 halves kernel 2's reads of them (once per
   K slice). "pairwise": f32, because the explicit pair-decay gradients of the
-  diagonal tiles use them unrounded: relative L2 errors of dq / dk / dg vs the
-  f32 recurrence were 4.15 / 4.11 / 4.40e-3 with f32 storage (as "tiles")
-  and 4.43 / 4.44 / 4.75e-3 with bf16 (interpret, bf16 inputs and intra-bwd
-  operands, B1 T200 H2 K=V=32, C=32, L=8, GDN gates). With f32 inputs both
-  are f32.
+  diagonal tiles use them unrounded.
   """
-  return cfg.score_mm_dtype if diagonal == "dense" else _F32
+  return cfg.mm_dtype if diagonal == "dense" else _F32
+
+
+def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: KernelConfig, *,
+                     last_row: bool = False):
+  """Gradients through a chunk's state terms, for some of its rows and one K slice.
+
+  The terms: O += (q e^G) S (entry state S), S_next = e^{G_last} S +
+  (k e^{G_last - G})^T V', and W = M (beta k e^G), whose gradient
+  d(beta k e^G) = M^T dW = -dU~ S^T.
+
+  Args:
+    q (scaled), k, g: [R, K'] f32 rows of the chunk; beta: [R, 1] f32.
+    g_ref: [C, K'] ref of the chunk's G (its last row is G_last).
+    do_ref, vn_ref, du_ref: [R, V] refs of dO, V' and dU~ of those rows.
+    s, ds: [K', V] the slice's rows of the entry state and of the exit-state
+      gradient (either dtype). cfg: the intra-backward config.
+    last_row: also return dG's last-row term from the state decay,
+      sum_rows (k e^{G_last - G}) * (V' dS^T) + (sum_v dS * S)^T e^{G_last}
+      (meaningful only when the R rows are the whole chunk).
+
+  Returns:
+    dq [R, K'] (w.r.t. the scaled q), dk [R, K'], dG [R, K'], dbeta [R, 1],
+    all f32; then the [1, K'] last-row term if last_row.
+  """
+  eg = exp(g)
+  g_last = g_ref[pl.ds(g_ref.shape[0] - 1, 1), :]
+  kdec = exp(g_last - g)
+  # O += (q e^G) S.
+  dqt = dot(do_ref[...], s, cfg, tb=True)
+  dq = eg * dqt
+  dgc = q * eg * dqt
+  # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
+  dkt = dot(vn_ref[...], ds, cfg, tb=True)
+  kk = k * kdec
+  dk = kdec * dkt
+  dgc = dgc - kk * dkt
+  if last_row:
+    dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
+              + state_decay_grad(ds, s, g_last))
+  # W = M (beta k e^G): d(beta k e^G) = M^T dW = -dU~ S^T.
+  dbkg = -dot(du_ref[...], s, cfg, tb=True)
+  dbeta = jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
+  dk = dk + beta * eg * dbkg
+  dgc = dgc + beta * k * eg * dbkg
+  return (dq, dk, dgc, dbeta) + ((dglast,) if last_row else ())
 
 
 def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, dvn_ref,
@@ -71,7 +109,7 @@ def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, 
   dbeta_ref [C, 1] f32, du_ref [C, V], da_ref / daq_ref / dat_ref / daqt_ref
   [C, C].
   """
-  cfg = cfg.intra(backward=True)
+  cfg = cfg.backward()
   c, dk = k_ref.shape
   beta = beta_ref[...]
   v = v_ref[...].astype(_F32)
@@ -110,7 +148,8 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32 (this
   slice's part).
   """
-  cfg = cfg.intra(backward=True)
+  sdt = cfg.mm_dtype       # the score products' operands, as in the forward
+  cfg = cfg.backward()
   c = q_ref.shape[0]
   q = q_ref[...].astype(_F32) * scale
   k = k_ref[...].astype(_F32)
@@ -122,10 +161,9 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   dq, dk, dgc, dbeta, dglast = state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref,
                                                 s, ds, cfg, last_row=True)
 
-  # Scores (`kernel_bwd.add_score_grads`): every product reads a whole stored
+  # Scores (`kernel_common.add_score_grads`): every product reads a whole stored
   # [C, C] gradient; the row side's plain products, the column side's the
   # stored transposes. Read at each use, not held across the tile loop.
-  sdt = cfg.score_mm_dtype
   stored = {"q_row": daq_ref, "q_col": daqt_ref, "k_row": da_ref, "k_col": dat_ref}
 
   def tile_product(side, x):
@@ -138,7 +176,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
 
   dq, dk, dbeta, dgc = add_score_grads(
       (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, scale=scale, tile_product=tile_product,
+      diagonal=diagonal, cfg=cfg, scale=scale, score_dtype=sdt, tile_product=tile_product,
       pair_blocks=pair_blocks)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
@@ -150,7 +188,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
 
 def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
                     sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32):
-  """Intra-chunk backward as two kernels; same contract as `kernel_bwd.intra_bwd`.
+  """Intra-chunk backward as two kernels; same contract as `kernel_intra_bwd.intra_bwd_tiles`.
 
   Args:
     q, k, g_cum: [B, Tp, H*K]; v, do, v_new, dv_new: [B, Tp, H*V];
@@ -160,9 +198,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     grad_dtype: storage dtype of dq, dk, dv.
 
   Returns:
-    dq, dk [B, Tp, H*K] (dq w.r.t. the unscaled q), dv [B, Tp, H*V], all
-    grad_dtype; dG [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum), dbeta
-    [B, H, Tp, 1] f32.
+    IntraBwdOut.
 
   Intermediates in HBM: dU~ [B, Tp, H*V] (intra-bwd matmul dtype, the dtype
   of every product that reads it), dA, dAqk and their transposes
@@ -174,20 +210,10 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   dv, dbeta_v, *cc = intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, heads=heads,
                                   chunk_size=chunk_size, diagonal=diagonal, cfg=cfg,
                                   dv_dtype=grad_dtype)
-  dq, dk, dg, dbeta_k = second_kernel(cfg)(
+  dq, dk, dg, dbeta_k = intra_bwd_k(
       q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads, chunk_size=chunk_size,
       sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg, grad_dtype=grad_dtype)
-  return dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2)
-
-
-def second_kernel(cfg: KernelConfig):
-  """`intra_bwd_k` (one program per chunk and K slice) or, for
-  intra_bwd_impl="split_rows", `kernel_bwd_split_rows.intra_bwd_k_rows` (one
-  per chunk, K slice and row tile); both take and return the same arrays."""
-  if cfg.intra_bwd_impl == "split_rows":
-    from pallas_kernels.kda import kernel_bwd_split_rows  # pylint: disable=g-import-not-at-top
-    return kernel_bwd_split_rows.intra_bwd_k_rows
-  return intra_bwd_k
+  return IntraBwdOut(dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2))
 
 
 def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_size, diagonal,
@@ -203,7 +229,7 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
   h, c = heads, chunk_size
   dk_, dv_ = hk // h, v.shape[-1] // h
   nc = tp // c
-  mdt = cfg.intra(backward=True).mm_dtype
+  mdt = cfg.intra_bwd_mm_dtype
   sdt = cc_store_dtype(cfg, diagonal)
   spec = chunk_specs(c, dk_, dv_)
   kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state

@@ -1,12 +1,10 @@
-"""KDA Pallas backward: row-block intra kernel and saved forward residuals.
+"""KDA Pallas backward: the body choice and the saved forward residuals.
 
-The row-block `intra_bwd` kernel ("rows", the interpret-mode default) is checked against
-the full-tile kernel ("tiles", the TPU path) on the same random
-operands, and the whole VJP (both residual modes) against the float32 naive
-recurrence. Both use four row tiles per chunk (C = 64, L = 16 and C = 32,
-L = 8), so every (row tile, column tile) pair of the column-side products is
-exercised. Interpret mode fills kernel outputs with NaN first, so an
-unwritten row block fails.
+The whole VJP (both residual modes) is checked against the float32 naive
+recurrence with four row tiles per chunk (C = 32, L = 8: the one-program
+"tiles" body, as on the GPU at L < 16), and the dtypes the residuals travel
+in are read off the traced program. Interpret mode fills kernel outputs with
+NaN first, so an unwritten block fails.
 """
 from __future__ import annotations
 
@@ -17,72 +15,60 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import kernel_bwd
+from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
-from tests.kda_inputs import (GRAD_NAMES, assert_each_within, intra_bwd_by_impl, intra_bwd_operands,
-                               state_loss_grads, vjp_inputs)
+from tests.kda_inputs import GRAD_NAMES, assert_each_within, state_loss_grads, vjp_inputs
 
 # max|x - ref| / max|ref|, float32 operands, exact (HIGHEST) matmuls on the CPU.
 F32_TOL = 2e-5
 
 
-def test_row_block_kernel_matches_full_tile_kernel(diagonal="dense"):
-  """intra_bwd "rows" == "tiles" on random chunk operands (all five outputs).
-
-  The pairwise row-block path is checked end to end by the pairwise VJP test
-  of tests/test_kda_pallas.py (the interpret backend runs "rows").
-  """
-  ops = intra_bwd_operands(0, b=1, h=1, nc=1, c=64, dk=16, dv=32)
-  outs = intra_bwd_by_impl(ops, ("rows", "tiles"), heads=1, chunk=64, sub_chunk=16,
-                           diagonal=diagonal)
-  assert_each_within(outs["rows"], outs["tiles"], ("dq", "dk", "dv", "dG", "dbeta"), F32_TOL)
-
-
 def test_intra_bwd_body_choice():
-  """"auto" resolves per backend; explicit choices are checked against the backend."""
-  cfg = lambda backend, **kw: kernel_config.make_config(
+  """The heuristic picks "split" on the GPU (and interpret mode) at L >= 16,
+  else "tiles"; explicit choices are checked against the backend."""
+  cfg = lambda backend, sub_chunk=16, **kw: kernel_config.make_config(
       backend=backend, dtype=jnp.bfloat16, head_k=128, head_v=128, chunk_size=64,
-      sub_chunk=16, overrides=kw or None)
-  body = kernel_bwd.intra_bwd_body
-  assert body(cfg("triton"), 16) == "split"
-  assert body(cfg("triton"), 8) == "tiles"      # split and rows need L >= 16 on Triton
-  assert body(cfg("tpu"), 16) == "tiles"
-  assert body(cfg("tpu_interpret"), 16) == "tiles"
-  assert body(cfg("interpret"), 8) == "rows"
-  for impl in ("rows", "tiles", "split", "split_rows"):
-    assert body(cfg("triton", intra_bwd_impl=impl), 16) == impl
-    assert body(cfg("interpret", intra_bwd_impl=impl), 8) == impl
-  for impl in ("rows", "split", "split_rows"):
-    with pytest.raises(ValueError, match="sub_chunk >= 16"):
-      body(cfg("triton", intra_bwd_impl=impl), 8)
+      sub_chunk=sub_chunk, overrides=kw or None)
+  assert cfg("triton").intra_bwd == "split"
+  assert cfg("interpret").intra_bwd == "split"
+  assert cfg("triton", 8).intra_bwd == "tiles"      # split needs L >= 16 on Triton
+  assert cfg("interpret", 8).intra_bwd == "tiles"
+  assert cfg("tpu").intra_bwd == "tiles"
+  assert cfg("tpu_interpret").intra_bwd == "tiles"
+  assert cfg("triton", intra_bwd="tiles").intra_bwd == "tiles"
+  assert cfg("interpret", 8, intra_bwd="split").intra_bwd == "split"
+  with pytest.raises(ValueError, match="sub_chunk >= 16"):
+    cfg("triton", 8, intra_bwd="split")
   for backend in ("tpu", "tpu_interpret"):
-    for impl in ("split", "split_rows"):
-      with pytest.raises(ValueError, match="not lowered for TPU"):
-        body(cfg(backend, intra_bwd_impl=impl), 16)
-  with pytest.raises(ValueError, match="intra_bwd_impl"):
-    body(cfg("interpret", intra_bwd_impl="fast"), 16)
+    with pytest.raises(ValueError, match="not lowered for TPU"):
+      cfg(backend, intra_bwd="split")
+  with pytest.raises(ValueError, match="intra_bwd must be one of"):
+    cfg("interpret", intra_bwd="rows")
 
 
 def test_vjp_saved_and_recomputed_residuals_match_naive():
   """All six gradients vs the naive recurrence, with and without saved residuals.
 
-  Gates at the bound, T = 40 (not a multiple of C = 32), four row tiles of
-  L = 8, an initial state and a final-state cotangent. (With C = 64, L = 16
-  at the bound, dg is ~2.2e-5 from the float64 recurrence, for the full-tile
-  kernel 2.4e-5: a property of the e^75 diagonal factors, not of this kernel.) Both residual modes run the same kernels on
-  the same operands, so their gradients must agree bit for bit.
+  Per-channel gates spread over (g_min, 0), T = 40 (not a multiple of C = 32),
+  four row tiles of L = 8 (the one-program "tiles" body, the GPU's at
+  L < 16), an initial state and a final-state cotangent. (Gates at the bound
+  put e^35 factors on the diagonal tiles; there dg is 2.2e-5 from the f32
+  recurrence with both kept bodies, just over this bound, a matter of f32
+  summation order: `test_kda_bwd_split.test_split_vjp_matches_naive` checks
+  the bound at other shapes.) Both residual modes run the same kernels on the
+  same operands, so their gradients must agree bit for bit.
   """
   dk = 16
-  xs, do, dht = vjp_inputs(1, b=1, t=40, h=1, dk=dk, dv=16, gates="at_bound")
+  xs, do, dht = vjp_inputs(1, b=1, t=40, h=1, dk=dk, dv=16, gates="spread")
   grads = lambda fn: state_loss_grads(fn, xs, do, dht)
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = {}
   for save in (True, False):
     got[save] = grads(functools.partial(
         chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal="dense",
-        interpret=True, config_overrides=dict(save_residuals=save, intra_bwd_impl="rows")))
+        interpret=True, config_overrides=dict(save_residuals=save)))
     assert_each_within(got[save], want, GRAD_NAMES, F32_TOL, label=f"save_residuals={save}")
   for a, r in zip(got[True], got[False]):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
@@ -105,9 +91,11 @@ def _pallas_call_inputs(jaxpr, name, side="invars"):
   return None
 
 
-@pytest.mark.parametrize("residual_dtype,want", [(None, "float32"), (jnp.bfloat16, "bfloat16")])
-def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
-  """The saved M, entry states and V', and dS, reach intra_bwd in cfg.residual_dtype.
+@pytest.mark.parametrize("operand_dtype,want", [(jnp.float32, "float32"),
+                                                (jnp.bfloat16, "bfloat16")])
+def test_saved_state_dtype_reaches_intra_bwd(operand_dtype, want):
+  """The saved M, entry states and V', and dS, reach intra_bwd in
+  cfg.saved_state_dtype (the intra backward's operand dtype).
 
   Checked on the traced program: on the CPU, XLA's excess-precision rewrite
   may drop an f32 -> bf16 -> f32 round trip inside one interpreted program,
@@ -116,7 +104,8 @@ def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
   """
   x = jnp.ones((1, 40, 1, 16), jnp.bfloat16)
   fn = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
-                         interpret=True, config_overrides=dict(residual_dtype=residual_dtype))
+                         interpret=True,
+                         config_overrides=dict(intra_bwd="tiles", intra_bwd_mm_dtype=operand_dtype))
 
   def run(*xs):
     _, vjp = jax.vjp(lambda *a: fn(*a)[0], *xs)
@@ -127,7 +116,7 @@ def test_residual_dtype_reaches_intra_bwd(residual_dtype, want):
   # (q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m)
   # M, the entry states, V' and the per-chunk exit-state gradients dS.
   assert dtypes is not None and [dtypes[i] for i in (6, 7, 8, 10)] == [want] * 4, dtypes
-  assert dtypes[9] == "float32"  # dV' in the intra backward's matmul dtype (f32 here)
+  assert dtypes[9] == want  # dV' in the intra backward's matmul dtype
   # (dv_new, dhs, dh0): dS leaves the reverse state kernel in it; dh0 stays f32.
   assert _pallas_call_inputs(jaxpr.jaxpr, "kda_state_bwd", "outvars")[1:] == [want, "float32"]
   # M and the entry states leave their forward kernels in it (no cast pass):
@@ -143,22 +132,23 @@ def test_state_decay_grad_is_f32_arithmetic_on_bf16_operands():
   ds = jnp.asarray(rng.normal(size=(32, 128)), jnp.bfloat16)
   s = jnp.asarray(rng.normal(size=(32, 128)), jnp.bfloat16)
   g_last = jnp.asarray(-rng.uniform(0.0, 5.0, size=(1, 32)), jnp.float32)
-  got = kernel_bwd.state_decay_grad(ds, s, g_last)
+  got = kernel_common.state_decay_grad(ds, s, g_last)
   assert got.dtype == jnp.float32 and got.shape == (1, 32)
   ds64, s64 = np.asarray(ds, np.float64), np.asarray(s, np.float64)
   want = (ds64 * s64).sum(axis=1)[None, :] * np.exp(np.asarray(g_last, np.float64))
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
-def test_residual_dtype_defaults_to_the_intra_backward_operands():
-  """bf16 where the intra backward's products take bf16 operands (the GPU at
-  K*V >= 128*128 with bf16 inputs), else None (f32 residuals)."""
+def test_saved_state_dtype_defaults_to_the_intra_backward_operands():
+  """bf16 where the intra backward's products take bf16 operands (the GPU, and
+  interpret mode, at K*V >= 128*128 with bf16 inputs), else f32."""
   make = lambda backend, dtype, d: kernel_config.make_config(
       backend=backend, dtype=dtype, head_k=d, head_v=d, chunk_size=64, sub_chunk=16)
-  assert make("triton", jnp.bfloat16, 128).residual_dtype == jnp.bfloat16
-  assert make("triton", jnp.bfloat16, 64).residual_dtype is None
-  assert make("triton", jnp.float32, 128).residual_dtype is None
-  assert make("interpret", jnp.bfloat16, 128).residual_dtype is None
+  assert make("triton", jnp.bfloat16, 128).saved_state_dtype == jnp.bfloat16
+  assert make("interpret", jnp.bfloat16, 128).saved_state_dtype == jnp.bfloat16
+  assert make("triton", jnp.bfloat16, 64).saved_state_dtype == jnp.float32
+  assert make("triton", jnp.float32, 128).saved_state_dtype == jnp.float32
+  assert make("tpu", jnp.bfloat16, 128).saved_state_dtype == jnp.float32
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -167,7 +157,7 @@ def test_input_gradients_leave_the_kernel_in_the_input_dtype(dtype):
   pass); dG and dbeta stay f32 for the reverse cumsum and the sum over slices."""
   x = jnp.ones((1, 40, 1, 16), dtype)
   fn = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
-                         interpret=True)
+                         interpret=True, config_overrides={"intra_bwd": "tiles"})
 
   def run(*xs):
     _, vjp = jax.vjp(lambda *a: fn(*a)[0], *xs)
@@ -177,7 +167,8 @@ def test_input_gradients_leave_the_kernel_in_the_input_dtype(dtype):
   # (dq, dk, dv, dG, dbeta)
   assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd", "outvars") == [dtype] * 3 + [
       "float32"] * 2
-  split = functools.partial(fn, config_overrides={"intra_bwd_impl": "split"})
+  split = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
+                            interpret=True)  # the default body at L = 16
   jaxpr = jax.make_jaxpr(lambda *xs: jax.vjp(lambda *a: split(*a)[0], *xs)[1](xs[2]))(
       x, x, x, -jnp.ones((1, 40, 1, 16)), jnp.ones((1, 40, 1)))
   assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd_cc", "outvars")[0] == dtype  # dv

@@ -1,0 +1,340 @@
+"""In-kernel helpers shared by the Pallas KDA stages.
+
+* matmuls and exponentials: `dot`, `exp`, `iota`, `k_slices`;
+* the anchored decay factors of a row sub-tile (`tile_factors`, `onehot_rows`);
+* BlockSpecs of the per-chunk kernels (`chunk_specs`) and the grid of the
+  state kernels (`state_grid`, `state_launch_options`);
+* the score gradients shared by both intra backward bodies
+  (`add_score_grads`, `pair_tile_grads`, `state_decay_grad`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kda.kernel_config import KernelConfig
+
+_F32 = jnp.float32
+
+
+class IntraBwdOut(NamedTuple):
+  """Outputs of both intra backward bodies: dq, dk [B, Tp, H*K] (dq w.r.t.
+  the unscaled q) and dv [B, Tp, H*V] in the caller's grad_dtype; dg
+  [B, Tp, H*K] f32 (w.r.t. the within-chunk cumsum G); dbeta [B, H, Tp, 1] f32."""
+  dq: jax.Array
+  dk: jax.Array
+  dv: jax.Array
+  dg: jax.Array
+  dbeta: jax.Array
+
+
+def dot(a, b, cfg: KernelConfig, *, ta: bool = False, tb: bool = False, dtype=None):
+  """a @ b (a^T if ta, b^T if tb) with f32 accumulation; operands cast to `dtype`.
+
+  `dtype` defaults to cfg.mm_dtype; pass float32 for matmuls that must be
+  f32-accurate (one-hot embeddings).
+  """
+  dtype = cfg.mm_dtype if dtype is None else dtype
+  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  return lax.dot_general(a.astype(dtype), b.astype(dtype), dims,
+                         precision=cfg.dot_precision(dtype),
+                         preferred_element_type=_F32)
+
+
+def iota(shape, axis):
+  return lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+_LOG2_E = 1.4426950408889634
+
+
+def exp(x):
+  """e^x as 2^(x log2 e), for every exponential inside the kernels.
+
+  The Triton lowering maps jnp.exp to libdevice's expf, about 9 SASS
+  instructions per element, and exp2 to one MUFU.EX2 plus a few. The extra
+  rounding of x log2 e is a relative error of about 2^-24 |x log2 e|: below
+  1e-5 even for the largest dense diagonal factor (|x| <= 85, `tiling`).
+  """
+  return jnp.exp2(x * _LOG2_E)
+
+
+def k_slices(cfg: KernelConfig, dk: int, width: int | None = None) -> list:
+  """Static `pl.ds` K slices of `width` (default cfg.block_k) channels covering
+  K = dk (one slice if width >= dk).
+
+  The blocked intra forward, the state kernels and the split intra backward
+  do every per-channel (K) element-wise operation on [C, block_k] tiles (the
+  state kernels keep the state as [block_k, BV] slices): one whole [C, K] f32
+  tile is 64 registers per thread on the GPU at C = 64, K = 128 and 4 warps,
+  so whole-K tiles spill. The gate factors are per channel and every K
+  contraction is a sum over slices, so slicing changes no algebra.
+  """
+  width = cfg.block_k if width is None else width
+  bk = min(width, dk)
+  if dk % bk:
+    raise ValueError(f"the K slice width must divide K={dk}, got {width}")
+  return [pl.ds(kb * bk, bk) for kb in range(dk // bk)]
+
+
+def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
+  """Anchored decay factors of row sub-tile r.
+
+  The anchor is the FIRST row of tile r, never a later one, so no output can
+  depend on a future gate.
+
+  Args:
+    g_ck: [C, K] within-chunk cumulative log-decay.
+    anchor_1k: [1, K], g_ck at row r * ell.
+
+  Returns:
+    row_ck: e^{G_i - a} on the rows of tile r (<= 1), zero elsewhere.
+    col_ck: e^{a - G_j} on the columns tile r may see through the anchored
+      matmul (earlier tiles: <= 1; its own tile when `dense`:
+      <= e^{|g_min| (L - 1)}), zero elsewhere. Exponents are masked before
+      exp, so nothing overflows.
+  """
+  c = g_ck.shape[0]
+  row = iota((c, 1), 0)
+  in_r = (row >= r * ell) & (row < (r + 1) * ell)
+  visible = row < ((r + 1) * ell if diagonal == "dense" else r * ell)
+  diff = g_ck - anchor_1k
+  row_ck = jnp.where(in_r, exp(jnp.where(in_r, diff, 0.0)), 0.0)
+  col_ck = jnp.where(visible, exp(jnp.where(visible, -diff, 0.0)), 0.0)
+  return row_ck, col_ck
+
+
+def onehot_rows(c: int, ell: int, r: int):
+  """[C, L] f32 embedding E with E[r * ell + l, l] = 1."""
+  return (iota((c, ell), 0) == iota((c, ell), 1) + r * ell).astype(_F32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpecs:
+  """BlockSpecs of one chunk for the per-chunk kernels, grid (B, H, NC)."""
+  k: pl.BlockSpec      # [C, K] of a [B, Tp, H*K] array
+  v: pl.BlockSpec      # [C, V] of a [B, Tp, H*V] array
+  cc: pl.BlockSpec     # [C, C] of a [B, H, Tp, C] array
+  beta: pl.BlockSpec   # [C, 1] of a [B, H, Tp, 1] array
+  state: pl.BlockSpec  # [K, V] of a [B, H, NC*K, V] array: the chunk's row of states
+
+
+def chunk_specs(chunk_size: int, dk: int, dv: int) -> ChunkSpecs:
+  """The intra-chunk kernels' BlockSpecs for chunk length C, head dims K and V."""
+  c = chunk_size
+  return ChunkSpecs(
+      k=pl.BlockSpec((None, c, dk), lambda ib, ih, ic: (ib, ic, ih)),
+      v=pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih)),
+      cc=pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0)),
+      beta=pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0)),
+      state=pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateGrid:
+  """Grid and BlockSpecs shared by the forward and reverse state kernels.
+
+  GPU: grid (V/BV, B, H); each program sees the whole padded sequence and
+  loops over the chunks itself. The V tile is the first grid axis, which the
+  Triton launch makes the fastest-varying block index: the V/BV programs of
+  one (batch row, head) start together and walk the same chunks side by
+  side, so the second one mostly finds that chunk's [C, K] operands (W, the
+  decayed keys, the gates) in L2. TPU: grid
+  (B, H, V/BV, NC) with the chunk axis sequential, so one chunk is resident
+  in VMEM; `reverse` visits it backwards.
+  """
+  grid: tuple[int, ...]
+  meta: pl.BlockSpec    # int32 [NC] per-chunk metadata
+  k: pl.BlockSpec       # [B, Tp, H*K] tensors
+  v: pl.BlockSpec       # [B, Tp, H*V] tensors
+  a: pl.BlockSpec       # [B, H, Tp, C] chunk matrices
+  state: pl.BlockSpec   # [Nh, H, K, V] initial / final states
+  chunk_states: pl.BlockSpec  # [B, H, NC*K, V] per-chunk states
+  dk: int
+  block_v: int
+
+
+def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: KernelConfig,
+               varlen: bool, num_state_rows: int, reverse: bool = False) -> StateGrid:
+  """Lays the state kernels out for `cfg`'s backend.
+
+  Args:
+    q_shape: (B, Tp, H*K); head_v: V; num_state_rows: Nh of the state arrays.
+    varlen: one state block holds every sequence row (B == 1).
+  """
+  b, tp, hk = q_shape
+  h, c = heads, chunk_size
+  dk = hk // h
+  bv = cfg.block_v
+  nv = head_v // bv
+  nc = tp // c
+  n_blk = num_state_rows if varlen else 1
+  meta = cfg.meta_block_spec(nc)
+  if cfg.is_tpu:
+    at = (lambda ic: nc - 1 - ic) if reverse else (lambda ic: ic)
+    return StateGrid(
+        grid=(b, h, nv, nc), meta=meta,
+        k=pl.BlockSpec((None, c, dk), lambda ib, ih, iv, ic: (ib, at(ic), ih)),
+        v=pl.BlockSpec((None, c, bv), lambda ib, ih, iv, ic: (ib, at(ic), ih * nv + iv)),
+        a=pl.BlockSpec((None, None, c, c), lambda ib, ih, iv, ic: (ib, ih, at(ic), 0)),
+        state=pl.BlockSpec((n_blk, None, dk, bv),
+                           lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv)),
+        chunk_states=pl.BlockSpec((None, None, dk, bv),
+                                  lambda ib, ih, iv, ic: (ib, ih, at(ic), iv)),
+        dk=dk, block_v=bv)
+  return StateGrid(
+      grid=(nv, b, h), meta=meta,
+      k=pl.BlockSpec((None, tp, dk), lambda iv, ib, ih: (ib, 0, ih)),
+      v=pl.BlockSpec((None, tp, bv), lambda iv, ib, ih: (ib, 0, ih * nv + iv)),
+      a=pl.BlockSpec((None, None, tp, c), lambda iv, ib, ih: (ib, ih, 0, 0)),
+      state=pl.BlockSpec((n_blk, None, dk, bv),
+                         lambda iv, ib, ih: (0 if varlen else ib, ih, 0, iv)),
+      chunk_states=pl.BlockSpec((None, None, nc * dk, bv), lambda iv, ib, ih: (ib, ih, 0, iv)),
+      dk=dk, block_v=bv)
+
+
+def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict:
+  """`pallas_call` options of a state kernel: compiler params, TPU VMEM state."""
+  if not cfg.is_tpu:
+    return dict(compiler_params=cfg.compiler_params(stage))
+  return dict(compiler_params=cfg.compiler_params(stage, grid_rank=4, sequential_last=True),
+              scratch_shapes=[pltpu.VMEM((grid.dk, grid.block_v), _F32)])
+
+
+def state_decay_grad(ds, s, g_last):
+  """Gradient of dG's last row from the state decay S_next = e^{G_last} S + ...
+
+  Args:
+    ds: [K', V'] gradient of the state leaving the chunk; s: [K', V'] state
+      entering it (either may be stored in bf16; the product and sum are f32).
+    g_last: [1, K'] the chunk's last row of G.
+
+  Returns:
+    [1, K'] f32: (sum_v dS * S)^T e^{G_last}.
+  """
+  prod = ds.astype(_F32) * s.astype(_F32)
+  return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * exp(g_last)
+
+
+def pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
+  """Gradients through one diagonal tile's explicit pair decay (`pairwise`).
+
+  For rows/columns i, j of the tile (L of them, from `start`):
+    A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
+    A_kk[i, j] = beta_i sum_d k_id k_jd e^{G_id - G_jd} (j < i).
+  One column j per loop step, as [L, K] work: no [L, L, K] tensor is formed.
+
+  Returns [L, K] each: dq (from dA_qk), dk (column side of dA_qk),
+  R = sum_j dA_ij k_j e^{G_i - G_j}, and dk (column side of dA_kk).
+  """
+  ell = daq_l.shape[0]
+  rows = pl.ds(start, ell)
+  q_l = q_ref[rows, :].astype(_F32) * scale
+  g_l = g_ref[rows, :]
+  bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
+  row_l = iota((ell, 1), 0)
+  col_l = iota((1, ell), 1)
+
+  def body(j, carry):
+    dq_l, dk_l, r_l, dkc_l = carry
+    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
+    g_j = g_ref[pl.ds(start + j, 1), :]
+    aq_j = jnp.sum(jnp.where(col_l == j, daq_l, 0.0), axis=1, keepdims=True)
+    a_j = jnp.sum(jnp.where(col_l == j, da_l, 0.0), axis=1, keepdims=True)
+    seen = row_l >= j
+    dec = jnp.where(seen, exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0)
+    dq_l = dq_l + aq_j * k_j * dec
+    r_l = r_l + a_j * k_j * dec
+    at_j = row_l == j
+    dk_l = jnp.where(at_j, dk_l + jnp.sum(aq_j * q_l * dec, axis=0, keepdims=True), dk_l)
+    dkc_l = jnp.where(at_j, dkc_l + jnp.sum(a_j * bk_l * dec, axis=0, keepdims=True), dkc_l)
+    return dq_l, dk_l, r_l, dkc_l
+
+  zeros = jnp.zeros(q_l.shape, _F32)
+  return lax.fori_loop(0, ell, body, (zeros, zeros, zeros, zeros))
+
+
+def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig, scale,
+                    score_dtype, tile_product, pair_blocks):
+  """Adds the gradients through a chunk's anchored score products (all row tiles).
+
+  Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T,
+  with tile r's anchored factors (`tile_factors`). The gate gradient of a
+  score is (row operand) * (row-side product) minus (column operand) *
+  (column-side product); both sides must use the same rounded operands, or the
+  reverse cumsum of dG stops cancelling. Shared by the one-program and the split intra backward, which differ
+  only in how they get the [C, C] gradients of the scores.
+
+  Each product is folded into dq, dk, dG (or R) as soon as it is formed, so
+  one [C, K'] product is live at a time next to the accumulators: on the
+  GPU these programs run at the register cap.
+
+  Every product takes a whole [C, C] score gradient, not the rows of tile r:
+  the column side's right operands (xq, xk) are zero outside tile r, so the
+  other rows add exact zeros; the row side's result rows outside tile r are
+  not zero but reach the gradients only through row_f, xq and xk, which are
+  zero there (they are sums over the same column operand yk as the tile's
+  own rows, so of their size). The left operands are then the same for
+  every tile: no per-tile mask, and on the GPU each is staged for the
+  tensor cores once.
+
+  Args:
+    grads: (dq, dk, dbeta, dG) so far: [C, K'], [C, K'], [C, 1], [C, K'] f32.
+    q, k, g: [C, K'] f32 (q scaled; K' the columns this program handles);
+      beta: [C, 1] f32.
+    refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (anchors and the
+      pairwise diagonal read them).
+    score_dtype: operand dtype of the score products (the forward's).
+    tile_product(side, x): for side "q_row" dA_qk x, "q_col" dA_qk^T x,
+      "k_row" dA x, "k_col" dA^T x, with the whole [C, C] gradients (their
+      operands rounded to the score dtype); x [C, K'] in the score dtype,
+      result [C, K'] f32.
+    pair_blocks(r, e_cl): the [L, L] diagonal blocks (dA_qk, dA) of tile r,
+      f32 (`pairwise` only; e_cl is the tile's exact one-hot embedding).
+
+  Returns:
+    grads plus the score terms: dq += the row side of dA_qk; dk += both
+    column sides and beta R, with R = sum_j dA_ij k_j e^{G_i - G_j};
+    dbeta += sum_d k R; dG += the gate terms.
+  """
+  dq, dk, dbeta, dgc = grads
+  q_ref, k_ref, g_ref, beta_ref = refs
+  c = q.shape[0]
+  rnd = lambda x: x.astype(score_dtype).astype(_F32)
+  r_acc = jnp.zeros_like(q)
+  bk = beta * k
+  for r in range(c // ell):
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    yk = rnd(k * col_f)
+    xq = rnd(q * row_f)
+    xk = rnd(bk * row_f)
+    t = tile_product("q_row", yk)
+    dq = dq + row_f * t
+    dgc = dgc + xq * t
+    t = tile_product("k_row", yk)
+    r_acc = r_acc + row_f * t
+    dgc = dgc + xk * t
+    # Both column sides share col_f and yk: one sum, one fold (and one chain
+    # of accumulating matmuls on the GPU).
+    t = tile_product("q_col", xq) + tile_product("k_col", xk)
+    dk = dk + col_f * t
+    dgc = dgc - yk * t
+    if diagonal == "pairwise":
+      e_cl = onehot_rows(c, ell, r)
+      daq_l, da_l = pair_blocks(r, e_cl)
+      parts = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
+      p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
+      dq = dq + p_q
+      dk = dk + p_qc + p_kc
+      r_acc = r_acc + p_k
+      dgc = dgc + q * p_q - k * p_qc + bk * p_k - k * p_kc
+  dk = dk + beta * r_acc
+  dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
+  return dq, dk, dbeta, dgc

@@ -1,0 +1,385 @@
+"""Intra-chunk forward of chunked KDA (`kda_intra_fwd`).
+
+Grid (B, H, chunks), all parallel. Per chunk it builds the anchored scores
+A_kk (strictly lower) and A_qk (lower), inverts the unit lower-triangular
+I + A_kk in f32, and writes W = M (beta k e^G), U = M (beta v), A_qk (and M,
+and the gated keys and queries, when asked). `KernelConfig.inverse` selects
+the body:
+
+* "blocked" (the GPU's): whole-tile score products summed over K slices of
+  `KernelConfig.block_k` channels, then M by recursive 2 x 2 blocking, every
+  step a tensor-core product;
+* "substitution" (the TPU's, and the GPU's when sub_chunk < 16): scores per
+  [L, C] row block, then forward substitution over the whole [C, C] tile,
+  row by row.
+
+Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u as
+[B, Tp, H*V]; beta as [B, H, Tp, 1]; A_qk and M as [B, H, Tp, C]. Tp = NC * C.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices, onehot_rows,
+                                              tile_factors)
+from pallas_kernels.kda.kernel_config import KernelConfig
+
+_F32 = jnp.float32
+
+
+class IntraFwdOut(NamedTuple):
+  """Outputs of `intra_fwd`: w [B, Tp, H*K], u [B, Tp, H*V] and a_qk
+  [B, H, Tp, C] (cfg.mm_dtype); m [B, H, Tp, C] (save_m); kg, qg
+  [B, Tp, H*K] (cfg.mm_dtype; save_gated). Unrequested ones are None."""
+  w: jax.Array
+  u: jax.Array
+  a_qk: jax.Array
+  m: jax.Array | None = None
+  kg: jax.Array | None = None
+  qg: jax.Array | None = None
+
+
+def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
+  """Adds a diagonal tile's explicit position-pair scores (`pairwise`).
+
+  For the L rows/columns from `start`:
+    A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
+    A_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
+  One column j per loop step, as [L, K] work (no [L, L, K] tensor), written
+  into column start + j of the row blocks.
+
+  Args:
+    p_qk, p_kk: [L, C] score row blocks of the tile's rows (zero on the tile).
+    q_l, bk_l: [L, K] scaled q and beta * k of the tile.
+    k_ref, g_ref: chunk refs of k and the cumulative gates.
+
+  Returns:
+    (p_qk, p_kk) with the diagonal tile filled in.
+  """
+  ell, c = p_qk.shape
+  g_l = g_ref[pl.ds(start, ell), :]
+  row_l = iota((ell, 1), 0)
+  col = iota((1, c), 1)
+
+  def body(j, carry):
+    p_qk, p_kk = carry
+    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
+    g_j = g_ref[pl.ds(start + j, 1), :]
+    seen = row_l >= j
+    dec = jnp.where(seen, exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0) * k_j
+    at_j = col == start + j
+    p_qk = jnp.where(at_j, jnp.sum(q_l * dec, axis=1, keepdims=True), p_qk)
+    p_kk = jnp.where(at_j & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True), p_kk)
+    return p_qk, p_kk
+
+  return lax.fori_loop(0, ell, body, (p_qk, p_kk))
+
+
+def unit_lower_inverse(blocks_lc):
+  """(I + A)^-1 for strictly lower-triangular A [C, C], by forward substitution.
+
+  Args:
+    blocks_lc: A as its row blocks, a list of [L, C] arrays (rows r*L...).
+
+  Row i of M is e_i - sum_{j<i} A_ij M_j. Pure f32 elementwise work: no
+  powers of A are formed, so nothing cancels catastrophically.
+  """
+  ell, c = blocks_lc[0].shape
+  row = iota((c, 1), 0)
+  row_l = iota((ell, 1), 0)
+  m = (iota((c, c), 0) == iota((c, c), 1)).astype(_F32)
+  for r, blk in enumerate(blocks_lc):
+    def body(l, m, blk=blk, r=r):
+      a_i = jnp.sum(jnp.where(row_l == l, blk, 0.0), axis=0)
+      upd = jnp.sum(a_i[:, None] * m, axis=0)
+      return jnp.where(row == r * ell + l, m - upd[None, :], m)
+    m = lax.fori_loop(1 if r == 0 else 0, ell, body, m)
+  return m
+
+
+def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
+  """(I + A)^-1 of a strictly lower-triangular A [C, C] by recursive 2 x 2 blocking.
+
+  With M_s the inverse of I + A restricted to its diagonal s x s blocks and
+  E_s the entries of A in the lower-left s x s quadrants of the 2s x 2s
+  diagonal blocks, [[P, 0], [X, Q]]^-1 = [[P^-1, 0], [-Q^-1 X P^-1, Q^-1]]
+  gives M_2s = M_s - (M_s E_s) M_s, all as [C, C] products. M_2 = I - A_2
+  (2 x 2 blocks are nilpotent of order 2). log2(C) - 1 levels, two dependent
+  products each: 10 at C = 64. Only
+  products of inverse blocks with blocks of A are formed, never powers of A,
+  so no large terms cancel (the blocked triangular inversion of LAPACK's
+  trtri). Levels whose blocks are at most L wide take `cfg.diag_dtype`
+  operands, the wider ones `dtype` (default f32).
+
+  Args:
+    a_cc: [C, C] f32, zero on and above the diagonal.
+
+  Returns:
+    M [C, C] f32, unit lower triangular.
+  """
+  c = a_cc.shape[0]
+  dtype = _F32 if dtype is None else dtype
+  row, col = iota((c, 1), 0), iota((1, c), 1)
+
+  def same_block(s):                                   # [C, C]: i, j in one s-block
+    return jnp.bitwise_and(row, -s) == jnp.bitwise_and(col, -s)
+
+  m = jnp.where(row == col, 1.0, 0.0) - jnp.where(same_block(2), a_cc, 0.0)
+  s = 2
+  while s < c:
+    quadrant = same_block(2 * s) & jnp.logical_not(same_block(s))
+    prec = cfg.diag_dtype if 2 * s <= ell else dtype
+    t = dot(m, jnp.where(quadrant, a_cc, 0.0), cfg, dtype=prec)
+    m = m - dot(t, m, cfg, dtype=prec)
+    s *= 2
+  return m
+
+
+def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
+                      *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
+  """Row-block scores and full-tile forward substitution (`inverse="substitution"`)."""
+  c = q_ref.shape[0]
+  k = k_ref[...].astype(_F32)
+  g = g_ref[...]
+  sdt = cfg.mm_dtype
+  col = iota((1, c), 1)
+  row_l = iota((ell, 1), 0)
+  akk_blocks = []
+  # Row sub-tile r: its L rows against all columns, anchored at its first row.
+  for r in range(c // ell):
+    rows = pl.ds(r * ell, ell)
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    q_l = q_ref[rows, :].astype(_F32) * scale
+    bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
+    row_f = exp(g_ref[rows, :] - anchor)                 # <= 1
+    _, col_f = tile_factors(g, anchor, r, ell, diagonal)
+    yk = k * col_f
+    p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
+    p_kk = dot(bk_l * row_f, yk, cfg, tb=True, dtype=sdt)
+    if diagonal == "pairwise":
+      p_qk, p_kk = pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, r * ell)
+    row_g = row_l + r * ell
+    aqk_ref[rows, :] = jnp.where(col <= row_g, p_qk, 0.0).astype(aqk_ref.dtype)
+    akk_blocks.append(jnp.where(col < row_g, p_kk, 0.0))
+  m = unit_lower_inverse(akk_blocks)
+  write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, scale=scale,
+                cfg=cfg, save_m=save_m, save_gated=save_gated)
+
+
+def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell,
+                          diagonal, cfg):
+  """Adds one K slice's anchored score products to the [C, C] accumulators.
+
+  The decay e^{G_i - G_j} is a per-channel product, so the scores
+  sum_d x_id k_jd e^{G_id - G_jd} split into per-slice sums; every factor
+  below is formed on [C, BK] tiles only.
+
+  Args:
+    p_qk, p_kk: [C, C] f32 partial sums of A_qk and A_kk (unmasked above the
+      diagonal; the caller masks).
+    ks: static `pl.ds` of the slice's BK channels.
+
+  Returns:
+    (p_qk, p_kk) plus this slice's diagonal-tile (dense only) and
+    off-diagonal-tile products.
+  """
+  c = q_ref.shape[0]
+  nt = c // ell
+  sdt = cfg.mm_dtype
+  row, col = iota((c, 1), 0), iota((1, c), 1)
+  in_tile = [(row >= r * ell) & (row < (r + 1) * ell) for r in range(nt)]
+  anchors = [g_ref[pl.ds(r * ell, 1), ks] for r in range(nt)]    # [1, BK]
+  g = g_ref[:, ks]
+  a_own = jnp.broadcast_to(anchors[0], g.shape)                  # a_t(i)
+  a_next = jnp.broadcast_to(anchors[nt - 1], g.shape)            # a_t(i)+1; own on the last
+  for r in range(nt):
+    if r > 0:
+      a_own = jnp.where(in_tile[r], anchors[r], a_own)
+    if r + 1 < nt:
+      a_next = jnp.where(in_tile[r], anchors[r + 1], a_next)
+  k = k_ref[:, ks].astype(_F32)
+  row_f = exp(g - a_own)                                         # <= 1
+  xq = q_ref[:, ks].astype(_F32) * scale * row_f
+  xk = beta_ref[...] * k * row_f
+  k_next = k * exp(a_next - g)                                   # <= 1 off the last tile
+  if diagonal == "dense":
+    same = jnp.zeros((c, c), jnp.bool_)
+    for r in range(nt):
+      same = same | (in_tile[r] & (col >= r * ell) & (col < (r + 1) * ell))
+    k_own = k * exp(a_own - g)                                   # <= e^{|g_min| (L-1)}
+    p_qk = p_qk + jnp.where(same, dot(xq, k_own, cfg, tb=True, dtype=sdt), 0.0)
+    p_kk = p_kk + jnp.where(same, dot(xk, k_own, cfg, tb=True, dtype=sdt), 0.0)
+  for s in range(nt - 1):
+    ratio = jnp.ones_like(g)                                     # e^{a_t(i) - a_{s+1}}
+    for r in range(s + 2, nt):
+      ratio = jnp.where(in_tile[r], exp(anchors[r] - anchors[s + 1]), ratio)
+    later = row >= (s + 1) * ell
+    col_s = jnp.where(in_tile[s], k_next, 0.0)
+    # Rows before tile s + 1 and columns outside tile s are zero operands, so
+    # the product lands only in its (later rows, tile s) block.
+    p_qk = p_qk + dot(jnp.where(later, xq * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
+    p_kk = p_kk + dot(jnp.where(later, xk * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
+  return p_qk, p_kk
+
+
+def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
+                              *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
+  """K-sliced scores and the blocked inverse (`inverse="blocked"`), then W and U:
+  `blocked_scores_inverse` followed by `write_w_u` in one program."""
+  m = blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, scale=scale, ell=ell,
+                             diagonal=diagonal, cfg=cfg)
+  write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, scale=scale,
+                cfg=cfg, save_m=save_m, save_gated=save_gated)
+
+
+def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell, diagonal, cfg):
+  """One chunk's anchored scores and M = (I + A_kk)^-1; writes A_qk.
+
+  Scores, with a_r = G[r L] the first row of tile r and t(i) the tile of row i:
+  * diagonal tiles (dense), all at once: (x e^{G - a_t(i)}) (k e^{a_t(j) - G})^T
+    masked to i, j in one tile; row factors <= 1, column factors
+    <= e^{|g_min| (L - 1)};
+  * column tile s against all later rows, anchored at a_{s+1} (between every
+    such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
+    all factors <= 1.
+  Anchors are first rows of tiles at or before every row using them. Both
+  are summed over K slices of cfg.block_k channels (`_blocked_slice_scores`),
+  so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
+  each score matrix takes C/L products of [C, BK] x [BK, C]. The pairwise
+  diagonal (`pair_tile_scores`) stays over the full K. Then
+  M = (I + A_kk)^-1 by `recursive_unit_lower_inverse`.
+
+  Args:
+    q_ref, k_ref, g_ref: [C, K] refs of one chunk; beta_ref [C, 1];
+    aqk_ref: [C, C] output ref of A_qk (lower triangle, zero above).
+    cfg: the kernel config.
+
+  Returns:
+    M [C, C] f32.
+  """
+  c, dk = q_ref.shape
+  bk = cfg.block_k
+  if bk > dk:
+    raise ValueError(f"block_k must divide K={dk}, got {bk}")
+  slices = k_slices(cfg, dk)
+  row, col = iota((c, 1), 0), iota((1, c), 1)
+  p_qk = p_kk = jnp.zeros((c, c), _F32)
+  for ks in slices:
+    p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
+                                       scale=scale, ell=ell, diagonal=diagonal, cfg=cfg)
+  if diagonal == "pairwise":
+    zero = jnp.zeros((ell, c), _F32)
+    for r in range(c // ell):
+      rows = pl.ds(r * ell, ell)
+      q_l = q_ref[rows, :].astype(_F32) * scale
+      bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
+      t_qk, t_kk = pair_tile_scores(zero, zero, q_l, bk_l, k_ref, g_ref, r * ell)
+      e_cl = onehot_rows(c, ell, r)                              # exact embedding
+      p_qk = p_qk + dot(e_cl, t_qk, cfg, dtype=_F32)
+      p_kk = p_kk + dot(e_cl, t_kk, cfg, dtype=_F32)
+  aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
+  return recursive_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
+                                      dtype=cfg.mm_dtype)
+
+
+def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
+  """W = M (beta k e^G) per K slice and U = M (beta v) per V slice.
+
+  The V slices are block_k wide when K is sliced, else the whole V (one
+  slice, as on TPU, keeps one product each). Operands are read per slice, so
+  nothing [C, K]-sized is live next to M.
+
+  Args:
+    m: [C, C] (f32, or as stored; cast to cfg.mm_dtype as a matmul operand).
+    k_ref, g_ref, w_ref: [C, K]; v_ref, u_ref: [C, V]; beta_ref [C, 1].
+    cfg: the kernel config.
+    gated: None, or (q_ref, scale, kg_ref, qg_ref) with [C, K] refs: also
+      writes the decayed keys kg = k e^{G_last - G} (<= 1; the split state
+      recurrence's operand) and the gated queries qg = (scale q) e^G (the
+      split output kernel's and the reverse state kernel's), sharing e^G
+      with W's slice.
+  """
+  dk, dv = k_ref.shape[1], v_ref.shape[1]
+  bk = cfg.block_k
+  slices = k_slices(cfg, dk)
+  bv = min(bk, dv) if bk < dk else dv
+  last = pl.ds(k_ref.shape[0] - 1, 1)
+  for ks in slices:
+    k = k_ref[:, ks].astype(_F32)
+    g = g_ref[:, ks]
+    e_g = exp(g)
+    w_ref[:, ks] = dot(m, beta_ref[...] * k * e_g, cfg).astype(w_ref.dtype)
+    if gated is not None:
+      q_ref, scale, kg_ref, qg_ref = gated
+      kg_ref[:, ks] = (k * exp(g_ref[last, ks] - g)).astype(kg_ref.dtype)
+      qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * scale * e_g).astype(qg_ref.dtype)
+  for vb in range(dv // bv):
+    vs = pl.ds(vb * bv, bv)
+    u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
+
+
+def write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, *, scale,
+                  cfg, save_m, save_gated):
+  """The intra kernels' outputs after M: W and U (`write_w_u`), then, in the
+  order of `opt_refs`, M (save_m) and the gated keys and queries (save_gated)."""
+  opt_refs = list(opt_refs)
+  if save_m:
+    m_ref = opt_refs.pop(0)
+    m_ref[...] = m.astype(m_ref.dtype)
+  gated = (q_ref, scale, *opt_refs) if save_gated else None
+  write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated)
+
+
+def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
+              cfg: KernelConfig, save_m: bool = False, save_gated: bool = False,
+              m_dtype=_F32):
+  """Runs the intra-chunk kernel (body by `cfg.inverse`).
+
+  Args:
+    q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
+      cumsum; beta: [B, H, Tp, 1] f32.
+    save_m: also return M = (I + A_kk)^-1 for the backward, stored in
+      m_dtype (formed in f32; bf16 when the backward only uses it as a bf16
+      matmul operand, `KernelConfig.saved_state_dtype`).
+    save_gated: also return the decayed keys kg = k e^{G_last - G} (G_last
+      the chunk's last row) and the gated queries qg = (scale q) e^G, the
+      operands of `kernel_state_split` and of the gated reverse state kernel.
+
+  Returns:
+    IntraFwdOut (m only with save_m, kg and qg only with save_gated).
+  """
+  b, tp, hk = q.shape
+  h, c = heads, chunk_size
+  dk, dv = hk // h, v.shape[-1] // h
+  nc = tp // c
+  spec = chunk_specs(c, dk, dv)
+  kspec, vspec, cspec, bspec = spec.k, spec.v, spec.cc, spec.beta
+  out_shape = [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype),
+               jax.ShapeDtypeStruct((b, tp, h * dv), cfg.mm_dtype),
+               jax.ShapeDtypeStruct((b, h, tp, c), cfg.mm_dtype)]
+  out_specs = [kspec, vspec, cspec]
+  if save_m:
+    out_shape.append(jax.ShapeDtypeStruct((b, h, tp, c), m_dtype))
+    out_specs.append(cspec)
+  if save_gated:
+    out_shape += [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * 2
+    out_specs += [kspec] * 2
+  body = _intra_fwd_blocked_kernel if cfg.inverse == "blocked" else _intra_fwd_kernel
+  kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg,
+                             save_m=save_m, save_gated=save_gated)
+  w, u, a_qk, *rest = pl.pallas_call(
+      kernel, grid=(b, h, nc),
+      in_specs=[kspec, kspec, vspec, kspec, bspec],
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=cfg.compiler_params("intra_fwd"),
+      interpret=cfg.interpret, name="kda_intra_fwd",
+  )(q, k, v, g_cum, beta)
+  m = rest.pop(0) if save_m else None
+  kg, qg = rest if save_gated else (None, None)
+  return IntraFwdOut(w, u, a_qk, m, kg, qg)
