@@ -22,10 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-POSITIONS = ("auto", "sort", "count")
-# With at most this many groups, a one-hot running count ([N k, G + 1] int32)
-# is cheaper than a sort of the N k group ids.
-_COUNT_MAX_GROUPS = 64
+from k3jax.routing import capacity as capacity_lib
 
 
 class SlotPlan(NamedTuple):
@@ -67,10 +64,9 @@ def plan_slots(group_nk: jax.Array, kept_nk: jax.Array, num_groups: int,
     num_groups: G.
     capacity: slots per group (capacity layout; later assignments of a full
       group are not placed), or None (ragged layout; all kept ones placed).
-    positions: how an assignment's rank within its group is found: "sort"
-      (a stable argsort of the group ids), "count" (a one-hot running count,
-      cheaper for few groups) or "auto" ("count" up to 64 groups). The plan
-      is the same either way.
+    positions: how an assignment's rank within its group is found
+      (`capacity.rank_within_key`: "sort", "count" or "auto"). The plan is
+      the same either way.
 
   Returns:
     SlotPlan.
@@ -80,28 +76,17 @@ def plan_slots(group_nk: jax.Array, kept_nk: jax.Array, num_groups: int,
                      f"{group_nk.shape} and {kept_nk.shape}")
   if capacity is not None and not (isinstance(capacity, int) and capacity >= 1):
     raise ValueError(f"capacity={capacity!r}; must be an int >= 1 or None (ragged layout)")
-  if positions not in POSITIONS:
-    raise ValueError(f"positions={positions!r}; allowed: {POSITIONS}")
-  if positions == "auto":
-    positions = "count" if num_groups <= _COUNT_MAX_GROUPS else "sort"
+  capacity_lib.check_positions(positions)
   n, k = group_nk.shape
   num_assign = n * k
   group_a = jnp.where(kept_nk, group_nk, num_groups).reshape(-1).astype(jnp.int32)
   counts = jnp.bincount(group_a, length=num_groups + 1).astype(jnp.int32)
-  starts = jnp.cumsum(counts) - counts  # first sorted position of each group
-  if positions == "sort":
-    order = jnp.argsort(group_a, stable=True).astype(jnp.int32)  # sorted position -> assignment
-    group_sorted = group_a[order]
-    rank_sorted = jnp.arange(num_assign, dtype=jnp.int32) - starts[group_sorted]
-    rank_a = jnp.zeros((num_assign,), jnp.int32).at[order].set(rank_sorted)
-  else:
-    onehot = group_a[:, None] == jnp.arange(num_groups + 1, dtype=jnp.int32)[None, :]
-    running = jnp.cumsum(onehot.astype(jnp.int32), axis=0)
-    rank_a = jnp.take_along_axis(running, group_a[:, None], axis=1)[:, 0] - 1
+  rank_a = capacity_lib.rank_within_key(group_a, num_groups, positions=positions)
   real = group_a < num_groups
   if capacity is None:
     num_slots = num_assign
     placed = real
+    starts = jnp.cumsum(counts) - counts  # first row of each group
     slot_a = jnp.where(placed, starts[group_a] + rank_a, num_slots)
     group_sizes = counts[:num_groups]
   else:

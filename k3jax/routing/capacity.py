@@ -17,9 +17,9 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int,
 
 
 POSITIONS = ("auto", "sort", "count")
-# With at most this many experts a one-hot running count ([T, E + 1] int32 per
-# rank) is cheaper than a sort of the T candidates.
-_COUNT_MAX_EXPERTS = 64
+# With at most this many keys a one-hot running count ([A, keys + 1] int32) is
+# cheaper than a sort of the A items.
+_COUNT_MAX_KEYS = 64
 
 
 def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
@@ -55,14 +55,10 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
   num_tokens, num_cand = cand_tm.shape
   if num_cand < k:
     raise ValueError(f"need at least k={k} candidates per token, got {num_cand}")
-  if positions not in POSITIONS:
-    raise ValueError(f"positions={positions!r}; allowed: {POSITIONS}")
+  check_positions(positions)
   cand_tm = cand_tm.astype(jnp.int32)
   if capacity is None:
     return cand_tm[:, :k], jnp.ones((num_tokens, k), bool)
-  if positions == "auto":
-    positions = "count" if num_experts <= _COUNT_MAX_EXPERTS else "sort"
-  place = _place_by_count if positions == "count" else _place_by_sort
 
   token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
   counts_e = jnp.zeros((num_experts,), jnp.int32)
@@ -72,7 +68,7 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
     e_t = cand_tm[:, rank]
     want_t = filled_t < k
     key_t = jnp.where(want_t, e_t, num_experts)
-    pos_t = place(key_t, num_experts)
+    pos_t = rank_within_key(key_t, num_experts, positions=positions)
     accept_t = want_t & (counts_e[e_t] + pos_t < capacity)
     counts_e = counts_e + jnp.bincount(
         jnp.where(accept_t, e_t, num_experts), length=num_experts + 1)[:num_experts]
@@ -83,20 +79,35 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
   return out_tk, kept_tk
 
 
-def _place_by_sort(key_t: jax.Array, num_experts: int) -> jax.Array:
-  """[T] place of each token among the earlier tokens with the same key."""
-  del num_experts
-  token_ids = jnp.arange(key_t.shape[0], dtype=jnp.int32)
-  # A stable sort groups equal keys in token order; cummax finds group starts.
-  order = jnp.argsort(key_t, stable=True)
-  key_sorted = key_t[order]
+def check_positions(positions: str) -> None:
+  """Raises for a `positions` method outside POSITIONS."""
+  if positions not in POSITIONS:
+    raise ValueError(f"positions={positions!r}; allowed: {POSITIONS}")
+
+
+def rank_within_key(key_a: jax.Array, num_keys: int, *, positions: str = "auto") -> jax.Array:
+  """[A] int32: how many earlier items carry the same key as item a.
+
+  Args:
+    key_a: [A] int keys in [0, num_keys] (num_keys itself is a valid key,
+      the callers' "no group" sentinel).
+    num_keys: the largest real key + 1.
+    positions: "sort" (a stable sort groups equal keys in item order),
+      "count" (a one-hot running count, cheaper for few keys) or "auto"
+      ("count" up to 64 keys). The result is the same either way.
+  """
+  check_positions(positions)
+  if positions == "auto":
+    positions = "count" if num_keys <= _COUNT_MAX_KEYS else "sort"
+  key_a = key_a.astype(jnp.int32)
+  if positions == "count":
+    onehot = key_a[:, None] == jnp.arange(num_keys + 1, dtype=jnp.int32)[None, :]
+    running = jnp.cumsum(onehot.astype(jnp.int32), axis=0)
+    return jnp.take_along_axis(running, key_a[:, None], axis=1)[:, 0] - 1
+  item_ids = jnp.arange(key_a.shape[0], dtype=jnp.int32)
+  # Group starts in the sorted order, found by cummax over start flags.
+  order = jnp.argsort(key_a, stable=True)
+  key_sorted = key_a[order]
   is_start = jnp.concatenate([jnp.ones((1,), bool), key_sorted[1:] != key_sorted[:-1]])
-  start = jax.lax.cummax(jnp.where(is_start, token_ids, 0))
-  return jnp.zeros_like(token_ids).at[order].set(token_ids - start)
-
-
-def _place_by_count(key_t: jax.Array, num_experts: int) -> jax.Array:
-  """`_place_by_sort` by a running count of each key over the tokens."""
-  onehot_te = key_t[:, None] == jnp.arange(num_experts + 1, dtype=jnp.int32)[None, :]
-  running_te = jnp.cumsum(onehot_te.astype(jnp.int32), axis=0)
-  return jnp.take_along_axis(running_te, key_t[:, None], axis=1)[:, 0] - 1
+  start = jax.lax.cummax(jnp.where(is_start, item_ids, 0))
+  return jnp.zeros_like(item_ids).at[order].set(item_ids - start)
