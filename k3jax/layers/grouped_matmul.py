@@ -29,9 +29,11 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from k3jax.layers.ffn import silu_mul
+from k3jax.layers.ffn import silu_mul, swiglu
 
 BACKENDS = ("auto", "einsum", "xla", "tokamax")
+# What the ragged (dropless) layout accepts.
+RAGGED_BACKENDS = ("auto", "xla", "tokamax")
 
 
 def tokamax_available() -> bool:
@@ -90,22 +92,19 @@ def grouped_swiglu(rows_sd: jax.Array, wi_gate_gdh: jax.Array, wi_up_gdh: jax.Ar
   """
   backend = resolve_backend(backend, capacity=capacity)
   num_groups, d, hidden = wi_gate_gdh.shape
-  rows_sd = rows_sd.astype(dtype)
-  # Gate and up as one product against [G, d, 2h]: twice the width per
-  # group uses the tensor cores better, most of all for narrow experts.
-  w_in = jnp.concatenate([wi_gate_gdh, wi_up_gdh], axis=-1).astype(dtype)
-  wo = wo_ghd.astype(dtype)
   if backend == "einsum":
     if rows_sd.shape[0] != num_groups * capacity:
       raise ValueError(f"capacity layout needs G * capacity = {num_groups * capacity} rows, "
                        f"got {rows_sd.shape[0]}")
+    # The dense SwiGLU mapped over the groups: each product becomes one
+    # batched matmul over the [G, capacity, d] buffers.
+    per_group = jax.vmap(lambda x_cd, wg_dh, wu_dh, wo_hd: swiglu(x_cd, wg_dh, wu_dh, wo_hd, dtype))
     buf = rows_sd.reshape(num_groups, capacity, d)
-    gate_up = jnp.einsum("gcd,gdh->gch", buf, w_in, preferred_element_type=dtype)
-    h = silu_mul(gate_up[..., :hidden], gate_up[..., hidden:], dtype)
-    return jnp.einsum("gch,ghd->gcd", h, wo,
-                      preferred_element_type=dtype).reshape(num_groups * capacity, d)
+    return per_group(buf, wi_gate_gdh, wi_up_gdh, wo_ghd).reshape(num_groups * capacity, d)
+  # Gate and up as one product against [G, d, 2h], as `ffn.swiglu` does.
+  w_in = jnp.concatenate([wi_gate_gdh, wi_up_gdh], axis=-1).astype(dtype)
   ragged_dot = _ragged_dot_fn(backend)
   sizes = group_sizes.astype(jnp.int32)
-  gate_up = ragged_dot(rows_sd, w_in, sizes, preferred_element_type=dtype)
+  gate_up = ragged_dot(rows_sd.astype(dtype), w_in, sizes, preferred_element_type=dtype)
   h = silu_mul(gate_up[:, :hidden], gate_up[:, hidden:], dtype)
-  return ragged_dot(h, wo, sizes, preferred_element_type=dtype)
+  return ragged_dot(h, wo_ghd.astype(dtype), sizes, preferred_element_type=dtype)

@@ -99,7 +99,7 @@ class MoEConfig:
     if self.impl == "buffered" and self.grouped_backend not in ("auto", "einsum"):
       raise ValueError(f"MoEConfig.impl='buffered' runs its buffers through the batched "
                        f"einsum; grouped_backend={self.grouped_backend!r} is for impl='ragged'")
-    if self.impl == "ragged" and self.grouped_backend == "einsum":
+    if self.impl == "ragged" and self.grouped_backend not in grouped_matmul.RAGGED_BACKENDS:
       raise ValueError("MoEConfig.impl='ragged' has no buffers for grouped_backend='einsum'; "
                        "use 'auto', 'xla' or 'tokamax', or impl='buffered'")
     if self.impl == "buffered" and self.router.capacity_factor is None:

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from k3jax.layers.gates import GATES
+from k3jax.layers.grouped_matmul import RAGGED_BACKENDS
 from k3jax.layers.moe import MOE_IMPLS
 from k3jax.layers.residual import STRATEGIES as RESIDUALS
 from k3jax.routing.config import RouterConfig
@@ -126,9 +127,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.router must be a RouterConfig, got {type(self.router)}")
     if self.moe_impl not in MOE_IMPLS:
       raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; allowed: {MOE_IMPLS}")
-    if self.moe_grouped_backend not in ("auto", "xla", "tokamax"):
+    if self.moe_grouped_backend not in RAGGED_BACKENDS:
       raise ValueError(f"ModelConfig.moe_grouped_backend={self.moe_grouped_backend!r}; "
-                       "allowed: ('auto', 'xla', 'tokamax')")
+                       f"allowed: {RAGGED_BACKENDS}")
     if self.moe_impl == "buffered" and self.router.capacity_factor is None:
       raise ValueError("ModelConfig.moe_impl='buffered' sizes its buffers by the router's "
                        "capacity_factor, which is None (dropless); set one or use 'ragged'")
