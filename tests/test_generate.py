@@ -14,14 +14,16 @@ from k3jax.routing import RouterConfig
 VOCAB = 32
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["auto", "pallas"], ids=lambda d: f"kda_decode={d}")
+def model(request):
   # K, A, K layers; MoE with a per-token (dropless top-k) router; full AttnRes.
+  # kda_decode: "auto" is the fused jnp step on the CPU; "pallas" runs the
+  # decode kernel interpreted.
   cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_layers=3, layer_pattern="KA", num_heads=2,
                     head_dim=8, num_kv_heads=1, conv_size=3, kda_chunk_size=8, kda_sub_chunk=4,
                     num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1,
                     dense_hidden=32, router=RouterConfig(name="topk", capacity_factor=None),
-                    residual="full_attnres")
+                    residual="full_attnres", kda_decode=request.param)
   m = lm.HybridLM(cfg, rngs=nnx.Rngs(0))
   # Non-zero pseudo-queries so that the depth mixing is exercised too.
   q = np.random.default_rng(1).standard_normal(m.residual.queries.shape).astype(np.float32)
