@@ -144,20 +144,21 @@ def _decode_kernel(q_ref, k_ref, g_ref, beta_ref, v_ref, s_ref, o_ref, s_out_ref
                    t_new: int, scale: float):
   """One (batch row, head, V tile): the state tile [K, BV] stays in registers.
 
-  q/k/g refs are [K, Tp] (one column per token, so a token's key is a [K, 1]
-  column against the tile); beta [Tp, 1]; v and o [Tp, BV]. Only the first
-  t_new of the Tp columns are real; the padded ones are never read.
+  q/k/g refs are [Tp, K], beta [Tp, 1], v and o [Tp, BV]: one row per token.
+  A token's q, k and g rows are turned into [K, 1] columns against the tile.
+  Only the first t_new rows are real; padded rows are neither read nor written.
   """
   s = s_ref[...].astype(_F32)
+  column = lambda ref, row: jnp.transpose(ref[row, :].astype(_F32))  # [1, K] -> [K, 1]
   for t in range(t_new):
-    col = pl.ds(t, 1)
-    k_t = k_ref[:, col].astype(_F32)                            # [K, 1]
-    s = s * jnp.exp(g_ref[:, col].astype(_F32))
+    row = pl.ds(t, 1)
+    k_t = column(k_ref, row)
+    s = s * jnp.exp(column(g_ref, row))
     pred = jnp.sum(k_t * s, axis=0, keepdims=True)               # [1, BV]
-    delta = beta_ref[col, :].astype(_F32) * (v_ref[col, :].astype(_F32) - pred)
+    delta = beta_ref[row, :].astype(_F32) * (v_ref[row, :].astype(_F32) - pred)
     s = s + k_t * delta
-    q_t = q_ref[:, col].astype(_F32) * scale
-    o_ref[col, :] = jnp.sum(q_t * s, axis=0, keepdims=True).astype(o_ref.dtype)
+    q_t = column(q_ref, row) * scale
+    o_ref[row, :] = jnp.sum(q_t * s, axis=0, keepdims=True).astype(o_ref.dtype)
   s_out_ref[...] = s
 
 
@@ -184,25 +185,26 @@ def decode_step_pallas(q, k, v, g, beta, state, *, scale: float, block_v: int | 
   if not (isinstance(warps, int) and _is_pow2(warps)):
     raise ValueError(f"num_warps must be a power of two, got {num_warps!r}")
   # Triton tiles are powers of two: pad the token axis (never read back).
+  # Otherwise the kernel reads the inputs where they lie (free reshapes).
   tp = 1 << (t_new - 1).bit_length()
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - t_new)) + ((0, 0),) * (x.ndim - 2))
-  columns = lambda x: jnp.transpose(pad(x), (0, 2, 3, 1))      # [B, T, H, K] -> [B, H, K, Tp]
-  beta_bht1 = jnp.transpose(pad(beta), (0, 2, 1))[..., None]   # [B, H, Tp, 1]
-  v_btx = pad(v).reshape(b, tp, h * dv)
+  pad = lambda x: x if tp == t_new else jnp.pad(
+      x, ((0, 0), (0, tp - t_new)) + ((0, 0),) * (x.ndim - 2))
+  rows = lambda x: pad(x).reshape(b, tp, -1)                    # [B, Tp, H*X]
   nv = dv // bv
-  col_spec = pl.BlockSpec((None, None, dk, tp), lambda ib, ih, iv: (ib, ih, 0, 0))
-  row_spec = pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv))
+  head_spec = pl.BlockSpec((None, tp, dk), lambda ib, ih, iv: (ib, 0, ih))
+  beta_spec = pl.BlockSpec((None, tp, None, 1), lambda ib, ih, iv: (ib, 0, ih, 0))
+  v_spec = pl.BlockSpec((None, tp, bv), lambda ib, ih, iv: (ib, 0, ih * nv + iv))
   state_spec = pl.BlockSpec((None, None, dk, bv), lambda ib, ih, iv: (ib, ih, 0, iv))
-  beta_spec = pl.BlockSpec((None, None, tp, 1), lambda ib, ih, iv: (ib, ih, 0, 0))
   params = None if interpret else pltriton.CompilerParams(num_warps=warps, num_stages=1)
   o, new_state = pl.pallas_call(
       functools.partial(_decode_kernel, t_new=t_new, scale=float(scale)),
       grid=(b, h, nv),
-      in_specs=[col_spec, col_spec, col_spec, beta_spec, row_spec, state_spec],
-      out_specs=[row_spec, state_spec],
+      in_specs=[head_spec, head_spec, head_spec, beta_spec, v_spec, state_spec],
+      out_specs=[v_spec, state_spec],
       out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv), q.dtype),
                  jax.ShapeDtypeStruct(state.shape, _F32)],
       input_output_aliases={5: 1}, compiler_params=params, interpret=interpret,
       name="kda_decode_step",
-  )(columns(q), columns(k), columns(g), beta_bht1, v_btx, state)
-  return o[:, :t_new].reshape(b, t_new, h, dv), new_state
+  )(rows(q), rows(k), rows(g), pad(beta)[..., None], rows(v), state)
+  o = o.reshape(b, tp, h, dv)
+  return (o if tp == t_new else o[:, :t_new]), new_state
