@@ -1,8 +1,8 @@
 """Decode tokens/s of the KDA decode step, per layer and for a whole model.
 
   python experiments/bench_decode.py                       # B = 1, 8, 64; H16 K=V=128
-  python experiments/bench_decode.py --tokens=1,4 --block_v=16,32,64 --model=none
-  python experiments/bench_decode.py --preset=tiny --batches=1,2 --steps=4   # CPU smoke
+  python experiments/bench_decode.py --tokens=1,4 --pallas=16:4,32:4,64:4,128:8 --model=none
+  python experiments/bench_decode.py --preset=tiny --batches=1,2 --steps=4 --pallas=8:4   # CPU smoke
 
 Layer table: one KDA layer's state step (`kda_decode_step`) for each
 implementation, B and T_new, timed as a jitted `lax.scan` of `--steps` steps
@@ -17,8 +17,8 @@ before the decode step existed).
 Model table (`--model=` preset, "none" to skip): a HybridLM prefilled with a
 `--prompt`-token prompt, then `--steps` greedy decode steps in one jitted
 scan, per `ModelConfig.kda_decode` implementation: ms per step and decode
-tokens/s (B per step). On the CPU the "pallas" rows run interpreted (slow,
-a smoke test only).
+tokens/s (B per step), the "pallas" rows with the kernel's default tiling.
+On the CPU the "pallas" rows run interpreted (slow, a smoke test only).
 """
 from __future__ import annotations
 
@@ -56,9 +56,10 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8", "64"], "Batch sizes B.")
 _TOKENS = flags.DEFINE_list("tokens", ["1"], "New tokens per step T_new (layer table).")
 _IMPLS = flags.DEFINE_list("implementations", ["naive", "fused", "pallas"],
                            f"Decode implementations ({', '.join(decode.DECODE_IMPLEMENTATIONS)}).")
-_BLOCK_V = flags.DEFINE_list("block_v", [str(decode.DEFAULT_BLOCK_V)],
-                             "V tiles of the pallas rows (one row each).")
-_WARPS = flags.DEFINE_integer("num_warps", decode.DEFAULT_NUM_WARPS, "Warps of the pallas rows.")
+_PALLAS = flags.DEFINE_list("pallas", [f"{decode.DEFAULT_BLOCK_V}:{decode.DEFAULT_NUM_WARPS}",
+                                        "128:8"],
+                            "Tilings of the pallas rows, one row each: BV:num_warps (V tile "
+                            "and warps per program) or BV (default warps).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "q/k/v/beta dtype.")
 _STEPS = flags.DEFINE_integer("steps", 64, "Decode steps per timed scan.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed scans (median).")
@@ -72,7 +73,19 @@ def _interpret() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def _layer_loop(impl: str, block_v: int | None, num_warps: int):
+def parse_tilings(items) -> list[tuple[int, int]]:
+  """["32:4", "128"] -> [(32, 4), (128, DEFAULT_NUM_WARPS)]."""
+  out = []
+  for item in items:
+    bv, _, warps = item.partition(":")
+    try:
+      out.append((int(bv), int(warps) if warps else decode.DEFAULT_NUM_WARPS))
+    except ValueError:
+      raise ValueError(f"--pallas entry {item!r} is not BV or BV:num_warps (e.g. 32:4)") from None
+  return out
+
+
+def _layer_loop(impl: str, block_v: int | None, num_warps: int | None):
   """Jitted scan of decode steps: (state, xs) -> state, the state donated."""
   kw = {}
   if impl == "pallas":
@@ -110,15 +123,18 @@ def _time_loop(loop, state, xs, iters):
   return timing.sync_ms(call, jax.block_until_ready, iters=iters, warmup=2)
 
 
-def _rows(impls, block_vs):
+def _rows(impls, tilings):
   for impl in impls:
-    for bv in (block_vs if impl == "pallas" else [None]):
-      yield impl, bv
+    for tiling in (tilings if impl == "pallas" else [(None, None)]):
+      yield impl, tiling
 
 
-def layer_table(batches, tokens, impls, block_vs, *, heads, head_dim, dtype, steps, iters,
-                bandwidth, num_warps=decode.DEFAULT_NUM_WARPS) -> list[dict]:
-  """Times one layer's decode step; prints and returns one dict per row."""
+def layer_table(batches, tokens, impls, tilings, *, heads, head_dim, dtype, steps, iters,
+                bandwidth) -> list[dict]:
+  """Times one layer's decode step; prints and returns one dict per row.
+
+  tilings: (block_v, num_warps) pairs, one "pallas" row each (`parse_tilings`).
+  """
   header = ("impl", "B", "T_new", "us/step", "tok/s", "state GB/s", "roofline us", "x roofline",
             "ratio vs first")
   print("| " + " | ".join(header) + " |")
@@ -129,10 +145,10 @@ def layer_table(batches, tokens, impls, block_vs, *, heads, head_dim, dtype, ste
       xs = _layer_inputs(b, t_new, heads, head_dim, steps, dtype)
       floor_s = decode.state_roofline_s(b, heads, head_dim, head_dim, bandwidth * 1e12)
       first = None
-      for impl, bv in _rows(impls, block_vs):
-        name = impl if bv is None else f"{impl}:bv{bv}"
+      for impl, (bv, warps) in _rows(impls, tilings):
+        name = impl if bv is None else f"{impl}:bv{bv}w{warps}"
         state = jnp.zeros((b, heads, head_dim, head_dim), jnp.float32)
-        ms = _time_loop(_layer_loop(impl, bv, num_warps), state, xs, iters)
+        ms = _time_loop(_layer_loop(impl, bv, warps), state, xs, iters)
         step_s = ms / 1e3 / steps
         first = first or step_s
         row = dict(impl=name, batch=b, t_new=t_new, us=step_s * 1e6, tok_s=b * t_new / step_s,
@@ -197,16 +213,16 @@ def main(argv):
   preset = PRESETS[_PRESET.value]
   batches = [int(x) for x in _BATCHES.value]
   tokens = [int(x) for x in _TOKENS.value]
-  block_vs = [int(x) for x in _BLOCK_V.value]
+  tilings = parse_tilings(_PALLAS.value)
   for impl in _IMPLS.value:
     decode.resolve_decode(impl)
   dtype = jnp.dtype(_DTYPE.value)
   print(f"# device: {jax.devices()[0].device_kind}; KDA decode, H={preset['heads']} "
         f"K=V={preset['head_dim']}, {dtype.name} q/k/v, f32 state; {_STEPS.value} steps per "
         f"scan, median of {_ITERS.value}; roofline at {_BANDWIDTH.value} TB/s")
-  layer_table(batches, tokens, _IMPLS.value, block_vs, heads=preset["heads"],
+  layer_table(batches, tokens, _IMPLS.value, tilings, heads=preset["heads"],
               head_dim=preset["head_dim"], dtype=dtype, steps=_STEPS.value, iters=_ITERS.value,
-              bandwidth=_BANDWIDTH.value, num_warps=_WARPS.value)
+              bandwidth=_BANDWIDTH.value)
   if _MODEL.value == "preset":
     model_table(batches, _IMPLS.value, model_cfg=preset["model"], dtype=dtype.name,
                 prompt=_PROMPT.value, steps=_STEPS.value, iters=_ITERS.value)

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import bench_decode  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -13,13 +14,19 @@ def _finite_positive(row, keys):
   return all(math.isfinite(row[k]) and row[k] > 0 for k in keys)
 
 
+def test_tilings_parse():
+  assert bench_decode.parse_tilings(["32:4", "128"]) == [(32, 4), (128, 4)]
+  with pytest.raises(ValueError, match="'32x4' is not BV or BV:num_warps"):
+    bench_decode.parse_tilings(["32x4"])
+
+
 def test_layer_and_model_tables(capsys):
   tiny = bench_decode.PRESETS["tiny"]
-  rows = bench_decode.layer_table([2], [1, 3], ["naive", "fused", "pallas"], [8],
+  rows = bench_decode.layer_table([2], [1, 3], ["naive", "fused", "pallas"], [(8, 2)],
                                   heads=tiny["heads"], head_dim=tiny["head_dim"],
                                   dtype=jnp.bfloat16, steps=2, iters=1, bandwidth=3.5)
   assert [(r["impl"], r["t_new"]) for r in rows] == [
-      (name, t) for t in (1, 3) for name in ("naive", "fused", "pallas:bv8")]
+      (name, t) for t in (1, 3) for name in ("naive", "fused", "pallas:bv8w2")]
   for r in rows:
     assert _finite_positive(r, ("us", "tok_s", "gb_s", "roofline_us", "x_roofline", "ratio"))
     tokens_per_step = r["tok_s"] * r["us"] / 1e6
