@@ -82,6 +82,20 @@ def test_sampling_respects_top_k_and_temperature():
     gen.sample_logits(logits, jax.random.key(0), temperature=-1.0)
 
 
+def test_set_kda_decode_switches_every_kda_layer(model):
+  from k3jax.layers.kda import KDA
+  before = {m.decode_implementation for _, m in nnx.iter_modules(model) if isinstance(m, KDA)}
+  try:
+    assert gen.set_kda_decode(model, "naive") == 2   # layers K, A, K
+    kinds = {m.decode_implementation for _, m in nnx.iter_modules(model) if isinstance(m, KDA)}
+    assert kinds == {"naive"}
+    with pytest.raises(ValueError, match="got 'scan'"):
+      gen.set_kda_decode(model, "scan")
+  finally:
+    (impl,) = before
+    gen.set_kda_decode(model, impl)
+
+
 def test_generate_rejects_bad_arguments(model):
   with pytest.raises(ValueError, match="max_new_tokens"):
     gen.generate(model, _tokens(1, 3), max_new_tokens=0)
@@ -127,7 +141,8 @@ def test_restoring_a_missing_step_lists_the_saved_ones(run_dir):
 
 
 def test_generate_cli_is_quiet(run_dir):
-  ok = _generate_cli(f"--workdir={run_dir}", "--prompt=ab", "--max_new_tokens=3", "--temperature=0")
+  ok = _generate_cli(f"--workdir={run_dir}", "--prompt=ab", "--max_new_tokens=3", "--temperature=0",
+                     "--kda_decode=fused")
   assert ok.returncode == 0, ok.stderr
   assert f"restored step 3 from {run_dir}" in ok.stdout and "--- sample 0" in ok.stdout
   # No library INFO lines (absl's "I<month><day>" prefix) by default.
