@@ -2,6 +2,7 @@
 
   python experiments/bench_decode.py                       # B = 1, 8, 64; H16 K=V=128
   python experiments/bench_decode.py --tokens=1,4 --pallas=16:4,32:4,64:4,128:8 --model=none
+  python experiments/bench_decode.py --nolayer                 # the model table only
   python experiments/bench_decode.py --preset=tiny --batches=1,2 --steps=4 --pallas=8:4   # CPU smoke
 
 Layer table: one KDA layer's state step (`kda_decode_step`) for each
@@ -66,6 +67,7 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed scans (median).")
 _BANDWIDTH = flags.DEFINE_float("bandwidth_tb_s", 3.5, "Memory bandwidth of the roofline, TB/s "
                                 "(read + write).")
 _MODEL = flags.DEFINE_string("model", "preset", "'preset' (the --preset model) or 'none'.")
+_LAYER = flags.DEFINE_bool("layer", True, "Print the layer table (--nolayer: the model only).")
 _PROMPT = flags.DEFINE_integer("prompt", 16, "Prompt tokens of the model table.")
 
 
@@ -220,9 +222,10 @@ def main(argv):
   print(f"# device: {jax.devices()[0].device_kind}; KDA decode, H={preset['heads']} "
         f"K=V={preset['head_dim']}, {dtype.name} q/k/v, f32 state; {_STEPS.value} steps per "
         f"scan, median of {_ITERS.value}; roofline at {_BANDWIDTH.value} TB/s")
-  layer_table(batches, tokens, _IMPLS.value, tilings, heads=preset["heads"],
-              head_dim=preset["head_dim"], dtype=dtype, steps=_STEPS.value, iters=_ITERS.value,
-              bandwidth=_BANDWIDTH.value)
+  if _LAYER.value:
+    layer_table(batches, tokens, _IMPLS.value, tilings, heads=preset["heads"],
+                head_dim=preset["head_dim"], dtype=dtype, steps=_STEPS.value,
+                iters=_ITERS.value, bandwidth=_BANDWIDTH.value)
   if _MODEL.value == "preset":
     model_table(batches, _IMPLS.value, model_cfg=preset["model"], dtype=dtype.name,
                 prompt=_PROMPT.value, steps=_STEPS.value, iters=_ITERS.value)

@@ -169,3 +169,13 @@ class TestDecodeGpu(DecodeChecks):
   interpret = False
   heads, dk, dv = 16, 128, 128
   batch = 8
+
+  def test_donated_state_is_updated_in_place(self):
+    """With the state donated, the compiled step holds no copy of it (the aliased output)."""
+    x = self._inputs(40, 1)
+    step = jax.jit(functools.partial(decode.kda_decode_step, implementation="pallas"),
+                   donate_argnums=5)
+    hlo = step.lower(*x.args(), x.h0).compile().as_text()
+    shape = "f32[{},{},{},{}]".format(*x.h0.shape)
+    copies = [line for line in hlo.splitlines() if " copy(" in line and shape in line]
+    assert not copies, copies
