@@ -37,6 +37,8 @@ flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate.")
 flags.DEFINE_float("temperature", 1.0, "Softmax temperature; 0 is greedy.")
 flags.DEFINE_integer("top_k", None, "Keep only the k most likely tokens.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_string("kda_decode", None, "KDA decode step: auto | pallas | fused | naive "
+                    "(default: the model config's kda_decode).")
 
 
 def _load():
@@ -62,6 +64,11 @@ def main(argv):
     # Library INFO lines (orbax's restore steps, backend probing) hide the samples.
     logging.set_verbosity(logging.WARNING)
   model, cfg = _load()
+  if FLAGS.kda_decode:
+    try:
+      gen.set_kda_decode(model, FLAGS.kda_decode)
+    except ValueError as e:
+      raise app.UsageError(f"--kda_decode: {e}") from None
   byte_level = cfg.vocab_size == 256
   if FLAGS.prompt_ids:
     ids = [int(s) for s in FLAGS.prompt_ids.split(",") if s.strip()]

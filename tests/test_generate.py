@@ -14,14 +14,16 @@ from k3jax.routing import RouterConfig
 VOCAB = 32
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["auto", "pallas"], ids=lambda d: f"kda_decode={d}")
+def model(request):
   # K, A, K layers; MoE with a per-token (dropless top-k) router; full AttnRes.
+  # kda_decode: "auto" is the fused jnp step on the CPU; "pallas" runs the
+  # decode kernel interpreted.
   cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_layers=3, layer_pattern="KA", num_heads=2,
                     head_dim=8, num_kv_heads=1, conv_size=3, kda_chunk_size=8, kda_sub_chunk=4,
                     num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1,
                     dense_hidden=32, router=RouterConfig(name="topk", capacity_factor=None),
-                    residual="full_attnres")
+                    residual="full_attnres", kda_decode=request.param)
   m = lm.HybridLM(cfg, rngs=nnx.Rngs(0))
   # Non-zero pseudo-queries so that the depth mixing is exercised too.
   q = np.random.default_rng(1).standard_normal(m.residual.queries.shape).astype(np.float32)
@@ -80,6 +82,20 @@ def test_sampling_respects_top_k_and_temperature():
     gen.sample_logits(logits, jax.random.key(0), temperature=-1.0)
 
 
+def test_set_kda_decode_switches_every_kda_layer(model):
+  from k3jax.layers.kda import KDA
+  before = {m.decode_implementation for _, m in nnx.iter_modules(model) if isinstance(m, KDA)}
+  try:
+    assert gen.set_kda_decode(model, "naive") == 2   # layers K, A, K
+    kinds = {m.decode_implementation for _, m in nnx.iter_modules(model) if isinstance(m, KDA)}
+    assert kinds == {"naive"}
+    with pytest.raises(ValueError, match="got 'scan'"):
+      gen.set_kda_decode(model, "scan")
+  finally:
+    (impl,) = before
+    gen.set_kda_decode(model, impl)
+
+
 def test_generate_rejects_bad_arguments(model):
   with pytest.raises(ValueError, match="max_new_tokens"):
     gen.generate(model, _tokens(1, 3), max_new_tokens=0)
@@ -125,7 +141,8 @@ def test_restoring_a_missing_step_lists_the_saved_ones(run_dir):
 
 
 def test_generate_cli_is_quiet(run_dir):
-  ok = _generate_cli(f"--workdir={run_dir}", "--prompt=ab", "--max_new_tokens=3", "--temperature=0")
+  ok = _generate_cli(f"--workdir={run_dir}", "--prompt=ab", "--max_new_tokens=3", "--temperature=0",
+                     "--kda_decode=fused")
   assert ok.returncode == 0, ok.stderr
   assert f"restored step 3 from {run_dir}" in ok.stdout and "--- sample 0" in ok.stdout
   # No library INFO lines (absl's "I<month><day>" prefix) by default.

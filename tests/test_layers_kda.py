@@ -13,11 +13,13 @@ CHUNK, SUB = 8, 4
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 6e-2}
 
 
-def _layer(gate="bounded", dtype=jnp.float32, implementation="xla", seed=0):
+def _layer(gate="bounded", dtype=jnp.float32, implementation="xla", seed=0,
+           decode_implementation="auto"):
   diagonal = "dense" if gate == "bounded" else "pairwise"
   return kda_lib.KDA(D, H, K, conv_size=W, gate=gate, g_min=-5.0, chunk_size=CHUNK,
                      sub_chunk=SUB, diagonal=diagonal, implementation=implementation,
-                     dtype=dtype, rngs=nnx.Rngs(seed))
+                     decode_implementation=decode_implementation, dtype=dtype,
+                     rngs=nnx.Rngs(seed))
 
 
 def _x(b, t, seed=1):
@@ -107,19 +109,23 @@ def test_bfloat16_activations_stay_close_to_float32():
   np.testing.assert_allclose(np.asarray(y16, np.float32), y32, rtol=0, atol=TOL[jnp.bfloat16] * scale)
 
 
-def test_decode_equals_full_pass():
-  layer = _layer()
-  x = _x(2, 14, seed=5)
+@pytest.mark.parametrize("decode_implementation,tokens_per_step", [
+    ("auto", 1), ("fused", 3), ("pallas", 1), ("pallas", 3), ("naive", 2)])
+def test_decode_equals_full_pass(decode_implementation, tokens_per_step):
+  """Prefill, then steps of 1 or a few tokens ("pallas" interpreted on the CPU)."""
+  layer = _layer(decode_implementation=decode_implementation)
+  x = _x(2, 16, seed=5)
   full, _ = _forward(layer, x)
   y0, _, cache = nnx.jit(lambda m, x: m.prefill(x))(layer, x[:, :10])  # crosses a chunk edge
   chex.assert_shape(cache["state"], (2, H, K, K))
   chex.assert_shape(cache["conv_q"], (2, W - 1, H, K))
   step = nnx.jit(lambda m, x, c: m.decode(x, c))
   outs = [y0]
-  for t in range(10, 14):
-    y, cache = step(layer, x[:, t:t + 1], cache)
+  for t in range(10, 16, tokens_per_step):
+    y, cache = step(layer, x[:, t:t + tokens_per_step], cache)
     outs.append(y)
   np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+  assert cache["state"].dtype == jnp.float32
 
 
 def test_short_prompt_and_empty_cache_decode():
@@ -153,3 +159,8 @@ def test_bad_configs():
     kda_lib.KDA(D, H, K, gate="exp", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"\[B, T, 16\]"):
     _layer()(np.zeros((2, 3), np.float32))
+  with pytest.raises(ValueError, match="decode implementation must be 'auto' or one of"):
+    _layer(decode_implementation="scan")
+  layer = _layer()
+  with pytest.raises(ValueError, match="decode takes 1 to 16 tokens .* got shape \\(1, 17, 16\\)"):
+    layer.decode(np.zeros((1, 17, D), np.float32), layer.init_cache(1))

@@ -56,6 +56,7 @@ def test_config_rejects_unsafe_g_min_for_sub_chunk():
     ("gate", "exp", "gate='exp'"),
     ("residual", "postnorm", "residual='postnorm'"),
     ("kda_implementation", "cuda", "kda_implementation"),
+    ("kda_decode", "scan", "kda_decode='scan'; allowed: 'auto', 'pallas'"),
     ("kda_sub_chunk", 24, "kda_sub_chunk=24.*sub_chunk must divide chunk_size=64"),
     ("top_k", 9, "top_k=9"),
     ("dtype", "float16", "dtype='float16'"),

@@ -10,7 +10,9 @@ Per head h (DESIGN.md, "Model"):
 
 The gate is the bounded `g_min * sigmoid(.)` (default) or the softplus
 baseline `-exp(A_log) * softplus(. + dt_bias)` from `k3jax.layers.gates`.
-Decoding carries the conv windows and the [B, H, K, V] float32 state.
+Decoding carries the conv windows and the [B, H, K, V] float32 state and
+steps it with `pallas_kernels.kda.decode.kda_decode_step` (a Pallas kernel on
+the GPU, fused jnp elsewhere; `decode_implementation`).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from k3jax.layers.gates import GATES
 from k3jax.layers.norms import l2_norm, rms_norm
 from k3jax.layers.params import fan_in_init, logical_param
 from pallas_kernels.kda import api as kda_api
-from pallas_kernels.kda import reference as kda_reference
+from pallas_kernels.kda import decode as kda_decode
 from pallas_kernels.kda import spec as kda_spec
 
 
@@ -70,6 +72,10 @@ class KDA(nnx.Module):
       keyword choices build one (the lower bound from the gate).
     chunk_size, sub_chunk, diagonal, implementation: KdaSpec fields, when no
       spec is given (None: KdaSpec's defaults).
+    decode_implementation: how `decode` steps the state: "auto" (the Pallas
+      kernel on the GPU, fused jnp elsewhere) or one of
+      `kda_decode.DECODE_IMPLEMENTATIONS` ("pallas" on the CPU runs the
+      kernel interpreted).
     dtype: compute dtype of projections and the kernel's q/k/v.
     param_dtype: parameter dtype.
   """
@@ -78,12 +84,13 @@ class KDA(nnx.Module):
                gate: str = "bounded", g_min: float = -5.0,
                spec: kda_spec.KdaSpec | None = None, chunk_size: int | None = None,
                sub_chunk: int | None = None, diagonal: str | None = None,
-               implementation: str | None = None, dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs):
+               implementation: str | None = None, decode_implementation: str = "auto",
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if gate not in GATES:
       raise ValueError(f"unknown KDA gate {gate!r}; allowed: {GATES}")
     if conv_size < 1:
       raise ValueError(f"conv_size must be >= 1, got {conv_size}")
+    kda_decode.resolve_decode(decode_implementation)  # fails early on an unknown name
     if gate == "softplus" and (diagonal or (spec.diagonal if spec else "dense")) == "dense":
       raise ValueError("the softplus gate is unbounded; it needs diagonal='pairwise', not 'dense'")
     lower = float(g_min) if gate == "bounded" else None
@@ -100,6 +107,7 @@ class KDA(nnx.Module):
     self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
     self.conv_size, self.gate, self.g_min = conv_size, gate, float(g_min)
     self.spec = spec
+    self.decode_implementation = decode_implementation
     self.dtype = dtype
     h, k = num_heads, head_dim
     dense = fan_in_init(d_model)
@@ -226,22 +234,32 @@ class KDA(nnx.Module):
     return {"conv_q": tail, "conv_k": tail, "conv_v": tail,
             "state": jnp.zeros((batch, h, k, k), jnp.float32)}
 
-  def decode(self, x_b1d: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """One token per sequence: x_b1d [B, 1, D] -> ([B, 1, D], new cache)."""
-    self._check(x_b1d)
-    if x_b1d.shape[1] != 1:
-      raise ValueError(f"decode takes one token per sequence, got shape {x_b1d.shape}")
-    qp, kp, vp = self._project(x_b1d)
+  def decode(self, x_btd: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """A few tokens per sequence after the cached ones.
+
+    x_btd: [B, T_new, D] with 1 <= T_new <= `kda_decode.MAX_DECODE_TOKENS`
+    -> ([B, T_new, D], new cache of the same layout as `prefill`'s).
+    """
+    self._check(x_btd)
+    t_new = x_btd.shape[1]
+    if not 1 <= t_new <= kda_decode.MAX_DECODE_TOKENS:
+      raise ValueError(f"decode takes 1 to {kda_decode.MAX_DECODE_TOKENS} tokens per sequence, "
+                       f"got shape {x_btd.shape}; feed longer spans through prefill")
+    qp, kp, vp = self._project(x_btd)
     new_cache = {}
     acts = []
+    keep = self.conv_size - 1
     for name, xp, w in (("conv_q", qp, self.conv_q), ("conv_k", kp, self.conv_k),
                         ("conv_v", vp, self.conv_v)):
-      window = jnp.concatenate([cache[name].astype(xp.dtype), xp], axis=1)  # [B, W, H, K]
-      acts.append(jnp.einsum("bwhk,whk->bhk", window, w[...].astype(xp.dtype))[:, None])
-      new_cache[name] = window[:, 1:]
+      window = jnp.concatenate([cache[name].astype(xp.dtype), xp], axis=1)  # [B, W-1+T, H, K]
+      # The same conv as the full pass; its first W-1 outputs see the zero padding.
+      acts.append(causal_depthwise_conv(window, w[...])[:, keep:])
+      new_cache[name] = window[:, t_new:]
     q, k, v = self._activate(*acts)
-    g, beta = self._gates(x_b1d)
-    o, state = kda_reference.naive_recurrent_kda(
-        q, k, v, g, beta, initial_state=cache["state"], output_final_state=True)
-    new_cache["state"] = state.astype(jnp.float32)
-    return self._output(x_b1d, o), new_cache
+    g, beta = self._gates(x_btd)
+    impl = kda_decode.resolve_decode(self.decode_implementation)
+    o, state = kda_decode.kda_decode_step(
+        q, k, v, g, beta, cache["state"].astype(jnp.float32), implementation=impl,
+        interpret=impl == "pallas" and jax.default_backend() == "cpu")
+    new_cache["state"] = state
+    return self._output(x_btd, o), new_cache

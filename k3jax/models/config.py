@@ -12,6 +12,7 @@ from k3jax.layers.grouped_matmul import RAGGED_BACKENDS
 from k3jax.layers.moe import MOE_IMPLS
 from k3jax.layers.residual import STRATEGIES as RESIDUALS
 from k3jax.routing.config import RouterConfig
+from pallas_kernels.kda.decode import DECODE_IMPLEMENTATIONS
 from pallas_kernels.kda.spec import KdaSpec
 
 LAYER_KINDS = ("K", "A")  # K: KDA token mixer, A: softmax attention
@@ -51,6 +52,10 @@ class ModelConfig:
   # chunk_kda implementation: "xla", "pallas" or "naive" (recurrent loop;
   # `pallas_kernels.kda.spec.IMPLEMENTATIONS`).
   kda_implementation: str = "xla"
+  # How decoding steps the KDA state: "auto" (Pallas kernel on the GPU, fused
+  # jnp elsewhere), "pallas", "fused" or "naive" (the reference token loop;
+  # `pallas_kernels.kda.decode`).
+  kda_decode: str = "auto"
   # Routed experts per MoE layer; 0 makes every FFN a dense SwiGLU.
   num_experts: int = 8
   # Experts each token is routed to.
@@ -115,6 +120,9 @@ class ModelConfig:
                        f"{self.kda_sub_chunk}, kda_chunk_size={self.kda_chunk_size}, "
                        f"kda_diagonal={self.kda_diagonal!r}, kda_implementation="
                        f"{self.kda_implementation!r}: {e}") from None
+    if self.kda_decode != "auto" and self.kda_decode not in DECODE_IMPLEMENTATIONS:
+      raise ValueError(f"ModelConfig.kda_decode={self.kda_decode!r}; allowed: 'auto', "
+                       f"{', '.join(map(repr, DECODE_IMPLEMENTATIONS))}")
     if not (isinstance(self.num_experts, int) and self.num_experts >= 0):
       raise ValueError(f"ModelConfig.num_experts={self.num_experts!r}; must be an int >= 0")
     if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:

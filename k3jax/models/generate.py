@@ -81,6 +81,23 @@ def generate(model: nnx.Module, prompt_bt: jax.Array, *, max_new_tokens: int,
                    temperature=float(temperature), top_k=top_k)
 
 
+def set_kda_decode(model: nnx.Module, implementation: str) -> int:
+  """Makes every KDA layer of `model` decode with `implementation`.
+
+  implementation: "auto" or one of `pallas_kernels.kda.decode.DECODE_IMPLEMENTATIONS`
+  (the choice `ModelConfig.kda_decode` makes at construction). Returns the
+  number of KDA layers changed. The parameters are untouched.
+  """
+  from k3jax.layers.kda import KDA  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda import decode as kda_decode  # pylint: disable=g-import-not-at-top
+
+  kda_decode.resolve_decode(implementation)
+  layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, KDA)]
+  for layer in layers:
+    layer.decode_implementation = implementation
+  return len(layers)
+
+
 def prefill(model: nnx.Module, tokens_bt: jax.Array, max_len: int):
   """Jitted `model.prefill`: (logits [B, T, V] float32, cache)."""
   return _prefill(model, tokens_bt, max_len)

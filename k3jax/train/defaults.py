@@ -25,6 +25,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.kda_sub_chunk = 16          # diagonal tile the bound protects; divides kda_chunk_size
   c.kda_diagonal = "dense"      # "dense" (bounded gate only) or "pairwise" diagonal tiles
   c.kda_implementation = "xla"  # chunk_kda path: "xla" (any backend), "pallas" (GPU kernel), "naive"
+  c.kda_decode = "auto"         # decode step: "auto" (pallas on GPU, else fused), "pallas", "fused", "naive"
   c.num_experts = 8             # routed experts per MoE FFN; 0 = dense FFNs
   c.top_k = 2                   # experts per token
   c.expert_hidden = 256         # hidden width of each routed / shared expert

@@ -22,6 +22,7 @@ RESUMABLE = (
     "progress_bar", "peak_tflops_per_device",
     "num_devices", "parallel",  # the mesh: checkpoints restore onto any mesh
     "model.kda_implementation",  # the same chunked KDA math on another backend's kernels
+    "model.kda_decode",          # the same decode recurrence, another implementation
     "optim.learning_rate", "optim.end_lr_fraction", "optim.warmup_steps",  # the schedule
     "optim.grad_clip",
 )
