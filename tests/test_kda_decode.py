@@ -115,9 +115,8 @@ class TestDecodeInterpret(DecodeChecks):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
 
-  def test_auto_is_fused_off_the_gpu(self):
-    assert decode.resolve_decode("auto") == ("pallas" if jax.default_backend() == "gpu"
-                                             else "fused")
+  def test_auto_is_the_fused_step(self):
+    assert decode.resolve_decode("auto") == "fused"
 
   def test_bad_arguments(self):
     x = self._inputs(31, 2)

@@ -72,8 +72,8 @@ class KDA(nnx.Module):
       keyword choices build one (the lower bound from the gate).
     chunk_size, sub_chunk, diagonal, implementation: KdaSpec fields, when no
       spec is given (None: KdaSpec's defaults).
-    decode_implementation: how `decode` steps the state: "auto" (the Pallas
-      kernel on the GPU, fused jnp elsewhere) or one of
+    decode_implementation: how `decode` steps the state: "auto" (the fused jnp
+      step on every backend; the Pallas kernel is opt-in) or one of
       `kda_decode.DECODE_IMPLEMENTATIONS` ("pallas" on the CPU runs the
       kernel interpreted).
     dtype: compute dtype of projections and the kernel's q/k/v.

@@ -20,7 +20,8 @@ memory bandwidth (`state_roofline_s`). Implementations (`DECODE_IMPLEMENTATIONS`
 * "naive": `reference.naive_recurrent_kda` (a `lax.scan` of einsums), the
   source of truth.
 
-"auto" picks "pallas" on the GPU and "fused" elsewhere (`resolve_decode`).
+"auto" is "fused" on every backend (`resolve_decode`): the kernel is opt-in
+until `experiments/bench_decode.py` has timed both on the GPU.
 """
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ _F32 = jnp.float32
 
 
 def resolve_decode(implementation: str) -> str:
-  """"auto" -> "pallas" on the GPU, "fused" elsewhere; others are checked and returned."""
+  """"auto" -> "fused" (the kernel has not been timed against it on a GPU yet);
+  others are checked and returned."""
   if implementation == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "fused"
+    return "fused"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"decode implementation must be 'auto' or one of {DECODE_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
