@@ -58,6 +58,8 @@ def test_exports_for_cuda(dk, dv):
   # Forward: cumsum, intra, recurrence, output; backward: state, two intra, cumsum.
   assert text.count("@__gpu$xla.gpu.triton") == 8
   assert "tpu_custom_call" not in text
+  # T is a multiple of C: only non-kernel head widths are padded.
+  assert ("stablehlo.pad" in text) == ((dk, dv) != (128, 128))
 
 
 def test_cpu_run_raises_clear_error():

@@ -89,7 +89,7 @@ def check_cu_seqlens(cu_seqlens, total_len: int, *, checked: bool = False):
     cu = np.asarray(jax.device_get(cu_seqlens))
     if cu.ndim == 1 and cu.size >= 2 and (cu[0] != 0 or cu[-1] != total_len
                                           or (cu[1:] < cu[:-1]).any()):
-      raise ValueError(f"cu_seqlens must rise (non-decreasing) from 0 to T = {total_len}, got "
+      raise ValueError(f"cu_seqlens must rise from 0 to T = {total_len} without falling, got "
                        f"{cu.tolist()}")
     return cu_seqlens
   if checked:
