@@ -9,6 +9,10 @@ the ratios. Optionally per-stage times of the Pallas kernels.
   python experiments/bench_kernels.py --shapes=16x2048x16x128,4x8192x16x128
   python experiments/bench_kernels.py --mode=fla --shapes=...   # peer only (torch)
   CUDA_VISIBLE_DEVICES=0 python experiments/bench_kernels.py --peer_gpu=1   # peer on GPU 1, concurrently
+  python experiments/bench_kernels.py --shapes=4x8192x16x96,4x8192x16x128 --peer=false --stages=
+
+D need not be a power of two: the pallas path pads it inside the op (the
+per-stage times call the kernels directly and take powers of two only).
 """
 from __future__ import annotations
 

@@ -177,10 +177,11 @@ class TestKdaPallasInterpret(KdaPallasChecks):
     for x in outs[:4]:
       assert np.all(np.isfinite(np.asarray(x)))
 
-  def test_rejects_non_power_of_two_head_dim(self):
+  def test_rejects_non_power_of_two_chunk(self):
+    """Head widths are padded (tests/test_kda_head_widths.py); the chunk is not."""
     q, k, v, g, beta, _ = _inputs(7, 1, 16, 1, 24, 16)
-    with pytest.raises(ValueError, match="K must be a power of two"):
-      chunk_kda_pallas(q, k, v, g, beta, scale=0.2, chunk_size=16, interpret=True)
+    with pytest.raises(ValueError, match="chunk_size must be a power of two"):
+      chunk_kda_pallas(q, k, v, g, beta, scale=0.2, chunk_size=24, sub_chunk=8, interpret=True)
 
   def test_config_overrides_are_pallas_only(self):
     q, k, v, g, beta, _ = _inputs(8, 1, 16, 1, 16, 16)

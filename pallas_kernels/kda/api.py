@@ -11,6 +11,7 @@ The tiling and implementation choices travel as one `KdaSpec`.
 """
 from __future__ import annotations
 
+from pallas_kernels.kda import input_checks
 from pallas_kernels.kda import pallas_op
 from pallas_kernels.kda import reference
 from pallas_kernels.kda import spec as spec_lib
@@ -22,13 +23,17 @@ __all__ = ["IMPLEMENTATIONS", "KdaSpec", "chunk_kda"]
 def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, initial_state=None,
               output_final_state=False, cu_seqlens=None, chunk_size=None, lower_bound=None,
               diagonal=None, sub_chunk=None, implementation=None, interpret=False,
-              config_overrides=None):
+              config_overrides=None, checked=False):
   """Chunked KDA: o_t = S_t^T (scale q_t) with the gated delta-rule state.
 
   Args:
     q, k: [B, T, H, K] (unit-norm k is expected by the delta rule).
     v: [B, T, H, V].
-    g: [B, T, H, K] or [B, T, H] log-decay, every entry in [lower_bound, 0).
+    g: [B, T, H, K] or [B, T, H] log-decay, every entry in [lower_bound, 0]
+      (dense diagonal) or <= 0 (pairwise, naive). Concrete gates outside
+      that range raise ValueError; traced ones raise only with `checked`,
+      and by default the dense path (xla and pallas) clamps g into
+      [lower_bound, 0] (gradient 0 outside the range).
     beta: [B, T, H] write strength in [0, 1].
     spec: the tiling and implementation (`KdaSpec`, validated when built).
       Without it, chunk_size, lower_bound, diagonal, sub_chunk and
@@ -38,12 +43,24 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final state(s).
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences, or None.
+      A concrete one must rise from 0 to T (ValueError otherwise); a traced
+      one is checked only with `checked`, else made valid by clipping into
+      [0, T], a running maximum and ends pinned to 0 and T.
     interpret: run Pallas kernels in interpret mode (CPU tests).
     config_overrides: dict of `kernel_config.KernelConfig` fields forced on
       the pallas path (e.g. {"intra_bwd": "tiles"}) for A/B runs.
+    checked: under jit, emit `jax.experimental.checkify` checks of the gate
+      range and of cu_seqlens; wrap the caller in `checkify.checkify` and
+      call `err.throw()` (without the wrapper, jit refuses the checks).
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] float32 or None).
+
+  Non-finite inputs: the chunked forms (xla, pallas) mix the tokens of a
+  chunk through matmuls, so a NaN or inf in k, v, g or beta at position t
+  also reaches the outputs (and gradients) of earlier positions of its chunk
+  (C tokens, or its sequence's chunk with cu_seqlens); the naive form keeps
+  it causal. Finite inputs are unaffected.
   """
   impl = spec.implementation if isinstance(spec, KdaSpec) else implementation or "xla"
   if config_overrides and impl != "pallas":
@@ -51,6 +68,9 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
                      f"implementation={impl!r}")
   spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           lower_bound=lower_bound, implementation=implementation)
+  g, cu_seqlens = input_checks.check_inputs(g, cu_seqlens, spec=spec,
+                                            total_len=q.shape[1] if q.ndim > 1 else 0,
+                                            checked=checked)
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
   if spec.implementation == "naive":

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda import head_pad
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_intra_bwd
@@ -31,6 +32,7 @@ from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import kernel_state_bwd
 from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
+from pallas_kernels.kda import platform_lowering
 from pallas_kernels.kda import spec as spec_lib
 from pallas_kernels.kda import tiling
 from pallas_kernels.kda import validation
@@ -196,7 +198,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 
   Args:
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] or [B, T, H] float32
-    log-decay; beta: [B, T, H].
+    log-decay; beta: [B, T, H]. K, V: powers of two, or any width up to
+    `head_pad.MAX_PADDED_WIDTH` (zero-padded inside the op, exact).
     scale: multiplies q; defaults to K ** -0.5.
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final states.
@@ -207,8 +210,10 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
       read here: the dense path's bound on the gates is checked by KdaSpec.
       With spec, the three keyword values are not read.
     interpret: emulate the kernels on the CPU.
-    backend: override of the lowering ("triton", "tpu", "interpret"); None
-      picks from `interpret` and the default JAX platform.
+    backend: override of the lowering (a `kernel_config.BACKENDS` entry);
+      None: "interpret" with `interpret`, else the host's GPU or TPU, else
+      (a CPU host) the platform the program is lowered for
+      (`platform_lowering`, for jax.export).
     block_v: V-tile of the state kernels (default min(V, 64)).
     config_overrides: dict of `kernel_config.KernelConfig` fields to force
       (e.g. {"block_k": 32}) for benchmarks and ablations.
@@ -223,17 +228,46 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
   args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              cu_seqlens=cu_seqlens)
-  g, scale = args.g, args.scale
+  if backend is None:
+    backend = platform_lowering.host_backend(interpret)
+  run = functools.partial(_chunk_kda_on, scale=args.scale, output_final_state=output_final_state,
+                          chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
+                          block_v=block_v, config_overrides=config_overrides)
+  operands = (q, k, v, args.g.astype(_F32), beta, initial_state, cu_seqlens)
+  if backend is None:
+    return platform_lowering.per_platform(run, *operands)
+  return run(backend, *operands)
+
+
+def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, *, scale,
+                  output_final_state, chunk_size, sub_chunk, diagonal, block_v,
+                  config_overrides):
+  """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] f32.
+
+  Head widths that are not kernel widths are zero-padded (`head_pad`).
+  """
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
-  if backend is None:
-    backend = kernel_config.default_backend(interpret)
+  dk_run, dv_run = head_pad.padded_widths(dk, dv, backend)
+  q, k, v, g, initial_state = head_pad.pad_heads(q, k, v, g, initial_state, dk_run, dv_run)
+  o, ht = _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
+                          output_final_state=output_final_state, chunk_size=chunk_size,
+                          sub_chunk=sub_chunk, diagonal=diagonal, block_v=block_v,
+                          config_overrides=config_overrides)
+  return head_pad.unpad_outputs(o, ht, dk, dv)
+
+
+def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, *, scale,
+                    output_final_state, chunk_size, sub_chunk, diagonal, block_v,
+                    config_overrides):
+  """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
+  b, t_len, h, dk = q.shape
+  dv = v.shape[-1]
   cfg = kernel_config.make_config(backend=backend, dtype=q.dtype, head_k=dk, head_v=dv,
                                   chunk_size=chunk_size, sub_chunk=sub_chunk,
                                   block_v=block_v, state_programs=q.shape[0] * h,
                                   overrides=config_overrides)
   c = chunk_size
-  g = g.astype(_F32)
   varlen = cu_seqlens is not None
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
                scale=float(scale), varlen=varlen, cfg=cfg)
