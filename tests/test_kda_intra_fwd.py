@@ -120,7 +120,8 @@ def _check_intra(backend, shape, dtype, diagonal, inverse, seed, **overrides):
 
 
 @pytest.mark.parametrize("diagonal,inverse,seed", [
-    ("dense", "blocked", 11), ("pairwise", "blocked", 12), ("dense", "substitution", 13)])
+    ("dense", "blocked", 11), ("pairwise", "blocked", 12), ("dense", "substitution", 13),
+    ("pairwise", "substitution", 14)])
 def test_intra_matches_float64_reference(diagonal, inverse, seed):
   """T = 100 (not a multiple of C = 64), 4 diagonal tiles, gates at / near g_min."""
   errs = _check_intra("interpret", (1, 100, 2, 32, 16, 64), jnp.float32, diagonal, inverse,
@@ -270,7 +271,8 @@ def test_blocked_lowers_for_tpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("diagonal,inverse", [
-    ("dense", "blocked"), ("pairwise", "blocked"), ("dense", "substitution")])
+    ("dense", "blocked"), ("pairwise", "blocked"), ("dense", "substitution"),
+    ("pairwise", "substitution")])
 def test_gpu_intra_matches_float64_reference(dtype, diagonal, inverse):
   errs = _check_intra("triton", (1, 300, 2, 128, 128, 64), dtype, diagonal, inverse, seed=31)
   print(f"{jnp.dtype(dtype).name} {diagonal} {inverse}: " +

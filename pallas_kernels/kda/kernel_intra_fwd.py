@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices, onehot_rows,
-                                              tile_factors)
+from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices,
+                                              level_factors, level_rows, pair_levels,
+                                              same_block, tile_factors)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -43,42 +44,6 @@ class IntraFwdOut(NamedTuple):
   m: jax.Array | None = None
   kg: jax.Array | None = None
   qg: jax.Array | None = None
-
-
-def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
-  """Adds a diagonal tile's explicit position-pair scores (`pairwise`).
-
-  For the L rows/columns from `start`:
-    A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
-    A_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
-  One column j per loop step, as [L, K] work (no [L, L, K] tensor), written
-  into column start + j of the row blocks.
-
-  Args:
-    p_qk, p_kk: [L, C] score row blocks of the tile's rows (zero on the tile).
-    q_l, bk_l: [L, K] scaled q and beta * k of the tile.
-    k_ref, g_ref: chunk refs of k and the cumulative gates.
-
-  Returns:
-    (p_qk, p_kk) with the diagonal tile filled in.
-  """
-  ell, c = p_qk.shape
-  g_l = g_ref[pl.ds(start, ell), :]
-  row_l = iota((ell, 1), 0)
-  col = iota((1, c), 1)
-
-  def body(j, carry):
-    p_qk, p_kk = carry
-    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
-    g_j = g_ref[pl.ds(start + j, 1), :]
-    seen = row_l >= j
-    dec = jnp.where(seen, exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0) * k_j
-    at_j = col == start + j
-    p_qk = jnp.where(at_j, jnp.sum(q_l * dec, axis=1, keepdims=True), p_qk)
-    p_kk = jnp.where(at_j & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True), p_kk)
-    return p_qk, p_kk
-
-  return lax.fori_loop(0, ell, body, (p_qk, p_kk))
 
 
 def unit_lower_inverse(blocks_lc):
@@ -151,20 +116,33 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
   col = iota((1, c), 1)
   row_l = iota((ell, 1), 0)
   akk_blocks = []
+  # pairwise: each level's column operand over the whole chunk; the product's
+  # 2s-block mask keeps tile r's columns for tile r's rows.
+  levels = pair_levels(ell) if diagonal == "pairwise" else []
+  level_cols = [k * level_factors(g, s, level_rows(cfg, g_ref))[1] for s in levels]
   # Row sub-tile r: its L rows against all columns, anchored at its first row.
   for r in range(c // ell):
     rows = pl.ds(r * ell, ell)
-    anchor = g_ref[pl.ds(r * ell, 1), :]
     q_l = q_ref[rows, :].astype(_F32) * scale
     bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
-    row_f = exp(g_ref[rows, :] - anchor)                 # <= 1
-    _, col_f = tile_factors(g, anchor, r, ell, diagonal)
-    yk = k * col_f
-    p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
-    p_kk = dot(bk_l * row_f, yk, cfg, tb=True, dtype=sdt)
-    if diagonal == "pairwise":
-      p_qk, p_kk = pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, r * ell)
     row_g = row_l + r * ell
+    if diagonal == "pairwise" and r == 0:
+      p_qk = p_kk = jnp.zeros((ell, c), _F32)     # no earlier tile to see
+    else:
+      anchor = g_ref[pl.ds(r * ell, 1), :]
+      row_f = exp(g_ref[rows, :] - anchor)               # <= 1
+      _, col_f = tile_factors(g, anchor, r, ell, diagonal)
+      yk = k * col_f
+      p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
+      p_kk = dot(bk_l * row_f, yk, cfg, tb=True, dtype=sdt)
+    for s, yk_s in zip(levels, level_cols):
+      row_s, _ = level_factors(g_ref[rows, :], s, level_rows(cfg, g_ref, r * ell))
+      blk = jnp.bitwise_and(row_g, -2 * s) == jnp.bitwise_and(col, -2 * s)
+      p_qk = p_qk + jnp.where(blk, dot(q_l * row_s, yk_s, cfg, tb=True, dtype=sdt), 0.0)
+      p_kk = p_kk + jnp.where(blk, dot(bk_l * row_s, yk_s, cfg, tb=True, dtype=sdt), 0.0)
+    if diagonal == "pairwise":                           # A_qk[i, i] = q_i . k_i
+      k_l = k_ref[rows, :].astype(_F32)
+      p_qk = jnp.where(col == row_g, jnp.sum(q_l * k_l, axis=1, keepdims=True), p_qk)
     aqk_ref[rows, :] = jnp.where(col <= row_g, p_qk, 0.0).astype(aqk_ref.dtype)
     akk_blocks.append(jnp.where(col < row_g, p_kk, 0.0))
   m = unit_lower_inverse(akk_blocks)
@@ -215,6 +193,17 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
     k_own = k * exp(a_own - g)                                   # <= e^{|g_min| (L-1)}
     p_qk = p_qk + jnp.where(same, dot(xq, k_own, cfg, tb=True, dtype=sdt), 0.0)
     p_kk = p_kk + jnp.where(same, dot(xk, k_own, cfg, tb=True, dtype=sdt), 0.0)
+  if diagonal == "pairwise":
+    # Diagonal tiles by levels (`level_factors`), from the unanchored operands.
+    xq0 = q_ref[:, ks].astype(_F32) * scale
+    xk0 = beta_ref[...] * k
+    for lv in pair_levels(ell):
+      row_lv, col_lv = level_factors(g, lv)
+      blk = same_block(c, 2 * lv)
+      k_lv = k * col_lv
+      p_qk = p_qk + jnp.where(blk, dot(xq0 * row_lv, k_lv, cfg, tb=True, dtype=sdt), 0.0)
+      p_kk = p_kk + jnp.where(blk, dot(xk0 * row_lv, k_lv, cfg, tb=True, dtype=sdt), 0.0)
+    p_qk = p_qk + jnp.where(row == col, jnp.sum(xq0 * k, axis=1, keepdims=True), 0.0)
   for s in range(nt - 1):
     ratio = jnp.ones_like(g)                                     # e^{a_t(i) - a_{s+1}}
     for r in range(s + 2, nt):
@@ -273,16 +262,6 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
   for ks in slices:
     p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
                                        scale=scale, ell=ell, diagonal=diagonal, cfg=cfg)
-  if diagonal == "pairwise":
-    zero = jnp.zeros((ell, c), _F32)
-    for r in range(c // ell):
-      rows = pl.ds(r * ell, ell)
-      q_l = q_ref[rows, :].astype(_F32) * scale
-      bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
-      t_qk, t_kk = pair_tile_scores(zero, zero, q_l, bk_l, k_ref, g_ref, r * ell)
-      e_cl = onehot_rows(c, ell, r)                              # exact embedding
-      p_qk = p_qk + dot(e_cl, t_qk, cfg, dtype=_F32)
-      p_kk = p_kk + dot(e_cl, t_kk, cfg, dtype=_F32)
   aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
   return recursive_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
                                       dtype=cfg.mm_dtype)
