@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import reference
@@ -305,3 +306,36 @@ def test_gpu_bf16_accuracy_issue_shape():
     gerr = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
     print(f"blocked inverse ({name} operands) bf16 {gname} rel L2: {gerr:.2e}")
     assert gerr < 1e-2, f"{gname}: {gerr:.2e}"
+
+
+@pytest.mark.parametrize("ell", [1, 2, 8, 32])
+def test_pair_levels_cover_each_tile_pair_once(ell):
+  """The levels of the pairwise diagonal (`kernel_common.level_factors`) rebuild
+  e^{G_i - G_j} for every pair j < i of one L-row tile and nothing else, with
+  every factor in [0, 1] under an unbounded gate (entries down to -40); the
+  anchors picked by reshape (GPU) and by row selects (TPU) agree bit for bit."""
+  c, dk = 32, 8
+  ks = jax.random.split(jax.random.PRNGKey(51 + ell), 2)
+  strong = jax.random.uniform(ks[0], (c, dk)) < 0.3
+  g = jnp.where(strong, -40.0, -0.05) * jax.random.uniform(ks[1], (c, dk))
+  g_cum = jnp.cumsum(g, axis=0)
+  by_reshape = jax.jit(kernel_common.level_factors, static_argnums=1)
+  by_rows = jax.jit(lambda g, s: kernel_common.level_factors(g, s, lambda i: g[i:i + 1]),
+                    static_argnums=1)
+  total = np.zeros((c, c, dk))
+  for s in kernel_common.pair_levels(ell):
+    row_f, col_f = by_reshape(g_cum, s)
+    row_t, col_t = by_rows(g_cum, s)
+    np.testing.assert_array_equal(np.asarray(row_f), np.asarray(row_t))
+    np.testing.assert_array_equal(np.asarray(col_f), np.asarray(col_t))
+    for f in (row_f, col_f):
+      assert np.all((np.asarray(f) >= 0) & (np.asarray(f) <= 1)), s
+    mask = np.asarray(kernel_common.same_block(c, 2 * s))
+    total += mask[..., None] * np.einsum("id,jd->ijd", np.asarray(row_f, np.float64),
+                                         np.asarray(col_f, np.float64))
+  g64 = np.asarray(g_cum, np.float64)
+  i, j = np.arange(c)[:, None], np.arange(c)[None, :]
+  pairs = ((i // ell) == (j // ell)) & (j < i)
+  want = np.where(pairs[..., None], np.exp(np.minimum(g64[:, None] - g64[None, :], 0.0)), 0.0)
+  assert len(kernel_common.pair_levels(ell)) == int(np.log2(ell))
+  np.testing.assert_allclose(total, want, rtol=1e-5, atol=1e-30)
