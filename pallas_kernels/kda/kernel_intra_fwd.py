@@ -13,6 +13,10 @@ the body:
   [L, C] row block, then forward substitution over the whole [C, C] tile,
   row by row.
 
+`pairwise` forms the diagonal tiles' scores by levels of nested anchors
+(`kernel_common.level_factors`) in both bodies; the off-diagonal tiles are
+the same anchored products as dense.
+
 Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u as
 [B, Tp, H*V]; beta as [B, H, Tp, 1]; A_qk and M as [B, H, Tp, C]. Tp = NC * C.
 """
@@ -92,13 +96,14 @@ def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   dtype = _F32 if dtype is None else dtype
   row, col = iota((c, 1), 0), iota((1, c), 1)
 
-  def same_block(s):                                   # [C, C]: i, j in one s-block
+  # Reuses row and col: kernel_common.same_block would form fresh iotas per level.
+  def in_block(s):                                   # [C, C]: i, j in one s-block
     return jnp.bitwise_and(row, -s) == jnp.bitwise_and(col, -s)
 
-  m = jnp.where(row == col, 1.0, 0.0) - jnp.where(same_block(2), a_cc, 0.0)
+  m = jnp.where(row == col, 1.0, 0.0) - jnp.where(in_block(2), a_cc, 0.0)
   s = 2
   while s < c:
-    quadrant = same_block(2 * s) & jnp.logical_not(same_block(s))
+    quadrant = in_block(2 * s) & jnp.logical_not(in_block(s))
     prec = cfg.diag_dtype if 2 * s <= ell else dtype
     t = dot(m, jnp.where(quadrant, a_cc, 0.0), cfg, dtype=prec)
     m = m - dot(t, m, cfg, dtype=prec)
@@ -234,14 +239,18 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
   * diagonal tiles (dense), all at once: (x e^{G - a_t(i)}) (k e^{a_t(j) - G})^T
     masked to i, j in one tile; row factors <= 1, column factors
     <= e^{|g_min| (L - 1)};
+  * diagonal tiles (pairwise), one product per level s = L/2, ..., 1
+    (`kernel_common.level_factors`): (x e^{G - u_s}) (k e^{u_s - G})^T masked
+    to aligned 2s-row blocks, all factors <= 1 for any gate; plus A_qk's
+    diagonal q_i . k_i;
   * column tile s against all later rows, anchored at a_{s+1} (between every
     such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
     all factors <= 1.
   Anchors are first rows of tiles at or before every row using them. Both
   are summed over K slices of cfg.block_k channels (`_blocked_slice_scores`),
   so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
-  each score matrix takes C/L products of [C, BK] x [BK, C]. The pairwise
-  diagonal (`pair_tile_scores`) stays over the full K. Then
+  each score matrix takes C/L products of [C, BK] x [BK, C] (dense), or
+  C/L - 1 + log2(L) (pairwise). Then
   M = (I + A_kk)^-1 by `recursive_unit_lower_inverse`.
 
   Args:
