@@ -172,6 +172,10 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
     (p_qk, p_kk) plus this slice's diagonal-tile (dense only) and
     off-diagonal-tile products.
   """
+  if diagonal == "pairwise":
+    # First, while none of the anchored operands below is live.
+    p_qk, p_kk = _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
+                                     scale=scale, ell=ell, cfg=cfg)
   c = q_ref.shape[0]
   nt = c // ell
   sdt = cfg.mm_dtype
@@ -198,17 +202,6 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
     k_own = k * exp(a_own - g)                                   # <= e^{|g_min| (L-1)}
     p_qk = p_qk + jnp.where(same, dot(xq, k_own, cfg, tb=True, dtype=sdt), 0.0)
     p_kk = p_kk + jnp.where(same, dot(xk, k_own, cfg, tb=True, dtype=sdt), 0.0)
-  if diagonal == "pairwise":
-    # Diagonal tiles by levels (`level_factors`), from the unanchored operands.
-    xq0 = q_ref[:, ks].astype(_F32) * scale
-    xk0 = beta_ref[...] * k
-    for lv in pair_levels(ell):
-      row_lv, col_lv = level_factors(g, lv)
-      blk = same_block(c, 2 * lv)
-      k_lv = k * col_lv
-      p_qk = p_qk + jnp.where(blk, dot(xq0 * row_lv, k_lv, cfg, tb=True, dtype=sdt), 0.0)
-      p_kk = p_kk + jnp.where(blk, dot(xk0 * row_lv, k_lv, cfg, tb=True, dtype=sdt), 0.0)
-    p_qk = p_qk + jnp.where(row == col, jnp.sum(xq0 * k, axis=1, keepdims=True), 0.0)
   for s in range(nt - 1):
     ratio = jnp.ones_like(g)                                     # e^{a_t(i) - a_{s+1}}
     for r in range(s + 2, nt):
@@ -220,6 +213,29 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
     p_qk = p_qk + dot(jnp.where(later, xq * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
     p_kk = p_kk + dot(jnp.where(later, xk * ratio, 0.0), col_s, cfg, tb=True, dtype=sdt)
   return p_qk, p_kk
+
+
+def _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell, cfg):
+  """Adds one K slice of the pairwise diagonal tiles to the [C, C] accumulators.
+
+  One masked product per level and score (`kernel_common.level_factors`), from
+  the unanchored x = scale q, beta k; then A_qk's diagonal q_i . k_i (no decay).
+  Shapes as `_blocked_slice_scores`.
+  """
+  c = q_ref.shape[0]
+  sdt = cfg.mm_dtype
+  g = g_ref[:, ks]
+  k = k_ref[:, ks].astype(_F32)
+  xq = q_ref[:, ks].astype(_F32) * scale
+  xk = beta_ref[...] * k
+  for s in pair_levels(ell):
+    row_f, col_f = level_factors(g, s)
+    blk = same_block(c, 2 * s)
+    k_s = k * col_f
+    p_qk = p_qk + jnp.where(blk, dot(xq * row_f, k_s, cfg, tb=True, dtype=sdt), 0.0)
+    p_kk = p_kk + jnp.where(blk, dot(xk * row_f, k_s, cfg, tb=True, dtype=sdt), 0.0)
+  eye = iota((c, 1), 0) == iota((1, c), 1)
+  return p_qk + jnp.where(eye, jnp.sum(xq * k, axis=1, keepdims=True), 0.0), p_kk
 
 
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
