@@ -47,7 +47,8 @@ def test_split_vjp_matches_naive(diagonal, gdn, impl="split"):
 
   K = 32 in bwd_block_k = 8 slices (block_k too, for the forward), T = 40 (not a multiple of C = 32), four row
   tiles of L = 8, an initial state and a final-state cotangent. Dense: KDA
-  gates at the bound. Pairwise: GDN-style gates (one per head, broadcast over K).
+  gates at the bound. Pairwise: GDN-style gates (one per head, broadcast over K),
+  level anchors by reshape (the other pickers: `test_kda_pallas`).
   """
   dk = 32
   xs, do, dht = vjp_inputs(1, b=1, t=40, h=2, dk=dk, dv=16, gates="gdn" if gdn else "at_bound")
@@ -55,7 +56,8 @@ def test_split_vjp_matches_naive(diagonal, gdn, impl="split"):
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = grads(functools.partial(
       chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal=diagonal,
-      interpret=True, config_overrides=dict(intra_bwd=impl, block_k=8, bwd_block_k=8)))
+      interpret=True, config_overrides=dict(intra_bwd=impl, block_k=8, bwd_block_k=8,
+                                            level_anchors="reshape")))
   assert_each_within(got, want, GRAD_NAMES, F32_TOL, label=f"{impl} {diagonal}")
 
 

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 
@@ -308,26 +309,38 @@ def test_gpu_bf16_accuracy_issue_shape():
     assert gerr < 1e-2, f"{gname}: {gerr:.2e}"
 
 
+def _level_factors_in_kernel(g_cum, s, level_anchors):
+  """`level_factors` of level s inside an interpret-mode pallas_call, anchors
+  picked by `level_anchors`; returns (row, col) factors."""
+  cfg = kernel_config.KernelConfig(backend="interpret", block_v=8, level_anchors=level_anchors)
+
+  def kernel(g_ref, row_ref, col_ref):
+    row_ref[...], col_ref[...] = kernel_common.level_factors(
+        g_ref[...], s, kernel_common.anchor_picker(cfg, g_ref))
+
+  out = jax.ShapeDtypeStruct(g_cum.shape, jnp.float32)
+  return jax.jit(pl.pallas_call(kernel, out_shape=[out, out], interpret=True))(g_cum)
+
+
 @pytest.mark.parametrize("ell", [1, 2, 8, 32])
 def test_pair_levels_cover_each_tile_pair_once(ell):
   """The levels of the pairwise diagonal (`kernel_common.level_factors`) rebuild
   e^{G_i - G_j} for every pair j < i of one L-row tile and nothing else, with
   every factor in [0, 1] under an unbounded gate (entries down to -40); the
-  anchors picked by reshape (GPU) and by row selects (TPU) agree bit for bit."""
+  three anchor pickers (`KernelConfig.level_anchors`) agree bit for bit."""
   c, dk = 32, 8
   ks = jax.random.split(jax.random.PRNGKey(51 + ell), 2)
   strong = jax.random.uniform(ks[0], (c, dk)) < 0.3
   g = jnp.where(strong, -40.0, -0.05) * jax.random.uniform(ks[1], (c, dk))
   g_cum = jnp.cumsum(g, axis=0)
-  by_reshape = jax.jit(kernel_common.level_factors, static_argnums=1)
-  by_rows = jax.jit(lambda g, s: kernel_common.level_factors(g, s, lambda i: g[i:i + 1]),
-                    static_argnums=1)
   total = np.zeros((c, c, dk))
   for s in kernel_common.pair_levels(ell):
-    row_f, col_f = by_reshape(g_cum, s)
-    row_t, col_t = by_rows(g_cum, s)
-    np.testing.assert_array_equal(np.asarray(row_f), np.asarray(row_t))
-    np.testing.assert_array_equal(np.asarray(col_f), np.asarray(col_t))
+    by_mode = {mode: _level_factors_in_kernel(g_cum, s, mode)
+               for mode in kernel_config.LEVEL_ANCHORS}
+    row_f, col_f = by_mode["reshape"]
+    for mode, (row_m, col_m) in by_mode.items():
+      np.testing.assert_array_equal(np.asarray(row_m), np.asarray(row_f), err_msg=mode)
+      np.testing.assert_array_equal(np.asarray(col_m), np.asarray(col_f), err_msg=mode)
     for f in (row_f, col_f):
       assert np.all((np.asarray(f) >= 0) & (np.asarray(f) <= 1)), s
     mask = np.asarray(kernel_common.same_block(c, 2 * s))
@@ -339,3 +352,16 @@ def test_pair_levels_cover_each_tile_pair_once(ell):
   want = np.where(pairs[..., None], np.exp(np.minimum(g64[:, None] - g64[None, :], 0.0)), 0.0)
   assert len(kernel_common.pair_levels(ell)) == int(np.log2(ell))
   np.testing.assert_allclose(total, want, rtol=1e-5, atol=1e-30)
+
+
+def test_config_picks_and_validates_level_anchors():
+  make = functools.partial(kernel_config.make_config, dtype=jnp.bfloat16, head_k=64,
+                           head_v=64, chunk_size=64, sub_chunk=16)
+  assert make(backend="triton").level_anchors == "gather"
+  assert make(backend="interpret").level_anchors == "gather"
+  assert make(backend="tpu").level_anchors == "select"
+  assert make(backend="triton", overrides=dict(level_anchors="reshape")).level_anchors == "reshape"
+  with pytest.raises(ValueError, match="level_anchors must be one of"):
+    make(backend="triton", overrides=dict(level_anchors="loop"))
+  with pytest.raises(ValueError, match="not lowered for TPU"):
+    make(backend="tpu", overrides=dict(level_anchors="gather"))

@@ -2,7 +2,8 @@
 
 * matmuls and exponentials: `dot`, `exp`, `iota`, `k_slices`;
 * the anchored decay factors of a row sub-tile (`tile_factors`) and of the
-  pairwise diagonal's levels (`pair_levels`, `level_factors`, `same_block`);
+  pairwise diagonal's levels (`pair_levels`, `level_factors`, `anchor_picker`,
+  `same_block`);
 * BlockSpecs of the per-chunk kernels (`chunk_specs`) and the grid of the
   state kernels (`state_grid`, `state_launch_options`);
 * the score gradients shared by both intra backward bodies
@@ -126,7 +127,7 @@ def same_block(c: int, width: int):
           == jnp.bitwise_and(iota((1, c), 1), -width))
 
 
-def level_factors(g_rk, s: int, g_row=None):
+def level_factors(g_rk, s: int, pick=None):
   """Decay factors of level s of the pairwise diagonal, for R rows of G.
 
   Level s holds the pairs (i, j) with i in the upper and j in the lower half
@@ -141,39 +142,54 @@ def level_factors(g_rk, s: int, g_row=None):
   Args:
     g_rk: [R, K'] f32 within-chunk cumulative log-decay; its first row starts
       a 2s-row block (R a multiple of 2s).
-    g_row: None to pick the anchors by a reshape to [R / 2s, 2s, K'] (the
-      GPU's and interpret mode's), or `g_row(i) -> [1, K']`, row i of g_rk,
-      to pick them with R / 2s selects (Mosaic, which reshapes only whole
-      (8, 128) tiles).
+    pick: `pick(g_rk, s) -> [R, K']`, u on every row (`anchor_picker`);
+      None: `anchors_by_reshape`.
 
   Returns:
     row_rk: e^{G_i - u} on upper-half rows, zero on lower-half rows;
     col_rk: e^{u - G_j} on lower-half rows, zero on upper-half rows.
     Both [R, K'] f32; exponents are masked before exp.
   """
-  rows, width = g_rk.shape
-  blocks = rows // (2 * s)
-  row = iota((rows, 1), 0)
+  row = iota((g_rk.shape[0], 1), 0)
   upper = jnp.bitwise_and(row, s) != 0
-  if g_row is None:
-    g3 = g_rk.reshape(blocks, 2 * s, width)
-    first = iota((1, 2 * s, 1), 1) == s
-    u = jnp.sum(jnp.where(first, g3, 0.0), axis=1, keepdims=True)   # exact: one term
-    u = jnp.broadcast_to(u, g3.shape).reshape(rows, width)
-  else:
-    u = jnp.broadcast_to(g_row(s), g_rk.shape)
-    for blk in range(1, blocks):
-      u = jnp.where(row >= 2 * s * blk, g_row(2 * s * blk + s), u)
-  diff = g_rk - u
+  diff = g_rk - (pick or anchors_by_reshape)(g_rk, s)
   e = exp(jnp.where(upper, diff, -diff))                             # <= 1 on both halves
   return jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
 
 
-def level_rows(cfg: KernelConfig, g_ref, start: int = 0, cols=slice(None)):
-  """`level_factors`' g_row for Mosaic (rows of g_ref from `start`), else None."""
-  if not cfg.is_tpu:
-    return None
-  return lambda i: g_ref[pl.ds(start + i, 1), cols]
+def anchors_by_reshape(g_rk, s: int):
+  """Level s's anchors u (`level_factors`) through a [R / 2s, 2s, K'] reshape."""
+  rows, width = g_rk.shape
+  g3 = g_rk.reshape(rows // (2 * s), 2 * s, width)
+  first = iota((1, 2 * s, 1), 1) == s
+  u = jnp.sum(jnp.where(first, g3, 0.0), axis=1, keepdims=True)     # exact: one term
+  return jnp.broadcast_to(u, g3.shape).reshape(rows, width)
+
+
+def anchor_picker(cfg: KernelConfig, g_ref, start: int = 0, cols=slice(None)):
+  """`level_factors`' anchor picker by `cfg.level_anchors`, for rows of g_ref
+  from `start` (the rows of g_rk) and its columns `cols`.
+
+  "reshape": `anchors_by_reshape` (values only); "gather": one load of
+  g_ref at each row's anchor index; "select": R / 2s selects of broadcast
+  anchor rows (Mosaic lowers neither small-row reshapes nor gathers).
+  """
+  mode = cfg.level_anchors
+  if mode == "reshape":
+    return anchors_by_reshape
+  if mode == "gather":
+    def gather(g_rk, s):
+      at = jnp.bitwise_and(iota((g_rk.shape[0],), 0), -2 * s) + (start + s)
+      return g_ref[at, cols]
+    return gather
+
+  def select(g_rk, s):
+    row = iota((g_rk.shape[0], 1), 0)
+    u = jnp.broadcast_to(g_ref[pl.ds(start + s, 1), cols], g_rk.shape)
+    for blk in range(1, g_rk.shape[0] // (2 * s)):
+      u = jnp.where(row >= 2 * s * blk, g_ref[pl.ds(start + 2 * s * blk + s, 1), cols], u)
+    return u
+  return select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +331,7 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     q, k, g: [C, K'] f32 (q scaled; K' the columns this program handles);
       beta: [C, 1] f32.
     refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (the tile
-      anchors, and the level anchors on TPU, read g_ref).
+      anchors, and the level anchors unless picked by reshape, read g_ref).
     score_dtype: operand dtype of the score products (the forward's).
     tile_product(side, x, block=None): for side "q_row" dA_qk x, "q_col"
       dA_qk^T x, "k_row" dA x, "k_col" dA^T x, with the whole [C, C]
@@ -359,7 +375,7 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     fold(*tile_factors(g, anchor, r, ell, diagonal), None)
   if diagonal == "pairwise":
     for s in pair_levels(ell):
-      fold(*level_factors(g, s, level_rows(cfg, g_ref)), 2 * s)
+      fold(*level_factors(g, s, anchor_picker(cfg, g_ref)), 2 * s)
     d_qk = qk_diagonal()           # A_qk[i, i] = q_i . k_i: no decay, no dG term
     dq = dq + d_qk * k
     dk = dk + d_qk * q

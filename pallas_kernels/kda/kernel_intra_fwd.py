@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices,
-                                              level_factors, level_rows, pair_levels,
+                                              anchor_picker, level_factors, pair_levels,
                                               same_block, tile_factors)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -124,7 +124,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
   # pairwise: each level's column operand over the whole chunk; the product's
   # 2s-block mask keeps tile r's columns for tile r's rows.
   levels = pair_levels(ell) if diagonal == "pairwise" else []
-  level_cols = [k * level_factors(g, s, level_rows(cfg, g_ref))[1] for s in levels]
+  level_cols = [k * level_factors(g, s, anchor_picker(cfg, g_ref))[1] for s in levels]
   # Row sub-tile r: its L rows against all columns, anchored at its first row.
   for r in range(c // ell):
     rows = pl.ds(r * ell, ell)
@@ -141,7 +141,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
       p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
       p_kk = dot(bk_l * row_f, yk, cfg, tb=True, dtype=sdt)
     for s, yk_s in zip(levels, level_cols):
-      row_s, _ = level_factors(g_ref[rows, :], s, level_rows(cfg, g_ref, r * ell))
+      row_s, _ = level_factors(g_ref[rows, :], s, anchor_picker(cfg, g_ref, r * ell))
       blk = jnp.bitwise_and(row_g, -2 * s) == jnp.bitwise_and(col, -2 * s)
       p_qk = p_qk + jnp.where(blk, dot(q_l * row_s, yk_s, cfg, tb=True, dtype=sdt), 0.0)
       p_kk = p_kk + jnp.where(blk, dot(bk_l * row_s, yk_s, cfg, tb=True, dtype=sdt), 0.0)
@@ -229,7 +229,7 @@ def _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale,
   xq = q_ref[:, ks].astype(_F32) * scale
   xk = beta_ref[...] * k
   for s in pair_levels(ell):
-    row_f, col_f = level_factors(g, s)
+    row_f, col_f = level_factors(g, s, anchor_picker(cfg, g_ref, cols=ks))
     blk = same_block(c, 2 * s)
     k_s = k * col_f
     p_qk = p_qk + jnp.where(blk, dot(xq * row_f, k_s, cfg, tb=True, dtype=sdt), 0.0)
