@@ -169,7 +169,8 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
     ks: static `pl.ds` of the slice's BK channels.
 
   Returns:
-    (p_qk, p_kk) plus this slice's diagonal-tile (dense only) and
+    (p_qk, p_kk) plus this slice's diagonal-tile products (dense: one
+    anchored product per score; pairwise: `_level_slice_scores`) and
     off-diagonal-tile products.
   """
   if diagonal == "pairwise":
