@@ -7,6 +7,8 @@ roofline floor from bandwidth and bf16 matmul rate measured in this run, and
 the ratios. Optionally per-stage times of the Pallas kernels.
 
   python experiments/bench_kernels.py --shapes=16x2048x16x128,4x8192x16x128
+  python experiments/bench_kernels.py --impls=pallas:dense,pallas:pairwise --sub_chunk=32 \
+      --lower_bound=-2.5 --peer=false        # the tile 32 / 64 ablation pairs (-1.3 at 64)
   python experiments/bench_kernels.py --mode=fla --shapes=...   # peer only (torch)
   CUDA_VISIBLE_DEVICES=0 python experiments/bench_kernels.py --peer_gpu=1   # peer on GPU 1, concurrently
   python experiments/bench_kernels.py --shapes=4x8192x16x96,4x8192x16x128 --peer=false --stages=

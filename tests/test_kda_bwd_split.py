@@ -25,13 +25,13 @@ from tests.kda_inputs import (GRAD_NAMES, assert_each_within, intra_bwd_by_impl,
 F32_TOL = 2e-5
 
 
-def test_split_kernels_match_full_tile_kernel(impl="split", diagonal="dense"):
+@pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
+def test_split_kernels_match_full_tile_kernel(diagonal, impl="split"):
   """intra_bwd "split" == "tiles" on random chunk operands (all five outputs).
 
   K = 64 in bwd_block_k = 16 slices (four programs per chunk), C = 32, L = 8
   (four row tiles), two chunks and two heads, so the slice, head and chunk
-  index maps of both kernels are exercised. The pairwise diagonal is checked
-  end to end below (here it matched "tiles" to 1.8e-7, but costs 10 s of CI).
+  index maps of both kernels are exercised; pairwise: three levels per tile.
   """
   ops = intra_bwd_operands(0, b=1, h=2, nc=2, c=32, dk=64, dv=16)
   outs = intra_bwd_by_impl(ops, (impl, "tiles"), heads=2, chunk=32, sub_chunk=8,
@@ -47,7 +47,8 @@ def test_split_vjp_matches_naive(diagonal, gdn, impl="split"):
 
   K = 32 in bwd_block_k = 8 slices (block_k too, for the forward), T = 40 (not a multiple of C = 32), four row
   tiles of L = 8, an initial state and a final-state cotangent. Dense: KDA
-  gates at the bound. Pairwise: GDN-style gates (one per head, broadcast over K).
+  gates at the bound. Pairwise: GDN-style gates (one per head, broadcast over K),
+  level anchors by reshape (the other pickers: `test_kda_pallas`).
   """
   dk = 32
   xs, do, dht = vjp_inputs(1, b=1, t=40, h=2, dk=dk, dv=16, gates="gdn" if gdn else "at_bound")
@@ -55,7 +56,8 @@ def test_split_vjp_matches_naive(diagonal, gdn, impl="split"):
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = grads(functools.partial(
       chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal=diagonal,
-      interpret=True, config_overrides=dict(intra_bwd=impl, block_k=8, bwd_block_k=8)))
+      interpret=True, config_overrides=dict(intra_bwd=impl, block_k=8, bwd_block_k=8,
+                                            level_anchors="reshape")))
   assert_each_within(got, want, GRAD_NAMES, F32_TOL, label=f"{impl} {diagonal}")
 
 

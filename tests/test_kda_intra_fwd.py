@@ -12,9 +12,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 
+from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import reference
@@ -120,7 +122,8 @@ def _check_intra(backend, shape, dtype, diagonal, inverse, seed, **overrides):
 
 
 @pytest.mark.parametrize("diagonal,inverse,seed", [
-    ("dense", "blocked", 11), ("pairwise", "blocked", 12), ("dense", "substitution", 13)])
+    ("dense", "blocked", 11), ("pairwise", "blocked", 12), ("dense", "substitution", 13),
+    ("pairwise", "substitution", 14)])
 def test_intra_matches_float64_reference(diagonal, inverse, seed):
   """T = 100 (not a multiple of C = 64), 4 diagonal tiles, gates at / near g_min."""
   errs = _check_intra("interpret", (1, 100, 2, 32, 16, 64), jnp.float32, diagonal, inverse,
@@ -270,7 +273,8 @@ def test_blocked_lowers_for_tpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("diagonal,inverse", [
-    ("dense", "blocked"), ("pairwise", "blocked"), ("dense", "substitution")])
+    ("dense", "blocked"), ("pairwise", "blocked"), ("dense", "substitution"),
+    ("pairwise", "substitution")])
 def test_gpu_intra_matches_float64_reference(dtype, diagonal, inverse):
   errs = _check_intra("triton", (1, 300, 2, 128, 128, 64), dtype, diagonal, inverse, seed=31)
   print(f"{jnp.dtype(dtype).name} {diagonal} {inverse}: " +
@@ -303,3 +307,61 @@ def test_gpu_bf16_accuracy_issue_shape():
     gerr = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
     print(f"blocked inverse ({name} operands) bf16 {gname} rel L2: {gerr:.2e}")
     assert gerr < 1e-2, f"{gname}: {gerr:.2e}"
+
+
+def _level_factors_in_kernel(g_cum, s, level_anchors):
+  """`level_factors` of level s inside an interpret-mode pallas_call, anchors
+  picked by `level_anchors`; returns (row, col) factors."""
+  cfg = kernel_config.KernelConfig(backend="interpret", block_v=8, level_anchors=level_anchors)
+
+  def kernel(g_ref, row_ref, col_ref):
+    row_ref[...], col_ref[...] = kernel_common.level_factors(
+        g_ref[...], s, kernel_common.anchor_picker(cfg, g_ref))
+
+  out = jax.ShapeDtypeStruct(g_cum.shape, jnp.float32)
+  return jax.jit(pl.pallas_call(kernel, out_shape=[out, out], interpret=True))(g_cum)
+
+
+@pytest.mark.parametrize("ell", [1, 2, 8, 32])
+def test_pair_levels_cover_each_tile_pair_once(ell):
+  """The levels of the pairwise diagonal (`kernel_common.level_factors`) rebuild
+  e^{G_i - G_j} for every pair j < i of one L-row tile and nothing else, with
+  every factor in [0, 1] under an unbounded gate (entries down to -40); the
+  three anchor pickers (`KernelConfig.level_anchors`) agree bit for bit."""
+  c, dk = 32, 8
+  ks = jax.random.split(jax.random.PRNGKey(51 + ell), 2)
+  strong = jax.random.uniform(ks[0], (c, dk)) < 0.3
+  g = jnp.where(strong, -40.0, -0.05) * jax.random.uniform(ks[1], (c, dk))
+  g_cum = jnp.cumsum(g, axis=0)
+  total = np.zeros((c, c, dk))
+  for s in kernel_common.pair_levels(ell):
+    by_mode = {mode: _level_factors_in_kernel(g_cum, s, mode)
+               for mode in kernel_config.LEVEL_ANCHORS}
+    row_f, col_f = by_mode["reshape"]
+    for mode, (row_m, col_m) in by_mode.items():
+      np.testing.assert_array_equal(np.asarray(row_m), np.asarray(row_f), err_msg=mode)
+      np.testing.assert_array_equal(np.asarray(col_m), np.asarray(col_f), err_msg=mode)
+    for f in (row_f, col_f):
+      assert np.all((np.asarray(f) >= 0) & (np.asarray(f) <= 1)), s
+    mask = np.asarray(kernel_common.same_block(c, 2 * s))
+    total += mask[..., None] * np.einsum("id,jd->ijd", np.asarray(row_f, np.float64),
+                                         np.asarray(col_f, np.float64))
+  g64 = np.asarray(g_cum, np.float64)
+  i, j = np.arange(c)[:, None], np.arange(c)[None, :]
+  pairs = ((i // ell) == (j // ell)) & (j < i)
+  want = np.where(pairs[..., None], np.exp(np.minimum(g64[:, None] - g64[None, :], 0.0)), 0.0)
+  assert len(kernel_common.pair_levels(ell)) == int(np.log2(ell))
+  np.testing.assert_allclose(total, want, rtol=1e-5, atol=1e-30)
+
+
+def test_config_picks_and_validates_level_anchors():
+  make = functools.partial(kernel_config.make_config, dtype=jnp.bfloat16, head_k=64,
+                           head_v=64, chunk_size=64, sub_chunk=16)
+  assert make(backend="triton").level_anchors == "gather"
+  assert make(backend="interpret").level_anchors == "gather"
+  assert make(backend="tpu").level_anchors == "select"
+  assert make(backend="triton", overrides=dict(level_anchors="reshape")).level_anchors == "reshape"
+  with pytest.raises(ValueError, match="level_anchors must be one of"):
+    make(backend="triton", overrides=dict(level_anchors="loop"))
+  with pytest.raises(ValueError, match="not lowered for TPU"):
+    make(backend="tpu", overrides=dict(level_anchors="gather"))

@@ -74,15 +74,17 @@ class KdaPallasChecks:
   sub_chunk: int = 16
 
   def _pallas(self, diagonal, **kw):
+    """The kernels under test; kw may override sub_chunk and lower_bound."""
+    kw = dict(dict(sub_chunk=self.sub_chunk, lower_bound=LOWER_BOUND), **kw)
     return functools.partial(api.chunk_kda, implementation="pallas", interpret=self.interpret,
-                             chunk_size=self.chunk, sub_chunk=self.sub_chunk,
-                             lower_bound=LOWER_BOUND, diagonal=diagonal, **kw)
+                             chunk_size=self.chunk, diagonal=diagonal, **kw)
 
-  @pytest.mark.parametrize("diagonal,gdn", [("dense", False), ("pairwise", True)])
-  def test_forward_and_vjp_match_naive(self, diagonal, gdn):
+  @pytest.mark.parametrize("diagonal,gdn,at_bound", [
+      ("dense", False, True), ("pairwise", True, False), ("pairwise", False, True)])
+  def test_forward_and_vjp_match_naive(self, diagonal, gdn, at_bound):
     """o, final state and all six gradients; KDA gates at the bound / GDN gates."""
     b, t, h, dk, dv = self.shape
-    q, k, v, g, beta, key = _inputs(2, b, t, h, dk, dv, gdn=gdn, at_bound=diagonal == "dense")
+    q, k, v, g, beta, key = _inputs(2, b, t, h, dk, dv, gdn=gdn, at_bound=at_bound)
     k1, k2, k3 = jax.random.split(key, 3)
     h0 = jax.random.normal(k1, (b, h, dk, dv))
     do = jax.random.normal(k2, (b, t, h, dv))
@@ -130,6 +132,66 @@ class KdaPallasChecks:
       err = rel_err(a, r, jnp.float32)
       assert err < gtol, f"{name}: {err:.2e}"
 
+  def test_pairwise_varlen_h0_matches_dense_and_naive(self):
+    """pairwise == dense == the naive recurrence: varlen (lengths not multiples
+    of the chunk), initial and final states, all six gradients, gates near g_min."""
+    _, t, h, dk, dv = self.shape
+    cu = jnp.asarray(sorted({0, 7, t // 2 + 5, t}), jnp.int32)
+    n = cu.shape[0] - 1
+    q, k, v, g, beta, key = _inputs(12, 1, t, h, dk, dv)
+    k1, k2, k3 = jax.random.split(key, 3)
+    h0 = jax.random.normal(k1, (n, h, dk, dv))
+    do = jax.random.normal(k2, (1, t, h, dv))
+    dht = jax.random.normal(k3, (n, h, dk, dv))
+
+    def loss(fn, *xs):
+      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
+      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
+
+    xs = (q, k, v, g, beta, h0)
+    runs = {name: _jit_vg(functools.partial(loss, fn))(*xs) for name, fn in (
+        ("pairwise", self._pallas("pairwise")), ("dense", self._pallas("dense")),
+        ("naive", reference.naive_recurrent_kda))}
+    tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
+    (_, (o_p, ht_p)), got = runs["pairwise"]
+    for ref in ("dense", "naive"):
+      (_, (o_r, ht_r)), want = runs[ref]
+      assert rel_err(o_p, o_r, jnp.float32) < tol, ref
+      assert rel_err(ht_p, ht_r, jnp.float32) < tol, ref
+      for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        err = rel_err(a, r, jnp.float32)
+        assert err < gtol, f"{name} vs {ref}: {err:.2e}"
+
+  def test_pairwise_unbounded_gate_stays_finite(self):
+    """The softplus gate g = -softplus(x) with entries below -20 (no bound, so
+    no dense path): one diagonal tile per chunk, forward and all six
+    gradients finite and equal to the naive recurrence."""
+    b, t, h, dk, dv = self.shape
+    q, k, v, _, beta, key = _inputs(13, b, t, h, dk, dv)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    x = jax.random.normal(k1, (b, t, h, dk))
+    # A third of the entries near -30, the rest weak, so long-range pairs survive.
+    strong = jax.random.uniform(k4, x.shape) < 1 / 3
+    g = -jax.nn.softplus(jnp.where(strong, 30.0 + 2.0 * x, x - 4.0))
+    assert float(jnp.min(g)) < -20.0
+    h0 = jax.random.normal(k2, (b, h, dk, dv))
+    do = jax.random.normal(k3, (b, t, h, dv))
+    pallas = self._pallas("pairwise", sub_chunk=self.chunk, lower_bound=None)
+
+    def loss(fn, *xs):
+      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
+      return jnp.sum(o * do) + jnp.sum(ht), (o, ht)
+
+    xs = (q, k, v, g, beta, h0)
+    (_, (o, ht)), got = _jit_vg(functools.partial(loss, pallas))(*xs)
+    (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
+    tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
+    for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+                          (o, ht, *got), (o_r, ht_r, *want)):
+      assert np.all(np.isfinite(np.asarray(a))), name
+      err = rel_err(a, r, jnp.float32)
+      assert err < (tol if name in ("o", "ht") else gtol), f"{name}: {err:.2e}"
+
   def test_bf16_forward_and_vjp(self):
     b, t, h, dk, dv = self.shape
     q, k, v, g, beta, key = _inputs(4, b, t, h, dk, dv, dtype=jnp.bfloat16)
@@ -143,13 +205,14 @@ class KdaPallasChecks:
       err = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
       assert err < GRAD_TOL[(self.backend, "bfloat16")], f"{name}: {err:.2e}"
 
-  def test_causal_under_future_gates(self):
+  @pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
+  def test_causal_under_future_gates(self, diagonal):
     """Changing gates after position p leaves outputs before p bit-identical."""
     b, t, h, dk, dv = self.shape
     q, k, v, g, beta, _ = _inputs(5, b, t, h, dk, dv)
     p = self.chunk + self.sub_chunk + 3  # inside a diagonal tile of chunk 1
     g2 = g.at[:, p:].set(LOWER_BOUND * 0.999)
-    fn = jax.jit(lambda *xs: self._pallas("dense")(*xs)[0])
+    fn = jax.jit(lambda *xs: self._pallas(diagonal)(*xs)[0])
     o1 = fn(q, k, v, g, beta)
     o2 = fn(q, k, v, g2, beta)
     np.testing.assert_array_equal(np.asarray(o1[:, :p]), np.asarray(o2[:, :p]))
@@ -205,12 +268,13 @@ class TestKdaPallasTpuInterpret(KdaPallasChecks):
   test_bf16_forward_and_vjp = None  # dtype handling is backend-independent; CI time
 
   def _pallas(self, diagonal, **kw):
+    kw = dict(dict(sub_chunk=self.sub_chunk, lower_bound=LOWER_BOUND), **kw)
+
     def fn(q, k, v, g, beta, **kw2):
       if g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], q.shape)
       return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
-                              chunk_size=self.chunk, sub_chunk=self.sub_chunk,
-                              lower_bound=LOWER_BOUND, diagonal=diagonal,
+                              chunk_size=self.chunk, diagonal=diagonal,
                               backend="tpu_interpret", **kw, **kw2)
     return fn
 

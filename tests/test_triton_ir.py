@@ -31,3 +31,17 @@ def test_strip_locations_and_sass_counts():
           "        /*0030*/                   MUFU.EX2 R2, R3 ;\n"
           "        /*0040*/                   BAR.SYNC 0x0 ;\n")
   assert triton_ir.sass_counts(sass) == {"BAR": 2, "LDL": 1, "MUFU": 1}
+
+
+def test_pairwise_diagonal_lowers_to_16_bit_tensor_core_products(tmp_path):
+  """The pairwise diagonal lowers for CUDA with no position loop and no f32
+  product: every tt.dot of its intra kernels takes bf16 operands (D = 128,
+  where the intra backward's products are bf16 for dense too)."""
+  entries = triton_ir.lower_kernels(str(tmp_path), (1, 128, 2, 128), diagonal="pairwise")
+  intra = {e["name"]: Path(e["file"]).read_text() for e in entries if "intra" in e["name"]}
+  assert set(intra) == {"kda_intra_fwd", "kda_intra_bwd_cc", "kda_intra_bwd_k"}
+  for name, ir in intra.items():
+    dots = [line for line in ir.splitlines() if "tt.dot " in line]
+    assert dots, name
+    assert all(line.count("xbf16>") == 2 for line in dots), (name, dots)
+    assert "scf.for" not in ir, name

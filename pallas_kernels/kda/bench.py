@@ -243,8 +243,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
     # Its two kernels on their own (their sum is the "intra_bwd" stage).
     cc_args = (k2, v2, g_cum, beta_t, do2, hs, v_new, dv_new, m)
     cc_kw = {n: kw[n] for n in ("heads", "chunk_size", "cfg")}
-    cc_fn = jax.jit(lambda *a: kernel_intra_bwd_split.intra_bwd_cc(*a, diagonal=diagonal,
-                                                                   **cc_kw))
+    cc_fn = jax.jit(lambda *a: kernel_intra_bwd_split.intra_bwd_cc(*a, **cc_kw))
     k_fn = jax.jit(lambda *a: kernel_intra_bwd_split.intra_bwd_k(
         *a, sub_chunk=sub_chunk, diagonal=diagonal, **kw))
     split = {"intra_bwd_cc": (cc_fn, *cc_args)}

@@ -1,11 +1,13 @@
 """In-kernel helpers shared by the Pallas KDA stages.
 
 * matmuls and exponentials: `dot`, `exp`, `iota`, `k_slices`;
-* the anchored decay factors of a row sub-tile (`tile_factors`, `onehot_rows`);
+* the anchored decay factors of a row sub-tile (`tile_factors`) and of the
+  pairwise diagonal's levels (`pair_levels`, `level_factors`, `anchor_picker`,
+  `same_block`);
 * BlockSpecs of the per-chunk kernels (`chunk_specs`) and the grid of the
   state kernels (`state_grid`, `state_launch_options`);
 * the score gradients shared by both intra backward bodies
-  (`add_score_grads`, `pair_tile_grads`, `state_decay_grad`).
+  (`add_score_grads`, `state_decay_grad`).
 """
 from __future__ import annotations
 
@@ -110,9 +112,84 @@ def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
   return row_ck, col_ck
 
 
-def onehot_rows(c: int, ell: int, r: int):
-  """[C, L] f32 embedding E with E[r * ell + l, l] = 1."""
-  return (iota((c, ell), 0) == iota((c, ell), 1) + r * ell).astype(_F32)
+def pair_levels(ell: int) -> list[int]:
+  """Half-widths s = L/2, L/4, ..., 1 of the pairwise diagonal's levels (none at L = 1)."""
+  levels, s = [], ell // 2
+  while s >= 1:
+    levels.append(s)
+    s //= 2
+  return levels
+
+
+def same_block(c: int, width: int):
+  """[C, C] bool: rows i and columns j in one aligned block of `width` rows."""
+  return (jnp.bitwise_and(iota((c, 1), 0), -width)
+          == jnp.bitwise_and(iota((1, c), 1), -width))
+
+
+def level_factors(g_rk, s: int, pick=None):
+  """Decay factors of level s of the pairwise diagonal, for R rows of G.
+
+  Level s holds the pairs (i, j) with i in the upper and j in the lower half
+  of one aligned 2s-row block. Its anchor u is G at the first row of the
+  upper half, between j and i (j < u <= i), so
+    e^{G_i - G_j} = e^{G_i - u} e^{u - G_j},
+  both factors <= 1 for any non-positive gate: nothing overflows, and a
+  factor underflows only where the pair decay itself is below f32's range.
+  The L/2, ..., 1 levels of an L-row diagonal tile cover each of its pairs
+  j < i once; every level is one masked tensor-core product per score.
+
+  Args:
+    g_rk: [R, K'] f32 within-chunk cumulative log-decay; its first row starts
+      a 2s-row block (R a multiple of 2s).
+    pick: `pick(g_rk, s) -> [R, K']`, u on every row (`anchor_picker`);
+      None: `anchors_by_reshape`.
+
+  Returns:
+    row_rk: e^{G_i - u} on upper-half rows, zero on lower-half rows;
+    col_rk: e^{u - G_j} on lower-half rows, zero on upper-half rows.
+    Both [R, K'] f32; exponents are masked before exp.
+  """
+  row = iota((g_rk.shape[0], 1), 0)
+  upper = jnp.bitwise_and(row, s) != 0
+  diff = g_rk - (pick or anchors_by_reshape)(g_rk, s)
+  e = exp(jnp.where(upper, diff, -diff))                             # <= 1 on both halves
+  return jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
+
+
+def anchors_by_reshape(g_rk, s: int):
+  """Level s's anchors u (`level_factors`) through a [R / 2s, 2s, K'] reshape."""
+  rows, width = g_rk.shape
+  g3 = g_rk.reshape(rows // (2 * s), 2 * s, width)
+  first = iota((1, 2 * s, 1), 1) == s
+  u = jnp.sum(jnp.where(first, g3, 0.0), axis=1, keepdims=True)     # exact: one term
+  return jnp.broadcast_to(u, g3.shape).reshape(rows, width)
+
+
+def anchor_picker(cfg: KernelConfig, g_ref, start: int = 0, cols=slice(None)):
+  """`level_factors`' anchor picker by `cfg.level_anchors`, for rows of g_ref
+  from `start` (the rows of g_rk) and its columns `cols`.
+
+  "reshape": `anchors_by_reshape` (values only); "gather": one load of
+  g_ref at each row's anchor index; "select": R / 2s selects of broadcast
+  anchor rows (Mosaic lowers neither small-row reshapes nor gathers).
+  """
+  mode = cfg.level_anchors
+  if mode == "reshape":
+    return anchors_by_reshape
+  if mode == "gather":
+    def gather(g_rk, s):
+      at = jnp.bitwise_and(iota((g_rk.shape[0],), 0), -2 * s) + (start + s)
+      return g_ref[at, cols]
+    return gather
+
+  def select(g_rk, s):
+    row = iota((g_rk.shape[0], 1), 0)
+    u = jnp.broadcast_to(g_ref[pl.ds(start + s, 1), cols], g_rk.shape)
+    for blk in range(1, g_rk.shape[0] // (2 * s)):
+      u = jnp.where(row >= 2 * s * blk, g_ref[pl.ds(start + 2 * s * blk + s, 1), cols], u)
+    return u
+  return select
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,50 +299,14 @@ def state_decay_grad(ds, s, g_last):
   return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * exp(g_last)
 
 
-def pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, start, scale):
-  """Gradients through one diagonal tile's explicit pair decay (`pairwise`).
-
-  For rows/columns i, j of the tile (L of them, from `start`):
-    A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
-    A_kk[i, j] = beta_i sum_d k_id k_jd e^{G_id - G_jd} (j < i).
-  One column j per loop step, as [L, K] work: no [L, L, K] tensor is formed.
-
-  Returns [L, K] each: dq (from dA_qk), dk (column side of dA_qk),
-  R = sum_j dA_ij k_j e^{G_i - G_j}, and dk (column side of dA_kk).
-  """
-  ell = daq_l.shape[0]
-  rows = pl.ds(start, ell)
-  q_l = q_ref[rows, :].astype(_F32) * scale
-  g_l = g_ref[rows, :]
-  bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
-  row_l = iota((ell, 1), 0)
-  col_l = iota((1, ell), 1)
-
-  def body(j, carry):
-    dq_l, dk_l, r_l, dkc_l = carry
-    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
-    g_j = g_ref[pl.ds(start + j, 1), :]
-    aq_j = jnp.sum(jnp.where(col_l == j, daq_l, 0.0), axis=1, keepdims=True)
-    a_j = jnp.sum(jnp.where(col_l == j, da_l, 0.0), axis=1, keepdims=True)
-    seen = row_l >= j
-    dec = jnp.where(seen, exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0)
-    dq_l = dq_l + aq_j * k_j * dec
-    r_l = r_l + a_j * k_j * dec
-    at_j = row_l == j
-    dk_l = jnp.where(at_j, dk_l + jnp.sum(aq_j * q_l * dec, axis=0, keepdims=True), dk_l)
-    dkc_l = jnp.where(at_j, dkc_l + jnp.sum(a_j * bk_l * dec, axis=0, keepdims=True), dkc_l)
-    return dq_l, dk_l, r_l, dkc_l
-
-  zeros = jnp.zeros(q_l.shape, _F32)
-  return lax.fori_loop(0, ell, body, (zeros, zeros, zeros, zeros))
-
-
-def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig, scale,
-                    score_dtype, tile_product, pair_blocks):
+def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig,
+                    score_dtype, tile_product, qk_diagonal):
   """Adds the gradients through a chunk's anchored score products (all row tiles).
 
   Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T,
-  with tile r's anchored factors (`tile_factors`). The gate gradient of a
+  with tile r's anchored factors (`tile_factors`); with `pairwise`, the
+  diagonal tiles instead sum one masked product per level (`level_factors`)
+  plus A_qk's exact diagonal q_i . k_i. The gate gradient of a
   score is (row operand) * (row-side product) minus (column operand) *
   (column-side product); both sides must use the same rounded operands, or the
   reverse cumsum of dG stops cancelling. Shared by the one-program and the split intra backward, which differ
@@ -282,21 +323,22 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
   zero there (they are sums over the same column operand yk as the tile's
   own rows, so of their size). The left operands are then the same for
   every tile: no per-tile mask, and on the GPU each is staged for the
-  tensor cores once.
+  tensor cores once. A level's products take the gradients masked to its
+  2s-row blocks, and the same argument holds with its halves for tile r.
 
   Args:
     grads: (dq, dk, dbeta, dG) so far: [C, K'], [C, K'], [C, 1], [C, K'] f32.
     q, k, g: [C, K'] f32 (q scaled; K' the columns this program handles);
       beta: [C, 1] f32.
-    refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (anchors and the
-      pairwise diagonal read them).
+    refs: (q_ref, k_ref, g_ref, beta_ref) of the same columns (the tile
+      anchors, and the level anchors unless picked by reshape, read g_ref).
     score_dtype: operand dtype of the score products (the forward's).
-    tile_product(side, x): for side "q_row" dA_qk x, "q_col" dA_qk^T x,
-      "k_row" dA x, "k_col" dA^T x, with the whole [C, C] gradients (their
-      operands rounded to the score dtype); x [C, K'] in the score dtype,
-      result [C, K'] f32.
-    pair_blocks(r, e_cl): the [L, L] diagonal blocks (dA_qk, dA) of tile r,
-      f32 (`pairwise` only; e_cl is the tile's exact one-hot embedding).
+    tile_product(side, x, block=None): for side "q_row" dA_qk x, "q_col"
+      dA_qk^T x, "k_row" dA x, "k_col" dA^T x, with the whole [C, C]
+      gradients, or with them zeroed outside aligned `block`-row diagonal
+      blocks (`same_block`); operands rounded to the score dtype; x [C, K']
+      in the score dtype, result [C, K'] f32.
+    qk_diagonal(): [C, 1] f32, the diagonal of dA_qk (`pairwise` only).
 
   Returns:
     grads plus the score terms: dq += the row side of dA_qk; dk += both
@@ -304,37 +346,39 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
     dbeta += sum_d k R; dG += the gate terms.
   """
   dq, dk, dbeta, dgc = grads
-  q_ref, k_ref, g_ref, beta_ref = refs
+  g_ref = refs[2]
   c = q.shape[0]
   rnd = lambda x: x.astype(score_dtype).astype(_F32)
   r_acc = jnp.zeros_like(q)
   bk = beta * k
-  for r in range(c // ell):
-    anchor = g_ref[pl.ds(r * ell, 1), :]
-    row_f, col_f = tile_factors(g, anchor, r, ell, diagonal)
+
+  def fold(row_f, col_f, block):
+    nonlocal dq, dk, dgc, r_acc
     yk = rnd(k * col_f)
     xq = rnd(q * row_f)
     xk = rnd(bk * row_f)
-    t = tile_product("q_row", yk)
+    t = tile_product("q_row", yk, block)
     dq = dq + row_f * t
     dgc = dgc + xq * t
-    t = tile_product("k_row", yk)
+    t = tile_product("k_row", yk, block)
     r_acc = r_acc + row_f * t
     dgc = dgc + xk * t
     # Both column sides share col_f and yk: one sum, one fold (and one chain
     # of accumulating matmuls on the GPU).
-    t = tile_product("q_col", xq) + tile_product("k_col", xk)
+    t = tile_product("q_col", xq, block) + tile_product("k_col", xk, block)
     dk = dk + col_f * t
     dgc = dgc - yk * t
-    if diagonal == "pairwise":
-      e_cl = onehot_rows(c, ell, r)
-      daq_l, da_l = pair_blocks(r, e_cl)
-      parts = pair_tile_grads(q_ref, k_ref, g_ref, beta_ref, daq_l, da_l, r * ell, scale)
-      p_q, p_qc, p_k, p_kc = (dot(e_cl, x, cfg, dtype=_F32) for x in parts)
-      dq = dq + p_q
-      dk = dk + p_qc + p_kc
-      r_acc = r_acc + p_k
-      dgc = dgc + q * p_q - k * p_qc + bk * p_k - k * p_kc
+
+  # pairwise: tile 0 sees no earlier tile, its anchored product is zero.
+  for r in range(1 if diagonal == "pairwise" else 0, c // ell):
+    anchor = g_ref[pl.ds(r * ell, 1), :]
+    fold(*tile_factors(g, anchor, r, ell, diagonal), None)
+  if diagonal == "pairwise":
+    for s in pair_levels(ell):
+      fold(*level_factors(g, s, anchor_picker(cfg, g_ref)), 2 * s)
+    d_qk = qk_diagonal()           # A_qk[i, i] = q_i . k_i: no decay, no dG term
+    dq = dq + d_qk * k
+    dk = dk + d_qk * q
   dk = dk + beta * r_acc
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
   return dq, dk, dbeta, dgc

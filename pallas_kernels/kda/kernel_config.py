@@ -36,6 +36,9 @@ INVERSES = ("blocked", "substitution")
 # one program per chunk over whole [C, C] tiles.
 INTRA_BWDS = ("split", "tiles")
 
+# How the pairwise diagonal's level anchors are picked (`kernel_common.anchor_picker`).
+LEVEL_ANCHORS = ("gather", "reshape", "select")
+
 # Kernel stages, each a separate pallas_call (the GPU forward state pass is
 # "state_rec" then "output_fwd", the TPU one "state_fwd"; the split intra
 # backward is "intra_bwd_cc" then "intra_bwd_k", the one-program one "intra_bwd").
@@ -90,6 +93,9 @@ class KernelConfig:
     save_residuals: the forward keeps M, W, A_qk, the entry states and V'
       (and the gated queries and keys of the GPU state pass) for the
       backward instead of recomputing them there. Default True.
+    level_anchors: how the pairwise diagonal picks each level's anchor rows
+      of G; one of LEVEL_ANCHORS (`kernel_common.anchor_picker`). Default
+      "gather" on the GPU, "select" on TPU (the only one Mosaic lowers).
   """
   backend: str
   block_v: int
@@ -104,6 +110,7 @@ class KernelConfig:
   mm_dtype: jnp.dtype = jnp.float32
   intra_bwd_mm_dtype: jnp.dtype = jnp.float32
   save_residuals: bool = True
+  level_anchors: str = "select"
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -112,6 +119,12 @@ class KernelConfig:
       raise ValueError(f"inverse must be one of {INVERSES}, got {self.inverse!r}")
     if self.intra_bwd not in INTRA_BWDS:
       raise ValueError(f"intra_bwd must be one of {INTRA_BWDS}, got {self.intra_bwd!r}")
+    if self.level_anchors not in LEVEL_ANCHORS:
+      raise ValueError(f"level_anchors must be one of {LEVEL_ANCHORS}, got "
+                       f"{self.level_anchors!r}")
+    if self.is_tpu and self.level_anchors != "select":
+      raise ValueError(f"level_anchors={self.level_anchors!r} is not lowered for TPU (backend "
+                       f"{self.backend!r}); use 'select'")
     if self.intra_bwd == "split" and self.is_tpu:
       raise ValueError(f"intra_bwd='split' is not lowered for TPU (backend "
                        f"{self.backend!r}); use 'tiles'")
@@ -236,7 +249,8 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
       inverse="blocked" if not on_tpu and ell >= 16 else "substitution",
       intra_bwd="split" if not on_tpu and ell >= 16 else "tiles",
       mm_dtype=mm_dtype,
-      intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32))
+      intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32),
+      level_anchors="select" if on_tpu else "gather")
   # Measured with 16-bit operands only; f32 ones double the pipelined buffers.
   if not on_tpu and dk == dv == 128 and mm_dtype != jnp.float32:
     programs = shape.state_programs

@@ -7,7 +7,8 @@ chunk it forms dq, dk, dv, dbeta and dG (the gradient of the within-chunk
 cumsum G; `pallas_op` turns it into dg with a reverse cumsum) with masked
 [C, C] products over the whole chunk. The anchored score gradients use the
 same row sub-tiles and anchors as the forward (`kernel_common.add_score_grads`);
-`pairwise` handles diagonal tiles with the explicit position-pair decay.
+`pairwise` handles diagonal tiles by levels of nested anchors
+(`kernel_common.level_factors`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_score_grads, chunk_specs, dot,
-                                              exp, iota, state_decay_grad)
+                                              exp, iota, same_block, state_decay_grad)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -78,18 +79,19 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
 
   lhs = {"q": rnd(daq), "k": rnd(da)}        # whole gradients (`add_score_grads`)
 
-  def tile_product(side, x):
-    return dot(lhs[side[0]], x, cfg, ta=side.endswith("col"), dtype=sdt)
+  def tile_product(side, x, block=None):
+    lhs_cc = lhs[side[0]]
+    if block is not None:
+      lhs_cc = jnp.where(same_block(c, block), lhs_cc, 0.0)
+    return dot(lhs_cc, x, cfg, ta=side.endswith("col"), dtype=sdt)
 
-  def pair_blocks(r, e_cl):
-    del r
-    return (dot(dot(e_cl, daq, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32),
-            dot(dot(e_cl, da, cfg, ta=True, dtype=_F32), e_cl, cfg, dtype=_F32))
+  def qk_diagonal():
+    return jnp.sum(jnp.where(row == col, daq, 0.0), axis=1, keepdims=True)
 
   dq, dk, dbeta, dgc = add_score_grads(
       (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, scale=scale, score_dtype=sdt, tile_product=tile_product,
-      pair_blocks=pair_blocks)
+      diagonal=diagonal, cfg=cfg, score_dtype=sdt, tile_product=tile_product,
+      qk_diagonal=qk_diagonal)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)

@@ -36,22 +36,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_score_grads, chunk_specs, dot,
-                                              exp, iota, k_slices, state_decay_grad)
+                                              exp, iota, k_slices, same_block,
+                                              state_decay_grad)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
 
 
-def cc_store_dtype(cfg: KernelConfig, diagonal: str):
-  """Storage dtype of dA, dAqk and their transposes between the two kernels.
-
-  "dense": the score products' operand dtype (cfg.mm_dtype). Every use is an
-  anchored score product that rounds them to it first, so storing them
-  rounded loses nothing, and bf16 halves kernel 2's reads of them (once per
-  K slice). "pairwise": f32, because the explicit pair-decay gradients of the
-  diagonal tiles use them unrounded.
-  """
-  return cfg.mm_dtype if diagonal == "dense" else _F32
+def cc_store_dtype(cfg: KernelConfig):
+  """Storage dtype of dA, dAqk and their transposes between the two kernels:
+  the score products' operand dtype (cfg.mm_dtype). Every use is a score
+  product that rounds them to it first (A_qk's exact diagonal of `pairwise`
+  takes the rounded value, as the dense diagonal product does), so storing
+  them rounded loses nothing, and bf16 halves kernel 2's reads of them (once
+  per K slice)."""
+  return cfg.mm_dtype
 
 
 def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: KernelConfig, *,
@@ -166,18 +165,20 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   # stored transposes. Read at each use, not held across the tile loop.
   stored = {"q_row": daq_ref, "q_col": daqt_ref, "k_row": da_ref, "k_col": dat_ref}
 
-  def tile_product(side, x):
-    return dot(stored[side][...], x, cfg, dtype=sdt)
+  def tile_product(side, x, block=None):
+    lhs = stored[side][...]
+    if block is not None:
+      lhs = jnp.where(same_block(c, block), lhs, 0)
+    return dot(lhs, x, cfg, dtype=sdt)
 
-  def pair_blocks(r, e_cl):
-    del e_cl  # the diagonal blocks are read straight from the refs
-    diag = (pl.ds(r * ell, ell), pl.ds(r * ell, ell))
-    return daq_ref[diag].astype(_F32), da_ref[diag].astype(_F32)
+  def qk_diagonal():
+    eye = iota((c, c), 0) == iota((c, c), 1)
+    return jnp.sum(jnp.where(eye, daq_ref[...].astype(_F32), 0.0), axis=1, keepdims=True)
 
   dq, dk, dbeta, dgc = add_score_grads(
       (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, scale=scale, score_dtype=sdt, tile_product=tile_product,
-      pair_blocks=pair_blocks)
+      diagonal=diagonal, cfg=cfg, score_dtype=sdt, tile_product=tile_product,
+      qk_diagonal=qk_diagonal)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -208,15 +209,14 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   if chunk_size % sub_chunk:
     raise ValueError(f"sub_chunk must divide chunk_size={chunk_size}, got {sub_chunk}")
   dv, dbeta_v, *cc = intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, heads=heads,
-                                  chunk_size=chunk_size, diagonal=diagonal, cfg=cfg,
-                                  dv_dtype=grad_dtype)
+                                  chunk_size=chunk_size, cfg=cfg, dv_dtype=grad_dtype)
   dq, dk, dg, dbeta_k = intra_bwd_k(
       q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads, chunk_size=chunk_size,
       sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg, grad_dtype=grad_dtype)
   return IntraBwdOut(dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2))
 
 
-def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_size, diagonal,
+def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_size,
                  cfg: KernelConfig, dv_dtype=_F32):
   """Kernel 1 of the split backward, grid (B, H, NC). Shapes as `intra_bwd_split`.
 
@@ -230,7 +230,7 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
   dk_, dv_ = hk // h, v.shape[-1] // h
   nc = tp // c
   mdt = cfg.intra_bwd_mm_dtype
-  sdt = cc_store_dtype(cfg, diagonal)
+  sdt = cc_store_dtype(cfg)
   spec = chunk_specs(c, dk_, dv_)
   kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state
   cc_shape = jax.ShapeDtypeStruct((b, h, tp, c), sdt)

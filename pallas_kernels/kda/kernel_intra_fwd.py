@@ -13,6 +13,10 @@ the body:
   [L, C] row block, then forward substitution over the whole [C, C] tile,
   row by row.
 
+`pairwise` forms the diagonal tiles' scores by levels of nested anchors
+(`kernel_common.level_factors`) in both bodies; the off-diagonal tiles are
+the same anchored products as dense.
+
 Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u as
 [B, Tp, H*V]; beta as [B, H, Tp, 1]; A_qk and M as [B, H, Tp, C]. Tp = NC * C.
 """
@@ -26,8 +30,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices, onehot_rows,
-                                              tile_factors)
+from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices,
+                                              anchor_picker, level_factors, pair_levels,
+                                              same_block, tile_factors)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -43,42 +48,6 @@ class IntraFwdOut(NamedTuple):
   m: jax.Array | None = None
   kg: jax.Array | None = None
   qg: jax.Array | None = None
-
-
-def pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, start: int):
-  """Adds a diagonal tile's explicit position-pair scores (`pairwise`).
-
-  For the L rows/columns from `start`:
-    A_qk[i, j] = sum_d q_id k_jd e^{G_id - G_jd} (j <= i),
-    A_kk[i, j] = sum_d (beta k)_id k_jd e^{G_id - G_jd} (j < i).
-  One column j per loop step, as [L, K] work (no [L, L, K] tensor), written
-  into column start + j of the row blocks.
-
-  Args:
-    p_qk, p_kk: [L, C] score row blocks of the tile's rows (zero on the tile).
-    q_l, bk_l: [L, K] scaled q and beta * k of the tile.
-    k_ref, g_ref: chunk refs of k and the cumulative gates.
-
-  Returns:
-    (p_qk, p_kk) with the diagonal tile filled in.
-  """
-  ell, c = p_qk.shape
-  g_l = g_ref[pl.ds(start, ell), :]
-  row_l = iota((ell, 1), 0)
-  col = iota((1, c), 1)
-
-  def body(j, carry):
-    p_qk, p_kk = carry
-    k_j = k_ref[pl.ds(start + j, 1), :].astype(_F32)
-    g_j = g_ref[pl.ds(start + j, 1), :]
-    seen = row_l >= j
-    dec = jnp.where(seen, exp(jnp.where(seen, g_l - g_j, 0.0)), 0.0) * k_j
-    at_j = col == start + j
-    p_qk = jnp.where(at_j, jnp.sum(q_l * dec, axis=1, keepdims=True), p_qk)
-    p_kk = jnp.where(at_j & (row_l > j), jnp.sum(bk_l * dec, axis=1, keepdims=True), p_kk)
-    return p_qk, p_kk
-
-  return lax.fori_loop(0, ell, body, (p_qk, p_kk))
 
 
 def unit_lower_inverse(blocks_lc):
@@ -127,13 +96,14 @@ def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   dtype = _F32 if dtype is None else dtype
   row, col = iota((c, 1), 0), iota((1, c), 1)
 
-  def same_block(s):                                   # [C, C]: i, j in one s-block
+  # Reuses row and col: kernel_common.same_block would form fresh iotas per level.
+  def in_block(s):                                   # [C, C]: i, j in one s-block
     return jnp.bitwise_and(row, -s) == jnp.bitwise_and(col, -s)
 
-  m = jnp.where(row == col, 1.0, 0.0) - jnp.where(same_block(2), a_cc, 0.0)
+  m = jnp.where(row == col, 1.0, 0.0) - jnp.where(in_block(2), a_cc, 0.0)
   s = 2
   while s < c:
-    quadrant = same_block(2 * s) & jnp.logical_not(same_block(s))
+    quadrant = in_block(2 * s) & jnp.logical_not(in_block(s))
     prec = cfg.diag_dtype if 2 * s <= ell else dtype
     t = dot(m, jnp.where(quadrant, a_cc, 0.0), cfg, dtype=prec)
     m = m - dot(t, m, cfg, dtype=prec)
@@ -151,20 +121,33 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
   col = iota((1, c), 1)
   row_l = iota((ell, 1), 0)
   akk_blocks = []
+  # pairwise: each level's column operand over the whole chunk; the product's
+  # 2s-block mask keeps tile r's columns for tile r's rows.
+  levels = pair_levels(ell) if diagonal == "pairwise" else []
+  level_cols = [k * level_factors(g, s, anchor_picker(cfg, g_ref))[1] for s in levels]
   # Row sub-tile r: its L rows against all columns, anchored at its first row.
   for r in range(c // ell):
     rows = pl.ds(r * ell, ell)
-    anchor = g_ref[pl.ds(r * ell, 1), :]
     q_l = q_ref[rows, :].astype(_F32) * scale
     bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
-    row_f = exp(g_ref[rows, :] - anchor)                 # <= 1
-    _, col_f = tile_factors(g, anchor, r, ell, diagonal)
-    yk = k * col_f
-    p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
-    p_kk = dot(bk_l * row_f, yk, cfg, tb=True, dtype=sdt)
-    if diagonal == "pairwise":
-      p_qk, p_kk = pair_tile_scores(p_qk, p_kk, q_l, bk_l, k_ref, g_ref, r * ell)
     row_g = row_l + r * ell
+    if diagonal == "pairwise" and r == 0:
+      p_qk = p_kk = jnp.zeros((ell, c), _F32)     # no earlier tile to see
+    else:
+      anchor = g_ref[pl.ds(r * ell, 1), :]
+      row_f = exp(g_ref[rows, :] - anchor)               # <= 1
+      _, col_f = tile_factors(g, anchor, r, ell, diagonal)
+      yk = k * col_f
+      p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
+      p_kk = dot(bk_l * row_f, yk, cfg, tb=True, dtype=sdt)
+    for s, yk_s in zip(levels, level_cols):
+      row_s, _ = level_factors(g_ref[rows, :], s, anchor_picker(cfg, g_ref, r * ell))
+      blk = jnp.bitwise_and(row_g, -2 * s) == jnp.bitwise_and(col, -2 * s)
+      p_qk = p_qk + jnp.where(blk, dot(q_l * row_s, yk_s, cfg, tb=True, dtype=sdt), 0.0)
+      p_kk = p_kk + jnp.where(blk, dot(bk_l * row_s, yk_s, cfg, tb=True, dtype=sdt), 0.0)
+    if diagonal == "pairwise":                           # A_qk[i, i] = q_i . k_i
+      k_l = k_ref[rows, :].astype(_F32)
+      p_qk = jnp.where(col == row_g, jnp.sum(q_l * k_l, axis=1, keepdims=True), p_qk)
     aqk_ref[rows, :] = jnp.where(col <= row_g, p_qk, 0.0).astype(aqk_ref.dtype)
     akk_blocks.append(jnp.where(col < row_g, p_kk, 0.0))
   m = unit_lower_inverse(akk_blocks)
@@ -186,9 +169,14 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
     ks: static `pl.ds` of the slice's BK channels.
 
   Returns:
-    (p_qk, p_kk) plus this slice's diagonal-tile (dense only) and
+    (p_qk, p_kk) plus this slice's diagonal-tile products (dense: one
+    anchored product per score; pairwise: `_level_slice_scores`) and
     off-diagonal-tile products.
   """
+  if diagonal == "pairwise":
+    # First, while none of the anchored operands below is live.
+    p_qk, p_kk = _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
+                                     scale=scale, ell=ell, cfg=cfg)
   c = q_ref.shape[0]
   nt = c // ell
   sdt = cfg.mm_dtype
@@ -228,6 +216,29 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
   return p_qk, p_kk
 
 
+def _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell, cfg):
+  """Adds one K slice of the pairwise diagonal tiles to the [C, C] accumulators.
+
+  One masked product per level and score (`kernel_common.level_factors`), from
+  the unanchored x = scale q, beta k; then A_qk's diagonal q_i . k_i (no decay).
+  Shapes as `_blocked_slice_scores`.
+  """
+  c = q_ref.shape[0]
+  sdt = cfg.mm_dtype
+  g = g_ref[:, ks]
+  k = k_ref[:, ks].astype(_F32)
+  xq = q_ref[:, ks].astype(_F32) * scale
+  xk = beta_ref[...] * k
+  for s in pair_levels(ell):
+    row_f, col_f = level_factors(g, s, anchor_picker(cfg, g_ref, cols=ks))
+    blk = same_block(c, 2 * s)
+    k_s = k * col_f
+    p_qk = p_qk + jnp.where(blk, dot(xq * row_f, k_s, cfg, tb=True, dtype=sdt), 0.0)
+    p_kk = p_kk + jnp.where(blk, dot(xk * row_f, k_s, cfg, tb=True, dtype=sdt), 0.0)
+  eye = iota((c, 1), 0) == iota((1, c), 1)
+  return p_qk + jnp.where(eye, jnp.sum(xq * k, axis=1, keepdims=True), 0.0), p_kk
+
+
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
                               *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
   """K-sliced scores and the blocked inverse (`inverse="blocked"`), then W and U:
@@ -245,14 +256,18 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
   * diagonal tiles (dense), all at once: (x e^{G - a_t(i)}) (k e^{a_t(j) - G})^T
     masked to i, j in one tile; row factors <= 1, column factors
     <= e^{|g_min| (L - 1)};
+  * diagonal tiles (pairwise), one product per level s = L/2, ..., 1
+    (`kernel_common.level_factors`): (x e^{G - u_s}) (k e^{u_s - G})^T masked
+    to aligned 2s-row blocks, all factors <= 1 for any gate; plus A_qk's
+    diagonal q_i . k_i;
   * column tile s against all later rows, anchored at a_{s+1} (between every
     such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
     all factors <= 1.
   Anchors are first rows of tiles at or before every row using them. Both
   are summed over K slices of cfg.block_k channels (`_blocked_slice_scores`),
   so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
-  each score matrix takes C/L products of [C, BK] x [BK, C]. The pairwise
-  diagonal (`pair_tile_scores`) stays over the full K. Then
+  each score matrix takes C/L products of [C, BK] x [BK, C] (dense), or
+  C/L - 1 + log2(L) (pairwise). Then
   M = (I + A_kk)^-1 by `recursive_unit_lower_inverse`.
 
   Args:
@@ -273,16 +288,6 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
   for ks in slices:
     p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
                                        scale=scale, ell=ell, diagonal=diagonal, cfg=cfg)
-  if diagonal == "pairwise":
-    zero = jnp.zeros((ell, c), _F32)
-    for r in range(c // ell):
-      rows = pl.ds(r * ell, ell)
-      q_l = q_ref[rows, :].astype(_F32) * scale
-      bk_l = beta_ref[rows, :] * k_ref[rows, :].astype(_F32)
-      t_qk, t_kk = pair_tile_scores(zero, zero, q_l, bk_l, k_ref, g_ref, r * ell)
-      e_cl = onehot_rows(c, ell, r)                              # exact embedding
-      p_qk = p_qk + dot(e_cl, t_qk, cfg, dtype=_F32)
-      p_kk = p_kk + dot(e_cl, t_kk, cfg, dtype=_F32)
   aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
   return recursive_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
                                       dtype=cfg.mm_dtype)
