@@ -153,3 +153,45 @@ def test_bad_configs():
     kda_lib.KDA(D, H, K, gate="exp", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"\[B, T, 16\]"):
     _layer()(np.zeros((2, 3), np.float32))
+
+
+def test_fused_gate_defaults():
+  """Fused for the bounded gate on the Pallas path only; the softplus gate cannot be."""
+  assert _layer(implementation="pallas").fuse_gate
+  assert not _layer(implementation="xla").fuse_gate
+  assert not _layer("softplus", implementation="pallas").fuse_gate
+  with pytest.raises(ValueError, match="fuse_gate=True needs gate='bounded'"):
+    kda_lib.KDA(D, H, K, gate="softplus", diagonal="pairwise", fuse_gate=True, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_fused_gate_layer_equals_unfused(implementation):
+  """Same parameters: outputs, stats and every parameter gradient agree fused vs unfused."""
+  x = _x(2, 19, seed=8)  # not a multiple of the chunk
+  # The Pallas kernels need K and C >= 16 (tensor-core tiles).
+  k, chunk, sub = (K, CHUNK, SUB) if implementation == "xla" else (16, 16, 16)
+  layers = [kda_lib.KDA(D, H, k, conv_size=W, g_min=-5.0, chunk_size=chunk, sub_chunk=sub,
+                        implementation=implementation, fuse_gate=fuse, rngs=nnx.Rngs(3))
+            for fuse in (True, False)]
+
+  def run(layer):
+    def loss(m, x):
+      y, stats = m(x)
+      return jnp.sum(y * jnp.cos(y)), (y, stats)
+    return nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+
+  (_, (y_f, s_f)), g_f = run(layers[0])
+  (_, (y_u, s_u)), g_u = run(layers[1])
+  scale = float(np.abs(y_u).max())
+  np.testing.assert_allclose(y_f, y_u, rtol=0, atol=1e-5 * scale)
+  for name in ("g_mean", "g_min"):
+    np.testing.assert_allclose(s_f[name], s_u[name], rtol=1e-6)
+  flat_u = dict(nnx.to_flat_state(g_u))
+  for name, gf in nnx.to_flat_state(g_f):
+    gf, gu = np.asarray(gf[...]), np.asarray(flat_u[name][...])
+    assert np.abs(gu).max() > 0, name
+    np.testing.assert_allclose(gf, gu, rtol=0, atol=2e-5 * np.abs(gu).max(), err_msg=str(name))
+  if implementation == "xla":  # and both equal the float64 layer
+    ref, _ = _reference(layers[0], x)
+    np.testing.assert_allclose(y_f, ref, rtol=TOL[jnp.float32],
+                               atol=TOL[jnp.float32] * np.abs(ref).max())

@@ -129,3 +129,22 @@ def test_pallas_runs_each_devices_batch_on_a_data_mesh(monkeypatch):
                            output_final_state=True, **KW)
   assert_close(o, o_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "output")
   assert_close(s, s_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "final state")
+
+
+def test_layer_with_fused_gate_runs_context_parallel():
+  """ContextParallelKDA(fuse_gate=True) on a context-2 mesh: the sharded scan gets the
+  activated gate, and the layer equals the unfused one-device layer."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from k3jax.layers.kda import KDA  # pylint: disable=g-import-not-at-top
+  from k3jax.parallel.layers import ContextParallelKDA  # pylint: disable=g-import-not-at-top
+  kw = dict(conv_size=3, g_min=-5.0, chunk_size=16, sub_chunk=8, implementation="xla")
+  cp = ContextParallelKDA(16, 2, 8, fuse_gate=True, rngs=nnx.Rngs(0), **kw)
+  plain = KDA(16, 2, 8, fuse_gate=False, rngs=nnx.Rngs(0), **kw)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
+  mesh = make_mesh(MeshConfig(data=1, context=2), devices=jax.devices()[:2])
+  with jax.set_mesh(mesh):
+    y, _ = nnx.jit(lambda m, x: m(x))(cp, x)
+  y_ref, _ = nnx.jit(lambda m, x: m(x))(plain, x)
+  assert_close(y, y_ref, RTOL[jnp.dtype(jnp.float32)]["out"], "layer output")
+  assert np.all(np.isfinite(np.asarray(y)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from k3jax.layers import gates
 from k3jax.layers.kda import KDA
 from k3jax.layers.moe import MoE
 from k3jax.parallel import context_parallel
@@ -39,12 +40,15 @@ class ContextParallelKDA(KDA):
   device); a batch the devices do not divide runs unsplit.
   """
 
-  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
+  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
+              gate_bias=None):
     n_batch = _batch_devices()
     batch_split = (self.spec.implementation == "pallas" and n_batch > 1
                    and q.shape[0] % n_batch == 0)
     if _axis(mesh_lib.CONTEXT) == 1 and not batch_split:
-      return super()._kernel(q, k, v, g, beta, initial_state, output_final_state)
+      return super()._kernel(q, k, v, g, beta, initial_state, output_final_state, gate_bias)
+    if gate_bias is not None:   # the sharded path takes the log-decay itself
+      g = gates.bounded_gate(g + gate_bias, self.g_min)
     return context_parallel.chunk_kda_context_parallel(
         q, k, v, g, beta, mesh=expert_parallel.current_mesh(), initial_state=initial_state,
         output_final_state=output_final_state, spec=self.spec, interpret=self.interpret)
