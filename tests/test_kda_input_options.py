@@ -219,6 +219,20 @@ class TestOptionsPallasInterpret(OptionChecks):
     want = _value_and_grads(naive, (g, bias), cts)
     _assert_match(got, want, ("g", "bias"), TOL[(self.backend, "bfloat16")], jnp.bfloat16)
 
+  def test_fused_gate_recomputing_backward(self):
+    """save_residuals=False: the backward reruns the forward from the pre-activation."""
+    b, t, h, dk, dv = self.shape
+    q, k, v, g, beta, h0, bias = _inputs(19, b, t, h, dk, dv)
+    cts = _cotangents(20, v.shape, h0.shape)
+    op = self._op(gate_activation="bounded_sigmoid",
+                  config_overrides={"save_residuals": False})
+    fused = lambda g, bias, h0: op(q, k, v, g, beta, initial_state=h0, gate_bias=bias)
+    naive = lambda g, bias, h0: reference.naive_recurrent_kda(
+        q, k, v, _naive_gate(g, bias), beta, initial_state=h0, output_final_state=True)
+    _assert_match(_value_and_grads(fused, (g, bias, h0), cts),
+                  _value_and_grads(naive, (g, bias, h0), cts), ("g", "bias", "h0"),
+                  TOL[(self.backend, "float32")])
+
   def test_rejects_bad_options(self):
     q, k, v, g, beta, _, bias = _inputs(15, 1, 16, 2, 16, 16)
     op = self._op()
@@ -251,6 +265,7 @@ class TestOptionsPallasTpuInterpret(TestOptionsPallasInterpret):
   test_grouped_value_heads_match_per_head_naive = None
   test_all_options_together = None
   test_bf16_raw_gate = None
+  test_fused_gate_recomputing_backward = None
   test_rejects_bad_options = None
   test_default_has_no_options = None
 
