@@ -312,3 +312,21 @@ class TestOptionsPallasGpu(OptionChecks):
     _assert_match(_value_and_grads(fused, xs, cts), _value_and_grads(unfused, xs, cts),
                   ("q", "k", "v", "g", "beta", "bias"), TOL[(self.backend, "bfloat16")],
                   jnp.bfloat16)
+
+
+@pytest.mark.tpu_export
+def test_fused_gate_lowers_for_tpu():
+  """Forward and backward with the fused gate (XLA gate around Mosaic kernels) export for TPU."""
+  b, t, h, d = 1, 256, 1, 128
+  q, k, v, g, beta, _, bias = _inputs(21, b, t, h, d, d, dtype=jnp.bfloat16)
+  g = g.astype(jnp.bfloat16)
+  fn = functools.partial(chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16,
+                         lower_bound=LOWER_BOUND, backend="tpu", block_v=128,
+                         output_final_state=True, gate_activation="bounded_sigmoid")
+
+  def fwd_bwd(q, k, v, g, beta, bias):
+    (o, ht), vjp = jax.vjp(lambda *xs: fn(*xs[:5], gate_bias=xs[5]), q, k, v, g, beta, bias)
+    return o, ht, vjp((o, ht))
+
+  exported = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(q, k, v, g, beta, bias)
+  assert "tpu_custom_call" in exported.mlir_module()
