@@ -288,8 +288,9 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)
 
   if not varlen:
-    tensors = [jnp.pad(x, [(0, 0), (0, (-t_len) % c)] + [(0, 0)] * (x.ndim - 2),
-                       constant_values=fill) for x, fill in zip(tensors, fills)]
+    if t_len % c:
+      tensors = [jnp.pad(x, [(0, 0), (0, (-t_len) % c)] + [(0, 0)] * (x.ndim - 2),
+                         constant_values=fill) for x, fill in zip(tensors, fills)]
     nc = tensors[0].shape[1] // c
     chunk = jnp.arange(nc, dtype=jnp.int32)
     meta = ((chunk == 0).astype(jnp.int32), (chunk == nc - 1).astype(jnp.int32),
