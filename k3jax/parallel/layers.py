@@ -11,7 +11,6 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from k3jax.layers import gates
 from k3jax.layers.kda import KDA
 from k3jax.layers.moe import MoE
 from k3jax.parallel import context_parallel
@@ -47,11 +46,12 @@ class ContextParallelKDA(KDA):
                    and q.shape[0] % n_batch == 0)
     if _axis(mesh_lib.CONTEXT) == 1 and not batch_split:
       return super()._kernel(q, k, v, g, beta, initial_state, output_final_state, gate_bias)
-    if gate_bias is not None:   # the sharded path takes the log-decay itself
-      g = gates.bounded_gate(g + gate_bias, self.g_min)
+    fused = {} if gate_bias is None else dict(gate_activation="bounded_sigmoid",
+                                              gate_bias=gate_bias)
     return context_parallel.chunk_kda_context_parallel(
         q, k, v, g, beta, mesh=expert_parallel.current_mesh(), initial_state=initial_state,
-        output_final_state=output_final_state, spec=self.spec, interpret=self.interpret)
+        output_final_state=output_final_state, spec=self.spec, interpret=self.interpret,
+        **fused)
 
 
 class ExpertParallelMoE(MoE):
