@@ -48,6 +48,8 @@ _OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields, as bench_k
 _COMPILE = flags.DEFINE_bool("compile", False, "Compile each kernel with the installed triton "
                              "package and print registers, spills and the SASS mix.")
 _KERNELS = flags.DEFINE_string("kernels", ".", "Regex on kernel names to compile.")
+_FUSED_GATE = flags.DEFINE_bool("fused_gate", False, "Lower with the gate activation fused "
+                                "into the gate cumsums (gate_activation='bounded_sigmoid').")
 _ATTRIBUTE = flags.DEFINE_bool("attribute", False, "Also count SASS instructions per Triton IR "
                                "operation type (needs --compile).")
 
@@ -62,7 +64,8 @@ def main(argv):
   if len(shape) != 4:
     raise app.UsageError(f"--shape must be BxTxHxD, got {_SHAPE.value!r}")
   entries = triton_ir.lower_kernels(_OUT.value, shape, _DIAGONAL.value,
-                                    bench.parse_overrides(_OVERRIDES.value) or None)
+                                    bench.parse_overrides(_OVERRIDES.value) or None,
+                                    fused_gate=_FUSED_GATE.value)
   for entry in entries:
     print(f"{entry['name']:20s} warps={entry['num_warps']} stages={entry['num_stages']} "
           f"{entry['file']}")

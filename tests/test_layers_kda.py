@@ -14,12 +14,12 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 6e-2}
 
 
 def _layer(gate="bounded", dtype=jnp.float32, implementation="xla", seed=0,
-           decode_implementation="auto"):
+           decode_implementation="auto", fuse_gate=False):
   diagonal = "dense" if gate == "bounded" else "pairwise"
   return kda_lib.KDA(D, H, K, conv_size=W, gate=gate, g_min=-5.0, chunk_size=CHUNK,
                      sub_chunk=SUB, diagonal=diagonal, implementation=implementation,
-                     decode_implementation=decode_implementation, dtype=dtype,
-                     rngs=nnx.Rngs(seed))
+                     decode_implementation=decode_implementation, fuse_gate=fuse_gate,
+                     dtype=dtype, rngs=nnx.Rngs(seed))
 
 
 def _x(b, t, seed=1):
@@ -164,3 +164,44 @@ def test_bad_configs():
   layer = _layer()
   with pytest.raises(ValueError, match="decode takes 1 to 16 tokens .* got shape \\(1, 17, 16\\)"):
     layer.decode(np.zeros((1, 17, D), np.float32), layer.init_cache(1))
+
+
+def test_fused_gate_is_opt_in_and_bounded_only():
+  """Off unless asked (not yet timed on a GPU); the softplus gate cannot be fused."""
+  assert not _layer(implementation="pallas").fuse_gate
+  assert _layer(implementation="pallas", fuse_gate=True).fuse_gate
+  with pytest.raises(ValueError, match="fuse_gate=True needs gate='bounded'"):
+    kda_lib.KDA(D, H, K, gate="softplus", diagonal="pairwise", fuse_gate=True, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_fused_gate_layer_equals_unfused(implementation):
+  """Same parameters: outputs, stats and every parameter gradient agree fused vs unfused."""
+  x = _x(2, 19, seed=8)  # not a multiple of the chunk
+  # The Pallas kernels need K and C >= 16 (tensor-core tiles).
+  k, chunk, sub = (K, CHUNK, SUB) if implementation == "xla" else (16, 16, 16)
+  layers = [kda_lib.KDA(D, H, k, conv_size=W, g_min=-5.0, chunk_size=chunk, sub_chunk=sub,
+                        implementation=implementation, fuse_gate=fuse, rngs=nnx.Rngs(3))
+            for fuse in (True, False)]
+
+  def run(layer):
+    def loss(m, x):
+      y, stats = m(x)
+      return jnp.sum(y * jnp.cos(y)), (y, stats)
+    return nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer, x)
+
+  (_, (y_f, s_f)), g_f = run(layers[0])
+  (_, (y_u, s_u)), g_u = run(layers[1])
+  scale = float(np.abs(y_u).max())
+  np.testing.assert_allclose(y_f, y_u, rtol=0, atol=1e-5 * scale)
+  for name in ("g_mean", "g_min"):
+    np.testing.assert_allclose(s_f[name], s_u[name], rtol=1e-6)
+  flat_u = dict(nnx.to_flat_state(g_u))
+  for name, gf in nnx.to_flat_state(g_f):
+    gf, gu = np.asarray(gf[...]), np.asarray(flat_u[name][...])
+    assert np.abs(gu).max() > 0, name
+    np.testing.assert_allclose(gf, gu, rtol=0, atol=2e-5 * np.abs(gu).max(), err_msg=str(name))
+  if implementation == "xla":  # and both equal the float64 layer
+    ref, _ = _reference(layers[0], x)
+    np.testing.assert_allclose(y_f, ref, rtol=TOL[jnp.float32],
+                               atol=TOL[jnp.float32] * np.abs(ref).max())

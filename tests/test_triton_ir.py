@@ -20,6 +20,15 @@ def test_captures_every_kernel_of_the_training_step(tmp_path):
   assert "loc(" not in ir and "#loc" not in ir
 
 
+def test_fused_gate_replaces_both_cumsums(tmp_path):
+  """gate_activation: the gate kernels take the plain cumsums' places; the rest is unchanged."""
+  entries = triton_ir.lower_kernels(str(tmp_path), (1, 128, 2, 64),
+                                    fused_gate=True)
+  assert [e["name"] for e in entries] == [
+      "kda_gate_cumsum", "kda_intra_fwd", "kda_state_rec", "kda_output_fwd", "kda_state_bwd",
+      "kda_intra_bwd_cc", "kda_intra_bwd_k", "kda_gate_cumsum_bwd"]
+
+
 def test_strip_locations_and_sass_counts():
   asm = ('#loc = loc(unknown)\n'
          '%0 = arith.addf %a, %b : f32 loc(#loc3)\n'

@@ -10,9 +10,13 @@ Per head h (DESIGN.md, "Model"):
 
 The gate is the bounded `g_min * sigmoid(.)` (default) or the softplus
 baseline `-exp(A_log) * softplus(. + dt_bias)` from `k3jax.layers.gates`.
+With `fuse_gate` the layer passes the pre-activation x W_fa W_fb and b_f to
+`chunk_kda(..., gate_activation="bounded_sigmoid")`, whose gate-cumsum kernels
+apply the sigmoid and its derivative, so the [B, T, H, K] float32 g is never
+written (off by default until timed on the GPU: `experiments/bench_gate_fusion.py`).
 Decoding carries the conv windows and the [B, H, K, V] float32 state and
-steps it with `pallas_kernels.kda.decode.kda_decode_step` (a Pallas kernel on
-the GPU, fused jnp elsewhere; `decode_implementation`).
+steps it with `pallas_kernels.kda.decode.kda_decode_step`
+(`decode_implementation`).
 """
 from __future__ import annotations
 
@@ -70,6 +74,9 @@ class KDA(nnx.Module):
       it), held whole and passed to every call. Its lower bound must be g_min
       for the bounded gate and None for the softplus one. Without it, the
       keyword choices build one (the lower bound from the gate).
+    fuse_gate: hand the bounded gate's pre-activation to the kernel (see the
+      module docstring). Same values either way; the softplus gate cannot be
+      fused. Default off (`ModelConfig.kda_fuse_gate`).
     chunk_size, sub_chunk, diagonal, implementation: KdaSpec fields, when no
       spec is given (None: KdaSpec's defaults).
     decode_implementation: how `decode` steps the state: "auto" (the fused jnp
@@ -84,7 +91,8 @@ class KDA(nnx.Module):
                gate: str = "bounded", g_min: float = -5.0,
                spec: kda_spec.KdaSpec | None = None, chunk_size: int | None = None,
                sub_chunk: int | None = None, diagonal: str | None = None,
-               implementation: str | None = None, decode_implementation: str = "auto",
+               implementation: str | None = None, fuse_gate: bool = False,
+               decode_implementation: str = "auto",
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
     if gate not in GATES:
       raise ValueError(f"unknown KDA gate {gate!r}; allowed: {GATES}")
@@ -108,6 +116,10 @@ class KDA(nnx.Module):
     self.conv_size, self.gate, self.g_min = conv_size, gate, float(g_min)
     self.spec = spec
     self.decode_implementation = decode_implementation
+    if fuse_gate and gate != "bounded":
+      raise ValueError(f"fuse_gate=True needs gate='bounded' (the kernel's fused activation is "
+                       f"g_min * sigmoid), got gate={gate!r}")
+    self.fuse_gate = bool(fuse_gate)
     self.dtype = dtype
     h, k = num_heads, head_dim
     dense = fan_in_init(d_model)
@@ -148,17 +160,22 @@ class KDA(nnx.Module):
     proj = lambda w: jnp.einsum("btd,dhk->bthk", x, w[...].astype(self.dtype))
     return proj(self.wq), proj(self.wk), proj(self.wv)
 
-  def _gates(self, x_btd):
-    """g [B, T, H, K] float32 log-decay and beta [B, T, H] float32."""
+  def _gate_preactivation(self, x_btd):
+    """z = x W_fa W_fb [B, T, H, K] float32 (before the bias) and beta [B, T, H] float32."""
     x = x_btd.astype(jnp.float32)
     z = jnp.einsum("btd,dr->btr", x, self.wf_a[...].astype(jnp.float32))
     z = jnp.einsum("btr,rhk->bthk", z, self.wf_b[...].astype(jnp.float32))
+    beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.wb[...].astype(jnp.float32)))
+    return z, beta
+
+  def _gates(self, x_btd):
+    """g [B, T, H, K] float32 log-decay and beta [B, T, H] float32."""
+    z, beta = self._gate_preactivation(x_btd)
     if self.gate == "bounded":
       g = gates.bounded_gate(z + self.f_bias[...].astype(jnp.float32), self.g_min)
     else:
       g = gates.softplus_gate(z, self.a_log[...].astype(jnp.float32)[:, None],
                               self.f_bias[...].astype(jnp.float32))
-    beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.wb[...].astype(jnp.float32)))
     return g.astype(jnp.float32), beta
 
   def _activate(self, q, k, v):
@@ -179,14 +196,32 @@ class KDA(nnx.Module):
     """Pallas kernels run emulated when the default platform is the CPU."""
     return self.spec.implementation == "pallas" and jax.default_backend() == "cpu"
 
-  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
+  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
+              gate_bias=None):
+    """chunk_kda on the layer's spec; with gate_bias [H, K], g is the fused gate's pre-activation."""
+    fused = {} if gate_bias is None else dict(gate_activation="bounded_sigmoid",
+                                              gate_bias=gate_bias)
     return kda_api.chunk_kda(
         q, k, v, g, beta, spec=self.spec, initial_state=initial_state,
-        output_final_state=output_final_state, interpret=self.interpret)
+        output_final_state=output_final_state, interpret=self.interpret, **fused)
 
   @staticmethod
   def _stats(g):
     return {"g_mean": jnp.mean(g), "g_min": jnp.min(g)}
+
+  def _kernel_gates(self, x_btd):
+    """(gate input, gate_bias or None, beta, stats) for `_kernel`.
+
+    Fused: the pre-activation and the bias go to the kernel; the logged
+    stats come from a reduction over g that XLA fuses (g is not written).
+    """
+    if not self.fuse_gate:
+      g, beta = self._gates(x_btd)
+      return g, None, beta, self._stats(g)
+    z, beta = self._gate_preactivation(x_btd)
+    bias = self.f_bias[...].astype(jnp.float32)
+    g = jax.lax.stop_gradient(gates.bounded_gate(z + bias, self.g_min))
+    return z, bias, beta, self._stats(g)
 
   def _check(self, x_btd):
     if x_btd.ndim != 3 or x_btd.shape[-1] != self.d_model:
@@ -217,15 +252,16 @@ class KDA(nnx.Module):
     k = causal_depthwise_conv(kp, self.conv_k[...])
     v = causal_depthwise_conv(vp, self.conv_v[...])
     q, k, v = self._activate(q, k, v)
-    g, beta = self._gates(x_btd)
-    o, state = self._kernel(q, k, v, g, beta, output_final_state=with_cache)
+    g_in, gate_bias, beta, stats = self._kernel_gates(x_btd)
+    o, state = self._kernel(q, k, v, g_in, beta, output_final_state=with_cache,
+                            gate_bias=gate_bias)
     y = self._output(x_btd, o)
     cache = None
     if with_cache:
       w = self.conv_size
       cache = {"conv_q": _conv_tail(qp, w), "conv_k": _conv_tail(kp, w),
                "conv_v": _conv_tail(vp, w), "state": state.astype(jnp.float32)}
-    return y, self._stats(g), cache
+    return y, stats, cache
 
   def init_cache(self, batch: int) -> dict:
     """Empty decoding cache for `batch` sequences (same layout as `prefill`'s)."""

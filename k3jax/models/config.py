@@ -52,10 +52,14 @@ class ModelConfig:
   # chunk_kda implementation: "xla", "pallas" or "naive" (recurrent loop;
   # `pallas_kernels.kda.spec.IMPLEMENTATIONS`).
   kda_implementation: str = "xla"
-  # How decoding steps the KDA state: "auto" (Pallas kernel on the GPU, fused
-  # jnp elsewhere), "pallas", "fused" or "naive" (the reference token loop;
-  # `pallas_kernels.kda.decode`).
+  # How decoding steps the KDA state: "auto" (the fused jnp step), "pallas"
+  # (the decode kernel, opt-in until timed on a GPU), "fused" or "naive" (the
+  # reference token loop; `pallas_kernels.kda.decode`).
   kda_decode: str = "auto"
+  # Bounded gate with the pallas path only: apply g_min * sigmoid(.) inside the
+  # gate-cumsum kernels instead of writing the f32 gate (same values; off until
+  # timed on a GPU, `experiments/bench_gate_fusion.py`).
+  kda_fuse_gate: bool = False
   # Routed experts per MoE layer; 0 makes every FFN a dense SwiGLU.
   num_experts: int = 8
   # Experts each token is routed to.
@@ -123,6 +127,9 @@ class ModelConfig:
     if self.kda_decode != "auto" and self.kda_decode not in DECODE_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.kda_decode={self.kda_decode!r}; allowed: 'auto', "
                        f"{', '.join(map(repr, DECODE_IMPLEMENTATIONS))}")
+    if self.kda_fuse_gate and self.gate != "bounded":
+      raise ValueError(f"ModelConfig.kda_fuse_gate=True needs gate='bounded' (the kernels fuse "
+                       f"g_min * sigmoid), got gate={self.gate!r}")
     if not (isinstance(self.num_experts, int) and self.num_experts >= 0):
       raise ValueError(f"ModelConfig.num_experts={self.num_experts!r}; must be an int >= 0")
     if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:

@@ -70,7 +70,8 @@ def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
   if kind == "K":
     return KDA(config.d_model, config.num_heads, config.head_dim, conv_size=config.conv_size,
                gate=config.gate, g_min=config.g_min, spec=config.kda_spec,
-               decode_implementation=config.kda_decode, dtype=dtype, param_dtype=pdt, rngs=rngs)
+               decode_implementation=config.kda_decode, fuse_gate=config.kda_fuse_gate,
+               dtype=dtype, param_dtype=pdt, rngs=rngs)
   return CausalSelfAttention(config.d_model, config.num_heads, config.num_kv_heads,
                              config.head_dim, dtype=dtype, param_dtype=pdt, rngs=rngs)
 

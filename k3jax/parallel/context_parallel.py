@@ -32,6 +32,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.parallel import mesh as mesh_lib
 from pallas_kernels.kda import api as kda_api
+from pallas_kernels.kda import input_options
 from pallas_kernels.kda import spec as kda_spec
 from pallas_kernels.kda.kernel_config import is_pow2
 from pallas_kernels.kda.spec import KdaSpec
@@ -71,21 +72,31 @@ def _local_summary(q, k, v, g, beta, kernel_kwargs):
   return o0, qa, a, b
 
 
-def _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes, kernel_kwargs):
+def _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes, kernel_kwargs,
+                   gate_activation=None, gate_bias=None):
   """`chunk_kda` on each device's own sequences (batch over `b_axes`, whole time axis).
 
   The compiler cannot split a Pallas kernel call by itself: left to it, every
   device would gather the whole batch and run all of it. Inside `shard_map`
   each device runs only its B / n sequences. h0: [B, H, K, V] float32.
+  A fused gate's bias travels as one copy per sequence ([B, ...], sharded
+  like the batch; each device reads its first row), so its gradient is the
+  plain sum over B of the broadcast, outside the shard_map.
   """
   spec = P(b_axes)
+  if gate_activation is None:
+    bias_b = jnp.zeros((q.shape[0],), jnp.float32)   # unused placeholder
+  else:
+    bias_b = jnp.broadcast_to(gate_bias[None], (q.shape[0],) + gate_bias.shape)
 
-  def local(q, k, v, g, beta, h0):
+  def local(q, k, v, g, beta, h0, bias_b):
+    gate = ({} if gate_activation is None
+            else dict(gate_activation=gate_activation, gate_bias=bias_b[0]))
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                             **kernel_kwargs)
+                             **kernel_kwargs, **gate)
 
-  o, final = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec),
-                           check_vma=False)(q, k, v, g, beta, h0)
+  o, final = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 7, out_specs=(spec, spec),
+                           check_vma=False)(q, k, v, g, beta, h0, bias_b)
   return o, (final if output_final_state else None)
 
 
@@ -96,14 +107,17 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                                scale=None, initial_state=None, output_final_state=False,
                                spec: KdaSpec | None = None, chunk_size=None, lower_bound=None,
                                diagonal=None, sub_chunk=None, implementation=None,
-                               interpret=False):
+                               interpret=False, gate_activation=None, gate_bias=None):
   """`chunk_kda` with the time axis sharded over `context_axis` of `mesh`.
 
   Same arguments and results as `pallas_kernels.kda.chunk_kda` (the spec, or
   its fields to build one from, and fla layouts:
   q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H]; beta
   [B, T, H]; initial_state [B, H, K, V]), except packed sequences
-  (cu_seqlens), which are not supported here. The batch is sharded over
+  (cu_seqlens) and grouped value heads, which are not supported here. The
+  fused gate (gate_activation, gate_bias) is: inside the kernels when the
+  context axis is 1, applied in jnp before the sharded scan otherwise. The
+  batch is sharded over
   those of `batch_axes` present in the mesh. With a context axis of 1 this is
   plain `chunk_kda`, except that the Pallas kernels run inside `shard_map` on
   each device's own sequences.
@@ -138,12 +152,19 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                      f"{initial_state.shape}")
   h0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
+  input_options.check_without_gate(gate_activation, gate_bias)
   if n_ctx == 1:
     if spec.implementation == "pallas" and n_batch > 1:
       return _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes,
-                            kernel_kwargs)
+                            kernel_kwargs, gate_activation,
+                            input_options.gate_bias_or_zeros(gate_activation, g, gate_bias,
+                                                             spec.lower_bound)
+                            if gate_activation else None)
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
-                             output_final_state=output_final_state, **kernel_kwargs)
+                             output_final_state=output_final_state, gate_activation=gate_activation,
+                             gate_bias=gate_bias, **kernel_kwargs)
+  if gate_activation is not None:
+    g = input_options.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
   bspec = b_axes if b_axes else None
   seq = P(bspec, context_axis)
   # Per-device copies of the start state and of the final state, laid out

@@ -39,15 +39,19 @@ class ContextParallelKDA(KDA):
   device); a batch the devices do not divide runs unsplit.
   """
 
-  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False):
+  def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
+              gate_bias=None):
     n_batch = _batch_devices()
     batch_split = (self.spec.implementation == "pallas" and n_batch > 1
                    and q.shape[0] % n_batch == 0)
     if _axis(mesh_lib.CONTEXT) == 1 and not batch_split:
-      return super()._kernel(q, k, v, g, beta, initial_state, output_final_state)
+      return super()._kernel(q, k, v, g, beta, initial_state, output_final_state, gate_bias)
+    fused = {} if gate_bias is None else dict(gate_activation="bounded_sigmoid",
+                                              gate_bias=gate_bias)
     return context_parallel.chunk_kda_context_parallel(
         q, k, v, g, beta, mesh=expert_parallel.current_mesh(), initial_state=initial_state,
-        output_final_state=output_final_state, spec=self.spec, interpret=self.interpret)
+        output_final_state=output_final_state, spec=self.spec, interpret=self.interpret,
+        **fused)
 
 
 class ExpertParallelMoE(MoE):

@@ -23,6 +23,7 @@ RESUMABLE = (
     "num_devices", "parallel",  # the mesh: checkpoints restore onto any mesh
     "model.kda_implementation",  # the same chunked KDA math on another backend's kernels
     "model.kda_decode",          # the same decode recurrence, another implementation
+    "model.kda_fuse_gate",       # the same gate values, formed inside the kernels
     "optim.learning_rate", "optim.end_lr_fraction", "optim.warmup_steps",  # the schedule
     "optim.grad_clip",
 )

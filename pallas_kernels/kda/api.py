@@ -4,14 +4,17 @@
     o, final_state = chunk_kda(q, k, v, g, beta, lower_bound=-5.0,
                                output_final_state=True, implementation="xla")
 
-Arguments and layouts follow fla's `chunk_kda`: q, k [B,T,H,K]; v [B,T,H,V];
-g [B,T,H,K] (KDA) or [B,T,H] (GDN), float32 log-decays; beta [B,T,H];
-initial_state [N,H,K,V]; cu_seqlens [N+1] for packed sequences (B == 1).
-The tiling and implementation choices travel as one `KdaSpec`.
+Arguments and layouts follow fla's `chunk_kda`: q, k [B,T,H,K]; v [B,T,HV,V];
+g [B,T,HV,K] (KDA) or [B,T,HV] (GDN), float32 log-decays; beta [B,T,HV];
+initial_state [N,HV,K,V]; cu_seqlens [N+1] for packed sequences (B == 1).
+HV = H unless value heads are grouped. The tiling and implementation choices
+travel as one `KdaSpec`; the optional fused gate, q/k L2 norm and grouped
+value heads are described in `input_options`.
 """
 from __future__ import annotations
 
 from pallas_kernels.kda import input_checks
+from pallas_kernels.kda import input_options
 from pallas_kernels.kda import pallas_op
 from pallas_kernels.kda import reference
 from pallas_kernels.kda import spec as spec_lib
@@ -23,18 +26,21 @@ __all__ = ["IMPLEMENTATIONS", "KdaSpec", "chunk_kda"]
 def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, initial_state=None,
               output_final_state=False, cu_seqlens=None, chunk_size=None, lower_bound=None,
               diagonal=None, sub_chunk=None, implementation=None, interpret=False,
-              config_overrides=None, checked=False):
+              config_overrides=None, gate_activation=None, gate_bias=None,
+              qk_l2norm=False, checked=False):
   """Chunked KDA: o_t = S_t^T (scale q_t) with the gated delta-rule state.
 
   Args:
     q, k: [B, T, H, K] (unit-norm k is expected by the delta rule).
-    v: [B, T, H, V].
-    g: [B, T, H, K] or [B, T, H] log-decay, every entry in [lower_bound, 0]
-      (dense diagonal) or <= 0 (pairwise, naive). Concrete gates outside
+    v: [B, T, HV, V]; HV = G * H (G > 1: grouped value heads, value head j
+      reads q/k head j // G).
+    g: [B, T, HV, K] or [B, T, HV] log-decay, every entry in [lower_bound, 0]
+      (dense diagonal) or <= 0 (pairwise, naive); with gate_activation, the
+      gate's pre-activation (any float dtype). Concrete log-decays outside
       that range raise ValueError; traced ones raise only with `checked`,
       and by default the dense path (xla and pallas) clamps g into
       [lower_bound, 0] (gradient 0 outside the range).
-    beta: [B, T, H] write strength in [0, 1].
+    beta: [B, T, HV] write strength in [0, 1].
     spec: the tiling and implementation (`KdaSpec`, validated when built).
       Without it, chunk_size, lower_bound, diagonal, sub_chunk and
       implementation build one (None: KdaSpec's defaults: 64, None,
@@ -49,12 +55,21 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     interpret: run Pallas kernels in interpret mode (CPU tests).
     config_overrides: dict of `kernel_config.KernelConfig` fields forced on
       the pallas path (e.g. {"intra_bwd": "tiles"}) for A/B runs.
+    gate_activation: None (g is the log-decay) or "bounded_sigmoid": the
+      log-decay is lower_bound * sigmoid(g + gate_bias), formed inside the
+      Pallas gate-cumsum kernels (and in jnp by the other implementations).
+      Needs a lower_bound. The activated gate lies in [lower_bound, 0] by
+      construction, so only cu_seqlens is value-checked then.
+    gate_bias: [HV, K] (or [HV] for a [B, T, HV] gate) added to g before the
+      sigmoid; None: zeros. Only with gate_activation.
+    qk_l2norm: normalise q and k over K first (eps
+      `input_options.QK_L2NORM_EPS`), gradients included.
     checked: under jit, emit `jax.experimental.checkify` checks of the gate
       range and of cu_seqlens; wrap the caller in `checkify.checkify` and
       call `err.throw()` (without the wrapper, jit refuses the checks).
 
   Returns:
-    (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] float32 or None).
+    (o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] float32 or None).
 
   Non-finite inputs: the chunked forms (xla, pallas) mix the tokens of a
   chunk through matmuls, so a NaN or inf in k, v, g or beta at position t
@@ -68,11 +83,26 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
                      f"implementation={impl!r}")
   spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           lower_bound=lower_bound, implementation=implementation)
-  g, cu_seqlens = input_checks.check_inputs(g, cu_seqlens, spec=spec,
-                                            total_len=q.shape[1] if q.ndim > 1 else 0,
-                                            checked=checked)
+  input_options.check_without_gate(gate_activation, gate_bias)
+  total_len = q.shape[1] if q.ndim > 1 else 0
+  if gate_activation is None:
+    g, cu_seqlens = input_checks.check_inputs(g, cu_seqlens, spec=spec, total_len=total_len,
+                                              checked=checked)
+  else:  # the activated gate is in [lower_bound, 0] by construction
+    cu_seqlens = input_checks.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+  groups = input_options.value_groups(q, v)
+  if qk_l2norm:
+    q, k = input_options.l2_normalize(q), input_options.l2_normalize(k)
+  q = input_options.expand_value_groups(q, groups)
+  k = input_options.expand_value_groups(k, groups)
+  if gate_activation is not None and spec.implementation == "pallas":
+    return pallas_op.chunk_kda_pallas(
+        q, k, v, g, beta, spec=spec, interpret=interpret, config_overrides=config_overrides,
+        gate_activation=gate_activation, gate_bias=gate_bias, **kwargs)
+  if gate_activation is not None:
+    g = input_options.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
   if spec.implementation == "naive":
     return reference.naive_recurrent_kda(q, k, v, g, beta, **kwargs)
   if spec.implementation == "xla":

@@ -12,7 +12,9 @@ backward (`kernel_intra_bwd_split` or `kernel_intra_bwd`, by
   (`tiling.pack_varlen`), and scatters the outputs back; plain autodiff
   differentiates these gathers;
 * computes the within-chunk cumsum G of the gates (and the reverse cumsum of
-  dG in the backward) with `kernel_cumsum` (XLA on TPU);
+  dG in the backward) with `kernel_cumsum` (XLA on TPU), or, with
+  `gate_activation="bounded_sigmoid"`, the gate itself from its
+  pre-activation in the same pass (`kernel_gate_cumsum`);
 * joins the forward and backward kernels with `jax.custom_vjp`.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda import head_pad
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
+from pallas_kernels.kda import kernel_gate_cumsum
 from pallas_kernels.kda import kernel_intra_bwd
 from pallas_kernels.kda import kernel_intra_bwd_split
 from pallas_kernels.kda import kernel_intra_fwd
@@ -33,6 +36,7 @@ from pallas_kernels.kda import kernel_state_bwd
 from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
 from pallas_kernels.kda import platform_lowering
+from pallas_kernels.kda import input_options
 from pallas_kernels.kda import spec as spec_lib
 from pallas_kernels.kda import tiling
 from pallas_kernels.kda import validation
@@ -51,6 +55,8 @@ class _Static:
   scale: float
   varlen: bool
   cfg: kernel_config.KernelConfig
+  # g_min of the fused gate: g is then the pre-activation (see _gate_cumsum).
+  fused_gate_bound: float | None = None
 
 
 def _kernel_layout(q, k, v, beta):
@@ -61,15 +67,24 @@ def _kernel_layout(q, k, v, beta):
               beta_t=jnp.transpose(beta.astype(_F32), (0, 2, 1))[..., None])
 
 
-def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
+def _gate_cumsum(st: _Static, g, gate_bias):
+  """G [B, Tp, H*K] f32: the cumsum of g, or of the fused gate of pre-activation g."""
+  b, tp, h, dk = g.shape
+  g2 = g.reshape(b, tp, h * dk)
+  if st.fused_gate_bound is None:
+    return kernel_cumsum.chunk_cumsum(g2.astype(_F32), st.chunk_size, cfg=st.cfg)
+  return kernel_gate_cumsum.gate_cumsum(g2, gate_bias.reshape(h * dk), st.fused_gate_bound,
+                                        st.chunk_size, cfg=st.cfg)
+
+
+def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
   """Kernel forward on the chunk grid. Shapes as in `_core`."""
   b, tp, h, dk = q.shape
   dv = v.shape[-1]
   cfg = st.cfg
   lay = _kernel_layout(q, k, v, beta)
   q2, k2, v2, beta_t = lay["q2"], lay["k2"], lay["v2"], lay["beta_t"]
-  g_cum = kernel_cumsum.chunk_cumsum(g.reshape(b, tp, h * dk).astype(_F32), st.chunk_size,
-                                     cfg=cfg)
+  g_cum = _gate_cumsum(st, g, gate_bias)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   split = not cfg.is_tpu   # the GPU's state pass: recurrence, then outputs
   # Kept for the backward: M and (split pass) the entry states are written
@@ -103,20 +118,22 @@ def _forward(st: _Static, q, k, v, g, beta, h0, meta, *, save=False):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(st: _Static, q, k, v, g, beta, h0, first_n, last_n, seq_n):
+def _core(st: _Static, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
   """Chunk-grid KDA.
 
   Args:
-    q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g: [B, Tp, H, K] f32; beta:
-      [B, Tp, H]; h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32.
+    q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g: [B, Tp, H, K] f32 log-decay,
+      or with st.fused_gate_bound the gate pre-activation (any float dtype);
+      beta: [B, Tp, H]; gate_bias: [H, K] f32 with the fused gate, else None;
+      h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32.
 
   Returns:
     o [B, Tp, H, V] (q.dtype), ht [Nh, H, K, V] f32.
   """
-  return _forward(st, q, k, v, g, beta, h0, (first_n, last_n, seq_n))
+  return _forward(st, q, k, v, g, beta, gate_bias, h0, (first_n, last_n, seq_n))
 
 
-def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
+def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
   """Forward of the custom VJP; what it keeps depends on `cfg.save_residuals`.
 
   save_residuals=True keeps the forward's intermediates so the backward need
@@ -132,21 +149,24 @@ def _core_fwd(st, q, k, v, g, beta, h0, first_n, last_n, seq_n):
   save_residuals=False keeps only the inputs and recomputes
   everything in the backward (costing a second forward's intra and state
   kernels).
+  With the fused gate the pre-activation g (its input dtype) is kept as well:
+  the backward's gate derivative reads it.
   """
   meta = (first_n, last_n, seq_n)
   if not st.cfg.save_residuals:
-    out = _forward(st, q, k, v, g, beta, h0, meta)
-    return out, (q, k, v, g, beta, h0, meta, None)
-  o, ht, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
+    out = _forward(st, q, k, v, g, beta, gate_bias, h0, meta)
+    return out, (q, k, v, g, beta, gate_bias, h0, meta, None)
+  o, ht, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True)
   saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "qg", "kg")}
   for name in ("m", "hs", "v_new"):
     saved[name] = saved[name].astype(st.cfg.saved_state_dtype)
   # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
-  return (o, ht), (q, k, v, None, beta, h0, meta, saved)
+  keep_g = g if st.fused_gate_bound is not None else None
+  return (o, ht), (q, k, v, keep_g, beta, gate_bias, h0, meta, saved)
 
 
 def _core_bwd(st, res, cts):
-  q, k, v, g, beta, h0, meta, saved = res
+  q, k, v, g, beta, gate_bias, h0, meta, saved = res
   first_n, _, seq_n = meta
   do, dht = cts
   b, tp, h, dk = q.shape
@@ -154,7 +174,7 @@ def _core_bwd(st, res, cts):
   cfg = st.cfg
   if saved is None:
     # Recompute the forward's intermediates (M, entry states, V').
-    _, _, r = _forward(st, q, k, v, g, beta, h0, meta, save=True)
+    _, _, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True)
   else:
     r = dict(saved, **_kernel_layout(q, k, v, beta))  # what _forward(save=True) returns
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
@@ -172,14 +192,21 @@ def _core_bwd(st, res, cts):
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
       grad_dtype=q.dtype if same else _F32, **kw)
-  dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
+  if st.fused_gate_bound is None:
+    dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
+    dg, dbias = dg.reshape(q.shape).astype(_F32), None
+  else:
+    dg, dbias = kernel_gate_cumsum.gate_cumsum_bwd(
+        dg_cum, g.reshape(b, tp, h * dk), gate_bias.reshape(h * dk), st.fused_gate_bound,
+        st.chunk_size, cfg=cfg)
+    dg, dbias = dg.reshape(g.shape), dbias.reshape(gate_bias.shape)
   # Only rows of sequences that start somewhere were written by the kernel.
   if st.varlen:
     started = jnp.zeros((h0.shape[0],), jnp.int32).at[seq_n].max(first_n)
     dh0 = jnp.where(started[:, None, None, None] != 0, dh0, 0.0)
   return (dq.reshape(q.shape).astype(q.dtype), dk_.reshape(k.shape).astype(k.dtype),
-          dv_.reshape(v.shape).astype(v.dtype), dg.reshape(q.shape).astype(_F32),
-          jnp.transpose(dbeta[..., 0], (0, 2, 1)).astype(beta.dtype), dh0,
+          dv_.reshape(v.shape).astype(v.dtype), dg,
+          jnp.transpose(dbeta[..., 0], (0, 2, 1)).astype(beta.dtype), dbias, dh0,
           None, None, None)
 
 
@@ -193,7 +220,8 @@ def _next_pow2(n: int) -> int:
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
                      chunk_size=64, lower_bound=None, diagonal="dense", sub_chunk=16,
-                     interpret=False, backend=None, block_v=None, config_overrides=None):
+                     interpret=False, backend=None, block_v=None, config_overrides=None,
+                     gate_activation=None, gate_bias=None):
   """Chunked KDA with Pallas kernels; differentiable (custom VJP).
 
   Args:
@@ -207,7 +235,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     spec: the tiling (`KdaSpec`, validated when built; `chunk_kda` passes
       it), or None to take chunk_size (C), sub_chunk (L, the diagonal tile)
       and diagonal ("dense" or "pairwise") as given. lower_bound is not
-      read here: the dense path's bound on the gates is checked by KdaSpec.
+      read here: the dense path's bound on the gates is checked by KdaSpec;
+      it is the fused gate's g_min (spec.lower_bound with spec).
       With spec, the three keyword values are not read.
     interpret: emulate the kernels on the CPU.
     backend: override of the lowering (a `kernel_config.BACKENDS` entry);
@@ -217,49 +246,71 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     block_v: V-tile of the state kernels (default min(V, 64)).
     config_overrides: dict of `kernel_config.KernelConfig` fields to force
       (e.g. {"block_k": 32}) for benchmarks and ablations.
+    gate_activation, gate_bias: the fused gate, as in `api.chunk_kda`: g is
+      the pre-activation ([B, T, H, K] or [B, T, H], read in its dtype) and
+      `kernel_gate_cumsum` forms lower_bound * sigmoid(g + gate_bias).
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
   """
-  del lower_bound
   if spec is not None:
+    lower_bound = spec.lower_bound
     chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
   elif diagonal not in spec_lib.DIAGONALS:
     raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
   args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              cu_seqlens=cu_seqlens)
+  input_options.check_without_gate(gate_activation, gate_bias)
+  fused = gate_activation is not None
+  b, t_len, h, dk = q.shape
+  if fused:
+    # The pre-activation stays in its dtype, broadcast over K for a GDN gate.
+    bias = input_options.gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound)
+    g_in = g
+    if g_in.ndim == 3:
+      g_in, bias = jnp.broadcast_to(g_in[..., None], q.shape), bias[:, None]
+    gate_bias, fused_gate_bound = jnp.broadcast_to(bias, (h, dk)), float(lower_bound)
+  else:
+    g_in, gate_bias, fused_gate_bound = args.g.astype(_F32), None, None
   if backend is None:
     backend = platform_lowering.host_backend(interpret)
   run = functools.partial(_chunk_kda_on, scale=args.scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
-                          block_v=block_v, config_overrides=config_overrides)
-  operands = (q, k, v, args.g.astype(_F32), beta, initial_state, cu_seqlens)
+                          block_v=block_v, config_overrides=config_overrides,
+                          fused_gate_bound=fused_gate_bound)
+  operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias)
   if backend is None:
     return platform_lowering.per_platform(run, *operands)
   return run(backend, *operands)
 
 
-def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, *, scale,
+def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                   output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                  config_overrides):
-  """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] f32.
+                  config_overrides, fused_gate_bound):
+  """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] (f32
+  log-decay, or the fused gate's pre-activation with gate_bias [H, K]).
 
-  Head widths that are not kernel widths are zero-padded (`head_pad`).
+  Head widths that are not kernel widths are zero-padded (`head_pad`); the
+  padded key channels are zero, so whatever gate they get never reaches the
+  state.
   """
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
   dk_run, dv_run = head_pad.padded_widths(dk, dv, backend)
   q, k, v, g, initial_state = head_pad.pad_heads(q, k, v, g, initial_state, dk_run, dv_run)
-  o, ht = _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
-                          output_final_state=output_final_state, chunk_size=chunk_size,
-                          sub_chunk=sub_chunk, diagonal=diagonal, block_v=block_v,
-                          config_overrides=config_overrides)
+  if gate_bias is not None and dk_run != dk:
+    gate_bias = jnp.pad(gate_bias, ((0, 0), (0, dk_run - dk)))
+  o, ht = _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias,
+                          scale=scale, output_final_state=output_final_state,
+                          chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
+                          block_v=block_v, config_overrides=config_overrides,
+                          fused_gate_bound=fused_gate_bound)
   return head_pad.unpad_outputs(o, ht, dk, dv)
 
 
-def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, *, scale,
+def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                     output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                    config_overrides):
+                    config_overrides, fused_gate_bound):
   """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
@@ -268,27 +319,35 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, *, sca
                                   block_v=block_v, state_programs=q.shape[0] * h,
                                   overrides=config_overrides)
   c = chunk_size
+  fused = fused_gate_bound is not None
+  # Padded rows of a fused gate get -inf, where the gate is exactly 0 (an
+  # explicit zero gate), and so is its derivative.
+  g_pad = -jnp.inf if fused else 0.0
   varlen = cu_seqlens is not None
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
-               scale=float(scale), varlen=varlen, cfg=cfg)
+               scale=float(scale), varlen=varlen, cfg=cfg, fused_gate_bound=fused_gate_bound)
   tensors = (q, k, v, g, beta)
 
+  fills = (0.0, 0.0, 0.0, g_pad, 0.0)
+
   if not varlen:
-    tensors = [tiling.pad_time(x, c) for x in tensors]
+    if t_len % c:
+      tensors = [jnp.pad(x, [(0, 0), (0, (-t_len) % c)] + [(0, 0)] * (x.ndim - 2),
+                         constant_values=fill) for x, fill in zip(tensors, fills)]
     nc = tensors[0].shape[1] // c
     chunk = jnp.arange(nc, dtype=jnp.int32)
     meta = ((chunk == 0).astype(jnp.int32), (chunk == nc - 1).astype(jnp.int32),
             jnp.zeros((nc,), jnp.int32))
     h0 = (jnp.zeros((b, h, dk, dv), _F32) if initial_state is None
           else initial_state.astype(_F32))
-    o, ht = _core(st, *tensors, h0, *meta)
+    o, ht = _core(st, *tensors, gate_bias, h0, *meta)
     o = o[:, :t_len]
     return o, (ht if output_final_state else None)
 
   num_seqs = cu_seqlens.shape[0] - 1
   layout = tiling.pack_varlen(cu_seqlens, t_len, c)
-  tensors = [jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)[:, layout.src_index_n]
-             for x in tensors]
+  tensors = [jnp.concatenate([x, jnp.full_like(x[:, :1], fill)], axis=1)[:, layout.src_index_n]
+             for x, fill in zip(tensors, fills)]
   seq_n = layout.chunk_seq_n
   last_n = jnp.concatenate([seq_n[1:] != seq_n[:-1], jnp.ones((1,), bool)])
   meta = (layout.chunk_first_n.astype(jnp.int32), last_n.astype(jnp.int32), seq_n)
@@ -297,7 +356,7 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, *, sca
   h0 = (jnp.zeros((num_seqs, h, dk, dv), _F32) if initial_state is None
         else initial_state.astype(_F32))
   h0_rows = jnp.concatenate([h0, jnp.zeros((nh - num_seqs, h, dk, dv), _F32)], axis=0)
-  o, ht = _core(st, *tensors, h0_rows, *meta)
+  o, ht = _core(st, *tensors, gate_bias, h0_rows, *meta)
   o = o[:, layout.dst_index_t]
   if not output_final_state:
     return o, None

@@ -28,13 +28,15 @@ _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
 
 
 def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str = "dense",
-                  overrides: dict | None = None) -> list[dict]:
+                  overrides: dict | None = None, fused_gate: bool = False) -> list[dict]:
   """Lowers the bf16 forward+VJP for CUDA (sm_90) and writes each kernel's Triton IR.
 
   Args:
     out_dir: folder for `NN_<kernel>.ttir` files and `kernels.json`.
     shape: (B, T, H, D) with K = V = D.
     overrides: KernelConfig fields (`bench.parse_overrides` output).
+    fused_gate: lower with gate_activation="bounded_sigmoid" (a bf16 gate
+      pre-activation and an [H, K] bias in place of the f32 log-decay).
 
   Returns:
     One dict per pallas_call, in launch order: name, num_warps, num_stages,
@@ -66,15 +68,21 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
   try:
     b, t, h, d = shape
 
-    def loss(q, k, v, g, beta):
+    gate = dict(gate_activation="bounded_sigmoid", lower_bound=-5.0) if fused_gate else {}
+
+    def loss(q, k, v, g, beta, *bias):
       o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, scale=d ** -0.5, backend="triton",
-                                        diagonal=diagonal, config_overrides=overrides)
+                                        diagonal=diagonal, config_overrides=overrides,
+                                        gate_bias=bias[0] if bias else None, **gate)
       return jnp.sum(o.astype(jnp.float32) ** 2)
 
     qkv = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
-    args = (qkv, qkv, qkv, jax.ShapeDtypeStruct((b, t, h, d), jnp.float32),
+    g_dtype = jnp.bfloat16 if fused_gate else jnp.float32
+    args = (qkv, qkv, qkv, jax.ShapeDtypeStruct((b, t, h, d), g_dtype),
             jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16))
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(
+    if fused_gate:
+      args += (jax.ShapeDtypeStruct((h, d), jnp.float32),)
+    jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(
         lowering_platforms=("cuda",))
   finally:
     (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
