@@ -84,6 +84,7 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
   spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           lower_bound=lower_bound, implementation=implementation)
   input_options.check_without_gate(gate_activation, gate_bias)
+  groups = input_options.value_groups(q, v)  # shapes before values
   total_len = q.shape[1] if q.ndim > 1 else 0
   if gate_activation is None:
     g, cu_seqlens = input_checks.check_inputs(g, cu_seqlens, spec=spec, total_len=total_len,
@@ -92,7 +93,6 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     cu_seqlens = input_checks.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-  groups = input_options.value_groups(q, v)
   if qk_l2norm:
     q, k = input_options.l2_normalize(q), input_options.l2_normalize(k)
   q = input_options.expand_value_groups(q, groups)
