@@ -52,23 +52,30 @@ PRESETS = {
         num_kv_heads=1, num_experts=0, dense_hidden=64, kda_chunk_size=16, kda_sub_chunk=8)),
 }
 
-_PRESET = flags.DEFINE_enum("preset", "h16", list(PRESETS), "Layer shape and model size.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "8", "64"], "Batch sizes B.")
-_TOKENS = flags.DEFINE_list("tokens", ["1"], "New tokens per step T_new (layer table).")
-_IMPLS = flags.DEFINE_list("implementations", ["naive", "fused", "pallas"],
-                           f"Decode implementations ({', '.join(decode.DECODE_IMPLEMENTATIONS)}).")
-_PALLAS = flags.DEFINE_list("pallas", [f"{decode.DEFAULT_BLOCK_V}:{decode.DEFAULT_NUM_WARPS}",
-                                        "128:8"],
-                            "Tilings of the pallas rows, one row each: BV:num_warps (V tile "
-                            "and warps per program) or BV (default warps).")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "q/k/v/beta dtype.")
-_STEPS = flags.DEFINE_integer("steps", 64, "Decode steps per timed scan.")
-_ITERS = flags.DEFINE_integer("iters", 10, "Timed scans (median).")
-_BANDWIDTH = flags.DEFINE_float("bandwidth_tb_s", 3.5, "Memory bandwidth of the roofline, TB/s "
-                                "(read + write).")
-_MODEL = flags.DEFINE_string("model", "preset", "'preset' (the --preset model) or 'none'.")
-_LAYER = flags.DEFINE_bool("layer", True, "Print the layer table (--nolayer: the model only).")
-_PROMPT = flags.DEFINE_integer("prompt", 16, "Prompt tokens of the model table.")
+
+def _define_flags():
+  """The command line. Defined only when this file runs as a script, so that
+  tests (and other benchmarks) can import its functions in one process."""
+  flags.DEFINE_enum("preset", "h16", list(PRESETS), "Layer shape and model size.")
+  flags.DEFINE_list("batches", ["1", "8", "64"], "Batch sizes B.")
+  flags.DEFINE_list("tokens", ["1"], "New tokens per step T_new (layer table).")
+  flags.DEFINE_list("implementations", ["naive", "fused", "pallas"],
+      f"Decode implementations ({', '.join(decode.DECODE_IMPLEMENTATIONS)}).")
+  flags.DEFINE_list("pallas", [f"{decode.DEFAULT_BLOCK_V}:{decode.DEFAULT_NUM_WARPS}",
+      "128:8"],
+      "Tilings of the pallas rows, one row each: BV:num_warps (V tile "
+      "and warps per program) or BV (default warps).")
+  flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "q/k/v/beta dtype.")
+  flags.DEFINE_integer("steps", 64, "Decode steps per timed scan.")
+  flags.DEFINE_integer("iters", 10, "Timed scans (median).")
+  flags.DEFINE_float("bandwidth_tb_s", 3.5, "Memory bandwidth of the roofline, TB/s "
+      "(read + write).")
+  flags.DEFINE_string("model", "preset", "'preset' (the --preset model) or 'none'.")
+  flags.DEFINE_bool("layer", True, "Print the layer table (--nolayer: the model only).")
+  flags.DEFINE_integer("prompt", 16, "Prompt tokens of the model table.")
+
+
+FLAGS = flags.FLAGS
 
 
 def _interpret() -> bool:
@@ -212,26 +219,27 @@ def model_table(batches, impls, *, model_cfg: dict, dtype, prompt, steps, iters)
 
 def main(argv):
   del argv
-  preset = PRESETS[_PRESET.value]
-  batches = [int(x) for x in _BATCHES.value]
-  tokens = [int(x) for x in _TOKENS.value]
-  tilings = parse_tilings(_PALLAS.value)
-  for impl in _IMPLS.value:
+  preset = PRESETS[FLAGS.preset]
+  batches = [int(x) for x in FLAGS.batches]
+  tokens = [int(x) for x in FLAGS.tokens]
+  tilings = parse_tilings(FLAGS.pallas)
+  for impl in FLAGS.implementations:
     decode.resolve_decode(impl)
-  dtype = jnp.dtype(_DTYPE.value)
+  dtype = jnp.dtype(FLAGS.dtype)
   print(f"# device: {jax.devices()[0].device_kind}; KDA decode, H={preset['heads']} "
-        f"K=V={preset['head_dim']}, {dtype.name} q/k/v, f32 state; {_STEPS.value} steps per "
-        f"scan, median of {_ITERS.value}; roofline at {_BANDWIDTH.value} TB/s")
-  if _LAYER.value:
-    layer_table(batches, tokens, _IMPLS.value, tilings, heads=preset["heads"],
-                head_dim=preset["head_dim"], dtype=dtype, steps=_STEPS.value,
-                iters=_ITERS.value, bandwidth=_BANDWIDTH.value)
-  if _MODEL.value == "preset":
-    model_table(batches, _IMPLS.value, model_cfg=preset["model"], dtype=dtype.name,
-                prompt=_PROMPT.value, steps=_STEPS.value, iters=_ITERS.value)
-  elif _MODEL.value != "none":
-    raise ValueError(f"--model must be 'preset' or 'none', got {_MODEL.value!r}")
+        f"K=V={preset['head_dim']}, {dtype.name} q/k/v, f32 state; {FLAGS.steps} steps per "
+        f"scan, median of {FLAGS.iters}; roofline at {FLAGS.bandwidth_tb_s} TB/s")
+  if FLAGS.layer:
+    layer_table(batches, tokens, FLAGS.implementations, tilings, heads=preset["heads"],
+                head_dim=preset["head_dim"], dtype=dtype, steps=FLAGS.steps,
+                iters=FLAGS.iters, bandwidth=FLAGS.bandwidth_tb_s)
+  if FLAGS.model == "preset":
+    model_table(batches, FLAGS.implementations, model_cfg=preset["model"], dtype=dtype.name,
+                prompt=FLAGS.prompt, steps=FLAGS.steps, iters=FLAGS.iters)
+  elif FLAGS.model != "none":
+    raise ValueError(f"--model must be 'preset' or 'none', got {FLAGS.model!r}")
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -24,13 +24,20 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_SHAPES = flags.DEFINE_list("shapes", ["16x2048x16x128", "1x8192x16x128", "4x8192x16x128",
-                                       "1x32768x16x128"], "BxTxHxD shapes (K = V = D).")
-_PARTS = flags.DEFINE_list("parts", ["op", "layer"], "What to time: op, layer.")
-_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per measurement (median).")
-_LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
-_IMPL = flags.DEFINE_enum("implementation", "pallas", ["pallas", "xla"], "chunk_kda path "
-                          "(xla: a CPU smoke run; the fused gate is then jnp as well).")
+
+def _define_flags():
+  """The command line. Defined only when this file runs as a script, so that
+  tests (and other benchmarks) can import its functions in one process."""
+  flags.DEFINE_list("shapes", ["16x2048x16x128", "1x8192x16x128", "4x8192x16x128",
+      "1x32768x16x128"], "BxTxHxD shapes (K = V = D).")
+  flags.DEFINE_list("parts", ["op", "layer"], "What to time: op, layer.")
+  flags.DEFINE_integer("iters", 20, "Timed calls per measurement (median).")
+  flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
+  flags.DEFINE_enum("implementation", "pallas", ["pallas", "xla"], "chunk_kda path "
+      "(xla: a CPU smoke run; the fused gate is then jnp as well).")
+
+
+FLAGS = flags.FLAGS
 
 
 def _parse(shape):
@@ -106,22 +113,22 @@ def layer_fns(b, t, h, d, implementation: str, lower_bound: float):
 def main(argv):
   del argv
   from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
-  lb = _LOWER_BOUND.value
+  lb = FLAGS.lower_bound
   rows = []
-  for shape in _SHAPES.value:
+  for shape in FLAGS.shapes:
     b, t, h, d = _parse(shape)
-    for part in _PARTS.value:
+    for part in FLAGS.parts:
       if part == "op":
-        fns, args = op_fns(_IMPL.value, lb), op_inputs(b, t, h, d, lb)
+        fns, args = op_fns(FLAGS.implementation, lb), op_inputs(b, t, h, d, lb)
       elif part == "layer":
-        fns, args = layer_fns(b, t, h, d, _IMPL.value, lb)
+        fns, args = layer_fns(b, t, h, d, FLAGS.implementation, lb)
       else:
         raise app.UsageError(f"--parts takes op and layer, got {part!r}")
-      ms = {name: bench.time_ms(fn, *args, iters=_ITERS.value) for name, fn in fns.items()}
+      ms = {name: bench.time_ms(fn, *args, iters=FLAGS.iters) for name, fn in fns.items()}
       rows.append((shape, part, ms["unfused"], ms["fused"]))
       print(f"{shape:18s} {part:6s} unfused {ms['unfused']:9.3f} ms  fused {ms['fused']:9.3f} ms",
             flush=True)
-  print("\nforward+backward, ms (median of", _ITERS.value, "calls)")
+  print("\nforward+backward, ms (median of", FLAGS.iters, "calls)")
   print(f"{'shape':18s} {'part':6s} {'unfused':>9s} {'fused':>9s} {'saved':>9s} {'saved %':>8s}")
   for shape, part, unfused, fused in rows:
     print(f"{shape:18s} {part:6s} {unfused:9.3f} {fused:9.3f} {unfused - fused:9.3f} "
@@ -129,4 +136,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -98,7 +98,7 @@ def test_split_matches_fused(save, rec_block_v):
   meta = _meta()
   if rec_block_v:
     cfg = dataclasses.replace(cfg, rec_block_v=rec_block_v)
-  tpu = dict(kw, cfg=dataclasses.replace(cfg, backend="tpu_interpret"))
+  tpu = dict(kw, cfg=dataclasses.replace(cfg, backend="tpu_interpret", level_anchors="select"))
   fused = jax.jit(functools.partial(kernel_state_fwd.state_fwd, varlen=False, save=True,
                                     out_dtype=jnp.float32, **tpu))(
                                         meta, q, k, g_cum, w, u, a_qk, h0)
@@ -148,7 +148,7 @@ def test_each_state_pass_refuses_the_other_backend():
   (q, k, v, g_cum, beta_t, h0), kw, (w, u, a_qk, kg, qg) = _intra_outputs(5)
   with pytest.raises(ValueError, match="the TPU state pass"):
     kernel_state_fwd.state_fwd(_meta(), q, k, g_cum, w, u, a_qk, h0, varlen=False, **kw)
-  tpu = dataclasses.replace(kw["cfg"], backend="tpu_interpret")
+  tpu = dataclasses.replace(kw["cfg"], backend="tpu_interpret", level_anchors="select")
   with pytest.raises(ValueError, match="not lowered for TPU"):
     kernel_state_split.state_recurrence(_meta(), w, u, kg, g_cum, h0, heads=H,
                                         chunk_size=CHUNK, cfg=tpu, varlen=False)
