@@ -11,12 +11,14 @@
 * `decode_consistency`: prefill P tokens, decode N more, and compare logits and
   caches with the full forward of the whole sequence;
 * `evaluate_run`: all of the above for one run directory (its data kind
-  decides text or MQAR).
+  decides text or MQAR);
+* `render_long_tables`: the results-page tables of a "long" sweep summary.
 """
 from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any, Sequence
 
 import jax
@@ -232,6 +234,11 @@ def decode_consistency(model, tokens_bt, prefill_len: int) -> dict[str, Any]:
   """Prefill `prefill_len` tokens, decode the rest of `tokens_bt` one by one (teacher-forced),
   and compare with the full forward of the whole sequence.
 
+  Exact agreement needs every layer to be causal per token: an MoE router with a
+  batch capacity (e.g. quantile, capacity_factor > 0) routes a lone decoded token
+  differently from the same token inside the full forward, and the difference
+  reaches the caches of the later layers.
+
   Args:
     model: HybridLM.
     tokens_bt: [B, P + N] int; the first P are the prompt, the next N are fed to `decode`.
@@ -286,7 +293,8 @@ def evaluate_run(workdir: str, *, multipliers: Sequence[int] = (1, 4, 16, 64),
   length followed by `decode_new` tokens.
 
   Returns:
-    {"workdir", "step", "data", "train_len", "gate", "g_min", "layer_pattern",
+    {"workdir", "step", "data", "train_len", "gate", "g_min", "layer_pattern", "ffn" (dense, or
+     the MoE router and its capacity factor),
      "lengths": [heldout records] or "mqar": [recall records], optionally "decode"}.
   """
   from k3jax.ablations.evaluate import mqar_with_gap, restore  # pylint: disable=g-import-not-at-top
@@ -298,7 +306,9 @@ def evaluate_run(workdir: str, *, multipliers: Sequence[int] = (1, 4, 16, 64),
   train_len = int(config.seq_len)
   record: dict[str, Any] = {"workdir": workdir, "step": step, "data": config.data.kind,
                             "train_len": train_len, "gate": model_cfg.gate, "g_min": model_cfg.g_min,
-                            "layer_pattern": model_cfg.layer_pattern}
+                            "layer_pattern": model_cfg.layer_pattern,
+                            "ffn": (f"moe {model_cfg.router.name} cf={model_cfg.router.capacity_factor}"
+                                    if model_cfg.num_experts else "dense")}
   data = config.data
   decode_tokens = None
   if data.kind == "mqar":
@@ -323,3 +333,93 @@ def evaluate_run(workdir: str, *, multipliers: Sequence[int] = (1, 4, 16, 64),
   if decode_tokens is not None:
     record["decode"] = decode_consistency(model, decode_tokens, decode_prefill_x * train_len)
   return record
+
+
+# -- tables of a "long" sweep summary ---------------------------------------------------
+
+BUCKET_LABELS = ("[0,1x)", "[1x,2x)", "[2x,4x)", "[4x,8x)", "[8x,16x)", "[16x,32x)", "[32x,64x)")
+
+
+def _bucket_label(b: dict) -> str:
+  return f"[{b['lo_x']:g}x,{b['hi_x']:g}x)".replace("[0x", "[0")
+
+
+def text_table(records: list[dict]) -> str:
+  """Per (variant, evaluation length): held-out loss (nats) by position bucket, mean ± std over seeds,
+  with the total non-finite logit count and the largest |logit| over seeds."""
+  from k3jax.ablations import summary as s  # pylint: disable=g-import-not-at-top
+  rows = []
+  for (variant, _), rs in s.group([r for r in records if r["task"] != "mqar"]).items():
+    lengths = sorted({e["seq_len"] for r in rs for e in r["long"].get("lengths", ())})
+    for t in lengths:
+      evals = [e for r in rs for e in r["long"]["lengths"] if e["seq_len"] == t]
+      by_bucket = {}
+      for e in evals:
+        for b in e["buckets"]:
+          by_bucket.setdefault(_bucket_label(b), []).append(b["loss"])
+      row = [variant, f"{t} ({evals[0]['multiplier']:g}x)", str(len(evals)), s.fmt(e["loss"] for e in evals)]
+      row += [s.fmt(by_bucket[label]) if label in by_bucket else "" for label in BUCKET_LABELS]
+      row += [str(sum(e["nonfinite_logits"] for e in evals)),
+              f"{max(e['max_abs_logit'] for e in evals):.1f}"]
+      rows.append(row)
+  return s._table(["variant", "eval tokens", "seeds", "loss"] + list(BUCKET_LABELS)  # pylint: disable=protected-access
+                  + ["non-finite logits", "max abs logit"], rows)
+
+
+def mqar_table(records: list[dict]) -> str:
+  """Per variant: MQAR recall (query accuracy) at each gap, mean ± std over seeds."""
+  from k3jax.ablations import summary as s  # pylint: disable=g-import-not-at-top
+  rows, gaps_all = [], set()
+  groups = s.group([r for r in records if r["task"] == "mqar"])
+  for rs in groups.values():
+    gaps_all |= {e["gap_x"] for r in rs for e in r["long"].get("mqar", ())}
+  gaps = sorted(gaps_all)
+  for (variant, _), rs in groups.items():
+    row = [variant, str(len(rs))]
+    for g in gaps:
+      row.append(s.fmt(e["accuracy"] for r in rs for e in r["long"]["mqar"] if e["gap_x"] == g))
+    evals = [e for r in rs for e in r["long"]["mqar"]]
+    row += [str(sum(e["nonfinite_logits"] for e in evals)), f"{max(e['max_abs_logit'] for e in evals):.1f}"]
+    rows.append(row)
+  return s._table(["variant", "seeds"] + [f"recall, gap {g:g}x" for g in gaps]  # pylint: disable=protected-access
+                  + ["non-finite logits", "max abs logit"], rows)
+
+
+def decode_table(records: list[dict]) -> str:
+  """Per (variant, task): decode after a long prefill against the full forward (worst seed)."""
+  from k3jax.ablations import summary as s  # pylint: disable=g-import-not-at-top
+  rows = []
+  for (variant, task), rs in s.group(records).items():
+    ds = [r["long"]["decode"] for r in rs if r["long"].get("decode")]
+    if not ds:
+      continue
+    worst = lambda key: f"{max(d[key] for d in ds):.1e}"
+    cache = lambda kind: (f"{max(d['cache_rel_max'][kind] for d in ds):.1e}"
+                          if all(kind in d["cache_rel_max"] for d in ds) else "-")
+    rows.append([variant, task, str(len(ds)), str(ds[0]["prefill_len"]), str(ds[0]["num_new"]),
+                 worst("logits_rel_max"), f"{min(d['argmax_agreement'] for d in ds):.3f}",
+                 cache("kda_state"), cache("attn_kv")])
+  return s._table(["variant", "task", "seeds", "prefill tokens", "decoded tokens",  # pylint: disable=protected-access
+                   "logits rel. max diff", "argmax agreement", "KDA state rel. diff", "KV cache rel. diff"],
+                  rows)
+
+
+LONG_TABLES = {"text": text_table, "mqar": mqar_table, "decode": decode_table}
+_LONG_MARK = re.compile(r"(<!-- long:(?P<name>[a-z_]+) -->\n)(.*?)(<!-- /long -->)", re.S)
+
+
+def render_long_tables(markdown: str, summary: dict) -> str:
+  """Replaces each `<!-- long:NAME -->...<!-- /long -->` block with the table NAME (a key of
+  LONG_TABLES, or "meta") of the "long" records in `summary`."""
+  records = [r for r in summary["runs"] if r.get("sweep") == "long" and r.get("long")]
+
+  def table_for(name: str) -> str:
+    if name == "meta":
+      seeds = sorted({r["seed"] for r in records})
+      return (f"Setting `{summary['setting']}`, {len(records)} runs, seeds {seeds}, "
+              f"summary created {summary['created']}.")
+    if name not in LONG_TABLES:
+      raise ValueError(f"unknown long-context table {name!r}; allowed: {sorted(LONG_TABLES) + ['meta']}")
+    return LONG_TABLES[name](records) if records else "_No long-context runs in the summary._"
+
+  return _LONG_MARK.sub(lambda m: m.group(1) + table_for(m.group("name")) + "\n" + m.group(4), markdown)
