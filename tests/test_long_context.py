@@ -245,3 +245,38 @@ def test_driver_evaluates_run_directories(run_dir, tmp_path):
   assert rec["variant"] == "tiny" and rec["task"] == "bytes" and rec["long"]["decode"]["num_new"] == 3
   assert [e["seq_len"] for e in rec["long"]["lengths"]] == [32, 64]
   assert "| tiny | 64 (2x) | 1 |" in res.stdout
+
+
+# -- GPU twins (skipped without a GPU) ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_decode_after_a_prefill_matches_the_full_forward_f32(model):
+  import jax
+  with jax.default_matmul_precision("highest"):  # no TF32: the same bound as on the CPU
+    out = lc.decode_consistency(model, _tokens(1, 316, 5), 300)
+  assert out["logits_rel_max"] < 1e-5 and max(out["cache_rel_max"].values()) < 1e-5, out
+
+
+@pytest.mark.gpu
+def test_gpu_decode_after_a_32k_prefill_stays_within_bf16():
+  # The GPU model path: bf16 compute, Pallas chunked KDA, cuDNN attention; 32k prompt + 256 decoded.
+  m = _model(d_model=128, num_heads=2, head_dim=64, num_kv_heads=2, kda_chunk_size=64,
+             kda_implementation="pallas", dtype="bfloat16", num_layers=4, layer_pattern="KKKA")
+  out = lc.decode_consistency(m, _tokens(1, 32768 + 256, 7), 32768)
+  assert out["logits_rel_max"] < 3e-2 and out["argmax_agreement"] >= 0.98, out
+  assert max(out["cache_rel_max"].values()) < 3e-2, out["cache_rel_max"]
+
+
+@pytest.mark.gpu
+def test_gpu_heldout_at_128k_tokens_is_finite():
+  from k3jax.data import make_dataset
+  from k3jax.train.defaults import base_config
+  m = _model(vocab_size=256, d_model=128, num_heads=2, head_dim=64, num_kv_heads=2, kda_chunk_size=64,
+             kda_implementation="pallas", dtype="bfloat16", num_layers=4, layer_pattern="KKKA")
+  data = base_config().data
+  data.kind, data.max_bytes = "bytes", 0  # the whole stdlib tree: the held-out split holds 128k bytes
+  corpus = make_dataset(data, seed=0)
+  out = lc.heldout_at_length(m, corpus, train_len=2048, seq_len=131072, num_sequences=1)
+  assert out["nonfinite_logits"] == 0 and len(out["buckets"]) == 7
+  assert [b["hi"] for b in out["buckets"]][-1] == 131072
