@@ -165,9 +165,9 @@ def test_decode_after_a_prefill_matches_the_full_forward(model):
 # -- run directories, tables and the driver --------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-  """A byte-text run directory as the trainer leaves it, made without training (seq_len 32)."""
+def _make_run_dir(workdir, **data):
+  """A run directory as the trainer leaves it (config.json + a step-2 checkpoint), made without
+  training: the tiny preset at seq_len 32 with `data` fields overridden."""
   import jax
   from k3jax.train import checkpoint as ckpt_lib
   from k3jax.train.config_schema import model_config_from
@@ -175,8 +175,8 @@ def run_dir(tmp_path_factory):
   from k3jax.train.run_config import write_config
   from k3jax.train.state import create_train_state
   from tests.test_train import _shrunk_tiny
-  workdir = tmp_path_factory.mktemp("longrun")
   c = _shrunk_tiny()
+  c.data.update(data)
   # A per-token dropless router: a batch capacity would make outputs depend on the other tokens
   # of the forward, and decoding could not match the full forward.
   c.model.router.name, c.model.router.capacity_factor = "topk", 0.0
@@ -188,6 +188,20 @@ def run_dir(tmp_path_factory):
   mgr.close()
   write_config(str(workdir), c)
   return workdir
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  return _make_run_dir(tmp_path_factory.mktemp("longrun"))
+
+
+def test_evaluate_run_of_an_mqar_run_asks_recall_far_back(tmp_path):
+  workdir = _make_run_dir(tmp_path, kind="mqar", vocab_size=256, mqar_num_kv_pairs=4)
+  rec = lc.evaluate_run(str(workdir), gap_multipliers=(2,), mqar_sequences=2, decode_prefill_x=2,
+                        decode_new=3)
+  assert rec["data"] == "mqar" and "lengths" not in rec
+  assert [(e["gap"], e["seq_len"], e["count"]) for e in rec["mqar"]] == [(0, 32, 8), (64, 96, 8)]
+  assert rec["decode"]["prefill_len"] == 64 and rec["decode"]["logits_rel_max"] < 1e-4
 
 
 def test_evaluate_run_buckets_each_length(run_dir):

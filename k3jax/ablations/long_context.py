@@ -27,8 +27,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-# Held-out seed stream of the far-gap MQAR batches (training uses 0, held-out 1, `eval_at_length` 7).
-_FAR_MQAR_STREAM = 11
+# Held-out seed streams of the far-gap MQAR batches and of the MQAR decode check
+# (training uses 0, held-out 1, `eval_at_length` 7).
+_FAR_MQAR_STREAM, _DECODE_MQAR_STREAM = 11, 12
 
 
 # -- bucketing ------------------------------------------------------------------
@@ -318,7 +319,7 @@ def evaluate_run(workdir: str, *, multipliers: Sequence[int] = (1, 4, 16, 64),
                                       seed=int(config.seed), head_chunk=head_chunk) for g in gaps]
     if decode_prefill_x:
       total = decode_prefill_x * train_len + decode_new
-      decode_tokens = mqar_with_gap(np.random.default_rng([config.seed, _FAR_MQAR_STREAM, -1]), 1,
+      decode_tokens = mqar_with_gap(np.random.default_rng([config.seed, _DECODE_MQAR_STREAM]), 1,
                                     train_len, total, vocab_size=data.vocab_size,
                                     num_kv_pairs=data.mqar_num_kv_pairs)["inputs"]
   else:
