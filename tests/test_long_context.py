@@ -294,3 +294,17 @@ def test_gpu_heldout_at_128k_tokens_is_finite():
   out = lc.heldout_at_length(m, corpus, train_len=2048, seq_len=131072, num_sequences=1)
   assert out["nonfinite_logits"] == 0 and len(out["buckets"]) == 7
   assert [b["hi"] for b in out["buckets"]][-1] == 131072
+
+
+def test_committed_results_page_matches_its_long_context_summary():
+  """docs/results.md's long-context tables are those rendered from the committed summary (GPU if present)."""
+  results = os.path.join(ROOT, "docs", "results")
+  path = os.path.join(results, "long_context_full.json")
+  if not os.path.isfile(path):
+    path = os.path.join(results, "long_context_quick.json")
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
+    page = f.read()
+  assert "<!-- long:text -->" in page
+  assert lc.render_long_tables(page, data) == page

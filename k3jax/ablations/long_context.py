@@ -424,3 +424,16 @@ def render_long_tables(markdown: str, summary: dict) -> str:
     return LONG_TABLES[name](records) if records else "_No long-context runs in the summary._"
 
   return _LONG_MARK.sub(lambda m: m.group(1) + table_for(m.group("name")) + "\n" + m.group(4), markdown)
+
+
+def records_from_runs(records: list[dict], out_dir: str, **evaluate_args) -> list[dict]:
+  """Sweep run records (any sweep) with a "long" entry: `evaluate_run` of each run directory.
+
+  Args:
+    records: summary records with "workdir" relative to `out_dir`.
+    out_dir: the sweep output directory.
+    **evaluate_args: passed to `evaluate_run` (e.g. multipliers=(1, 4, 16)).
+  """
+  import os  # pylint: disable=g-import-not-at-top
+  return [{**r, "long": evaluate_run(os.path.join(out_dir, r["workdir"]), **evaluate_args)}
+          for r in records]

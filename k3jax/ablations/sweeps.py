@@ -311,7 +311,7 @@ def long_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> 
     hybrid, pairs, decode_x = "KA", 8, 4
   else:
     base = _RUN_FULL + _MODEL_FULL + (
-        ("batch_size", 8), ("seq_len", 2048), ("num_steps", 1000), ("eval_every", 500),
+        ("batch_size", 8), ("seq_len", 2048), ("num_steps", 500), ("eval_every", 250),
         ("eval_batches", 2), ("optim.warmup_steps", 100), ("model.num_layers", 4),
         ("model.num_experts", 0), ("model.first_layer_dense", False), ("data.max_bytes", 0))
     hybrid, pairs, decode_x = "KKKA", 64, 64
