@@ -4,9 +4,9 @@ Trains (or loads) every run of the "long" sweep (`k3jax/ablations/sweeps.py::lon
 evaluates each far past its training length (`k3jax/ablations/long_context.py`), writes a
 summary JSON and prints the tables.
 
-CPU, tiny models trained at 64 tokens, evaluated to 64x (about 2 minutes per run on 2 cores):
+CPU, tiny models trained at 64 tokens, evaluated to 64x (18 runs, about 10 minutes on 2 shared cores):
 
-  python experiments/long_context.py --out=runs/long_quick --setting=quick --seeds=0,1 \
+  python experiments/long_context.py --out=runs/long_quick --setting=quick --seeds=0,1,2 \
       --summary=docs/results/long_context_quick.json --results_page=docs/results.md
 
 GPU (H200), models trained at 2048 tokens, evaluated at 2k/8k/32k/128k tokens, MQAR gaps of

@@ -306,7 +306,7 @@ def long_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> 
   _check_setting(setting)
   if setting == "quick":
     base = _RUN_QUICK + _MODEL_QUICK + (
-        ("seq_len", 64), ("num_steps", 150), ("eval_every", 75), ("optim.warmup_steps", 10),
+        ("seq_len", 64), ("num_steps", 600), ("eval_every", 300), ("optim.warmup_steps", 20),
         ("model.num_layers", 2))
     hybrid, pairs, decode_x = "KA", 8, 4
   else:
