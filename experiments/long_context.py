@@ -14,12 +14,12 @@ GPU (H200), models trained at 2048 tokens, evaluated at 2k/8k/32k/128k tokens, M
 then evaluate (GPU wheels installed as in configs/gpu_150m.py):
 
   python3 experiments/run_ablations.py --out=/tmp/long --setting=full --sweeps=long --seeds=0,1,2 \
-      --jobs=6 --summary=$OUT/long_summary_train.json
+      --jobs=6 --max_wall_s=400 --stop_after_s=540 --summary=$OUT/long_train.json
   python3 experiments/long_context.py --out=/tmp/long --setting=full --seeds=0,1,2 \
       --summary=$OUT/long_context_full.json
 
-(`run_ablations.py` already evaluates each run; the second command only collects the cached
-records and renders.) Then, in the checkout, render the results page from the copied summary:
+(`run_ablations.py` already evaluates each run; repeat the first command until its summary lists no
+missing runs; the second command only collects the cached records and prints the tables.) Then, in the checkout, render the results page from the copied summary:
 
   python experiments/long_context.py --render_only --summary=docs/results/long_context_full.json \
       --results_page=docs/results.md

@@ -13,11 +13,15 @@ GPU command (see configs/gpu_150m.py for the wheel install line), one run per va
   PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/ablations/long_context.py:bounded \
     --workdir=/tmp/runs/long_bounded --config.seed=0
 
-then evaluate at 2k, 8k, 32k and 128k tokens (and decode after a 128k-token prefill):
+then evaluate at 2k, 8k, 32k and 128k tokens:
 
   PYTHONPATH=.:/tmp/site python3 experiments/long_context.py --setting=full \
     --runs=/tmp/runs/long_bounded,/tmp/runs/long_softplus,/tmp/runs/long_attention \
-    --names=bounded,softplus,attention --decode_prefill_x=64 --summary=$OUT/long_150m.json
+    --names=bounded,softplus,attention --summary=$OUT/long_150m.json
+
+The preset's quantile router has a batch capacity, so a lone decoded token is routed differently
+from the same token in a full forward: `--decode_prefill_x=64` would measure routing differences
+as well. The sweep's dense-FFN models isolate the KDA state and the KV cache.
 
 The smaller sweep of the same three arms (d=256, 4 layers, bytes and MQAR, 3 seeds) is
 `long_sweep` in `k3jax/ablations/sweeps.py`, run by `experiments/long_context.py`.
