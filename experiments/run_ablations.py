@@ -43,12 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3jax.ablations import runs as runs_lib  # noqa: E402
 from k3jax.ablations import summary as summary_lib  # noqa: E402
-from k3jax.ablations.sweeps import SETTINGS, SWEEPS, make_sweep  # noqa: E402
+from k3jax.ablations.sweeps import ALL_SWEEPS, SETTINGS, SWEEPS, make_sweep  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory for every run directory, logs and summary.json.")
 flags.DEFINE_enum("setting", "full", SETTINGS, "Sweep size: quick (CPU) or full (GPU).")
-flags.DEFINE_list("sweeps", list(SWEEPS), "Sweeps to run.")
+flags.DEFINE_list("sweeps", list(SWEEPS), f"Sweeps to run (any of {ALL_SWEEPS}).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; one run per seed, variant and task.")
 flags.DEFINE_integer("jobs", 8, "Runs at a time (separate processes).")
 flags.DEFINE_integer("num_gpus", -1, "GPUs to spread runs over round-robin; -1 counts them with "
@@ -260,8 +260,8 @@ def main(argv):
     _worker(FLAGS.worker, out)
     return
   for name in FLAGS.sweeps:
-    if name not in SWEEPS:
-      raise app.UsageError(f"--sweeps: unknown sweep {name!r}; allowed: {SWEEPS}")
+    if name not in ALL_SWEEPS:
+      raise app.UsageError(f"--sweeps: unknown sweep {name!r}; allowed: {ALL_SWEEPS}")
   specs = _specs()
   earlier = {}
   if FLAGS.merge_summary:

@@ -22,14 +22,14 @@ from k3jax.train.metrics import MetricWriter
 @pytest.mark.parametrize("setting", sweeps.SETTINGS)
 def test_every_sweep_config_validates(setting):
   keys = []
-  for name in sweeps.SWEEPS:
+  for name in sweeps.ALL_SWEEPS:
     sweep = sweeps.make_sweep(name, setting)
     assert sweep.seeds == ((0,) if setting == "quick" else (0, 1, 2))
     for spec in sweep.runs():
       config = spec.config()
       model = validate(config)  # raises on a bad field or an unsafe (g_min, tile) pair
       assert config.seed == spec.seed
-      if name == "decay" and model.gate == "bounded":
+      if name in ("decay", "long") and model.gate == "bounded":
         assert abs(model.g_min) * (model.kda_sub_chunk - 1) <= 85
       keys.append(spec.key)
   assert len(keys) == len(set(keys))
@@ -44,6 +44,25 @@ def test_full_sweeps_cover_the_arms():
   residual = sweeps.make_sweep("residual", "full")
   assert {(v.tag("residual"), v.tag("depth")) for v in residual.variants} == {
       (r, d) for r in ("prenorm", "block_attnres", "full_attnres") for d in (4, 8)}
+
+
+@pytest.mark.parametrize("setting", sweeps.SETTINGS)
+def test_long_sweep_arms_differ_only_where_intended(setting):
+  sweep = sweeps.make_sweep("long", setting)
+  assert [v.name for v in sweep.variants] == ["bounded", "softplus", "attention"]
+  assert sweep.length_multipliers == (1, 4, 16, 64) and sweep.gap_multipliers == (8, 16, 32, 64)
+  configs = {v.name: sweeps.RunSpec("long", setting, v, sweep.tasks[0], 0, sweep.base).config().to_dict()
+             for v in sweep.variants}
+  flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (
+      flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])}
+  b, s, a = (flat(configs[n]) for n in ("bounded", "softplus", "attention"))
+  assert {k for k in b if b[k] != s[k]} == {"model.gate", "model.kda_diagonal"}
+  assert set(validate(sweeps.RunSpec("long", setting, sweep.variant("attention"), sweep.tasks[0], 0,
+                                     sweep.base).config()).layer_types) == {"A"}
+  assert "model.layer_pattern" in {k for k in b if b[k] != a[k]}
+  assert b["seq_len"] == (2048 if setting == "full" else 64)
+  # run_ablations' default stays the three ablations; "long" is asked for by name.
+  assert "long" not in sweeps.SWEEPS and "long" in sweeps.ALL_SWEEPS
 
 
 def test_bad_names_and_overrides_raise():

@@ -20,6 +20,7 @@ ABLATION_ARGS = {
     "configs/ablations/router.py": ["quantile", "quantile_lagged", "bias_sign", "aux_loss",
                                     "expert_choice", "topk"],
     "configs/ablations/residual.py": ["prenorm", "block", "full"],
+    "configs/ablations/long_context.py": ["bounded", "softplus", "attention"],
 }
 
 
@@ -68,8 +69,10 @@ def test_every_ablation_variant_validates(path, arg):
   variant = arg.split(",")[0]
   if path.endswith("router.py"):
     assert m.router.name == variant
-  if path.endswith("decay.py"):
+  if path.endswith(("decay.py", "long_context.py")):
     assert (m.gate == "softplus") == (variant == "softplus")
+  if path.endswith("long_context.py"):
+    assert set(m.layer_types) == ({"A"} if variant == "attention" else {"K", "A"})
   if arg.endswith(",tiny"):
     assert c.model.d_model == load_config_file(os.path.join(ROOT, "configs", "tiny.py")).model.d_model
 

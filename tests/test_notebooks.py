@@ -12,7 +12,7 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = ("decay_ablation", "router_ablation", "residual_ablation")
-FIGURES = {"decay_ablation": 2, "router_ablation": 1, "residual_ablation": 2}  # figure cells of each
+FIGURES = {"decay_ablation": 3, "router_ablation": 1, "residual_ablation": 2}  # figure cells of each
 
 
 @pytest.fixture(scope="session")

@@ -263,7 +263,8 @@ def summarize_run(spec: RunSpec, workdir: str, out_dir: str | None = None) -> di
   first_eval, final_eval, final_train_loss, and per sweep:
   decay `lengths` {multiplier: eval_at_length record}; router `router`
   (tail means per layer of max_vio, max_vio_routed, drop_fraction) and
-  `leak` (routing_leak); residual `depth` (depth_profile).
+  `leak` (routing_leak); residual `depth` (depth_profile); long `long`
+  (`long_context.evaluate_run`).
   """
   sweep = _sweep_of(spec)
   evals = runs_lib.load_metrics(workdir, "eval")
@@ -290,7 +291,19 @@ def summarize_run(spec: RunSpec, workdir: str, out_dir: str | None = None) -> di
     record["leak"] = routing_leak(model, batch, position=position, seed=spec.seed)
   if spec.sweep == "residual":
     record["depth"] = depth_profile(model, _heldout_batch(config))
+  if spec.sweep == "long":
+    from k3jax.ablations.long_context import evaluate_run  # pylint: disable=g-import-not-at-top
+    record["long"] = evaluate_run(workdir, **long_eval_args(sweep))
+    record["long"]["workdir"] = record["workdir"]
   return _finite_or_none(record)
+
+
+def long_eval_args(sweep) -> dict[str, Any]:
+  """`long_context.evaluate_run` keyword arguments of a "long" sweep."""
+  full = sweep.setting == "full"
+  return {"multipliers": sweep.length_multipliers, "gap_multipliers": sweep.gap_multipliers,
+          "decode_prefill_x": sweep.decode_prefill_x, "decode_new": 256 if full else 16,
+          "num_sequences": 4, "mqar_sequences": 32 if full else 16}
 
 
 def _heldout_batch(config) -> np.ndarray:

@@ -130,3 +130,36 @@ def versus_length(ax, records: Iterable[dict], field: str, *, title: str = "", y
   ax.set_xscale("log", base=2)
   return _finish(ax, title=title, xlabel="eval length / train length", ylabel=ylabel, logy=logy,
                  legend=bool(by_variant))
+
+
+def loss_by_position(ax, records: list[dict], *, title: str = "held-out loss by position"):
+  """Loss (nats) per position bucket at each run's longest evaluation, mean ± std over seeds.
+
+  records: run records with a "long" entry (`long_context.evaluate_run`); text runs only are drawn.
+  x: the bucket's upper edge in training lengths (log2 axis).
+  """
+  for (variant, _), rs in group([r for r in records if r.get("long", {}).get("lengths")]).items():
+    longest = [max(r["long"]["lengths"], key=lambda e: e["seq_len"]) for r in rs]
+    edges = [b["hi_x"] for b in longest[0]["buckets"]]
+    stats = [mean_std(e["buckets"][i]["loss"] for e in longest) for i in range(len(edges))]
+    mean, std = np.array([s[0] for s in stats]), np.array([s[1] for s in stats])
+    line, = ax.plot(edges, mean, marker="o", label=f"{variant} (n={len(rs)})")
+    ax.fill_between(edges, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+  ax.axvline(1.0, color="gray", ls=":", label="training length")
+  ax.set_xscale("log", base=2)
+  ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+  return _finish(ax, title=title, xlabel="bucket end (training lengths)", ylabel="loss (nats)",
+                 logy=False, legend=True)
+
+
+def recall_by_gap(ax, records: list[dict], *, title: str = "MQAR recall, pairs far back"):
+  """MQAR recall against the gap between pairs and queries (training lengths), mean ± std over seeds."""
+  for (variant, _), rs in group([r for r in records if r.get("long", {}).get("mqar")]).items():
+    gaps = [e["gap_x"] for e in rs[0]["long"]["mqar"]]
+    stats = [mean_std(r["long"]["mqar"][i]["accuracy"] for r in rs) for i in range(len(gaps))]
+    x = [max(g, 0.5) for g in gaps]  # gap 0 drawn at 0.5x on the log axis
+    ax.errorbar(x, [s[0] for s in stats], yerr=[s[1] for s in stats], marker="o", capsize=3,
+                label=f"{variant} (n={len(rs)})")
+  ax.set_xscale("log", base=2)
+  ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: "0" if v < 1 else f"{v:g}x"))
+  return _finish(ax, title=title, xlabel="gap (training lengths)", ylabel="recall", logy=False, legend=True)

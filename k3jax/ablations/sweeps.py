@@ -20,7 +20,8 @@ import ml_collections
 from k3jax.train.defaults import base_config
 
 SETTINGS = ("quick", "full")
-SWEEPS = ("decay", "router", "residual")
+SWEEPS = ("decay", "router", "residual")  # the three ablations `run_ablations.py` runs by default
+ALL_SWEEPS = SWEEPS + ("long",)  # plus the long-context evaluation of the decay gate
 Overrides = tuple[tuple[str, Any], ...]
 
 
@@ -94,7 +95,7 @@ class Sweep:
   """A sweep: base overrides x variants x tasks x seeds, plus what to evaluate after training.
 
   Attributes:
-    name: one of SWEEPS.
+    name: one of ALL_SWEEPS.
     setting: one of SETTINGS.
     base: overrides shared by every run.
     variants: the arms.
@@ -104,6 +105,10 @@ class Sweep:
       training length (1 included).
     probe_position: router: the causality probe changes positions after this
       fraction of the sequence.
+    gap_multipliers: long: MQAR recall with this many training lengths of pad
+      between the key-value pairs and the queries.
+    decode_prefill_x: long: prefill this many training lengths before the
+      decode-vs-forward check (0: no check).
   """
   name: str
   setting: str
@@ -113,6 +118,8 @@ class Sweep:
   seeds: tuple[int, ...]
   length_multipliers: tuple[int, ...] = (1,)
   probe_position: float = 0.5
+  gap_multipliers: tuple[int, ...] = ()
+  decode_prefill_x: int = 0
 
   def runs(self) -> list[RunSpec]:
     """Every run, variant-major then task then seed."""
@@ -276,13 +283,57 @@ def residual_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None)
   return Sweep("residual", setting, base, variants, (_BYTES,), _seeds(setting, seeds))
 
 
-_BUILDERS = {"decay": decay_sweep, "router": router_sweep, "residual": residual_sweep}
+# (name, layer pattern, gate overrides): the bounded and the softplus hybrid differ only in the
+# gate (and the diagonal tiles softplus needs); the attention-only stack is the NoPE reference.
+LONG_ARMS = (
+    ("bounded", "hybrid", (("model.gate", "bounded"), ("model.g_min", -5.0),
+                           ("model.kda_sub_chunk", 16), ("model.kda_diagonal", "dense"))),
+    ("softplus", "hybrid", (("model.gate", "softplus"), ("model.kda_sub_chunk", 16),
+                            ("model.kda_diagonal", "pairwise"))),
+    ("attention", "attention", ()),
+)
+
+
+def long_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> Sweep:
+  """Bounded vs softplus gate in a KDA/attention hybrid, and a pure-attention reference,
+  evaluated far past the training length (`k3jax.ablations.long_context`).
+
+  quick: 2-layer models (hybrid "KA", attention "AA") trained at 64 tokens on a CPU,
+  evaluated to 64x. full: 4-layer d=256 models ("KKKA" / "AAAA") trained at 2048
+  tokens, evaluated at 2k, 8k, 32k and 128k tokens, MQAR gaps of 8x-64x, and a
+  decode check after a 64x (128k-token) prefill.
+  """
+  _check_setting(setting)
+  if setting == "quick":
+    base = _RUN_QUICK + _MODEL_QUICK + (
+        ("seq_len", 64), ("num_steps", 600), ("eval_every", 300), ("optim.warmup_steps", 20),
+        ("model.num_layers", 2))
+    hybrid, pairs, decode_x = "KA", 8, 4
+  else:
+    base = _RUN_FULL + _MODEL_FULL + (
+        ("batch_size", 8), ("seq_len", 2048), ("num_steps", 500), ("eval_every", 250),
+        ("eval_batches", 2), ("optim.warmup_steps", 100), ("model.num_layers", 4),
+        ("model.num_experts", 0), ("model.first_layer_dense", False), ("data.max_bytes", 0))
+    hybrid, pairs, decode_x = "KKKA", 64, 64
+  num_layers = dict(base)["model.num_layers"]
+  patterns = {"hybrid": hybrid, "attention": "A"}
+  variants = tuple(
+      Variant(name, (("model.layer_pattern", patterns[stack]),) + gate,
+              (("stack", stack), ("gate", dict(gate).get("model.gate", "none")),
+               ("layers", patterns[stack] * (num_layers // len(patterns[stack])))))
+      for name, stack, gate in LONG_ARMS)
+  return Sweep("long", setting, base, variants, (_BYTES, _mqar(pairs)), _seeds(setting, seeds),
+               length_multipliers=(1, 4, 16, 64), gap_multipliers=(8, 16, 32, 64),
+               decode_prefill_x=decode_x)
+
+
+_BUILDERS = {"decay": decay_sweep, "router": router_sweep, "residual": residual_sweep, "long": long_sweep}
 
 
 def make_sweep(name: str, setting: str = "quick", seeds: tuple[int, ...] | None = None) -> Sweep:
-  """The sweep called `name` ("decay", "router" or "residual") at `setting` ("quick" or "full")."""
+  """The sweep called `name` (one of ALL_SWEEPS) at `setting` ("quick" or "full")."""
   if name not in _BUILDERS:
-    raise ValueError(f"sweep name {name!r}; allowed: {SWEEPS}")
+    raise ValueError(f"sweep name {name!r}; allowed: {ALL_SWEEPS}")
   return _BUILDERS[name](setting, seeds)
 
 

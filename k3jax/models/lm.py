@@ -124,10 +124,11 @@ class HybridLM(nnx.Module):
     return jnp.einsum("btd,dv->btv", h, w.astype(self.config.compute_dtype),
                       preferred_element_type=jnp.float32)
 
-  def _run(self, tokens_bt, mixer_fn, *, deterministic, trace=None):
+  def _run(self, tokens_bt, mixer_fn, *, deterministic, trace=None, project=True):
     """Runs every layer; mixer_fn(layer, mixer, h) -> (out, stats, cache).
 
     `trace`, if a dict, collects the intermediates `HybridLM.trace` returns.
+    `project=False` returns the final stream [B, T, D] instead of the logits.
     """
     cfg = self.config
     if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
@@ -169,7 +170,7 @@ class HybridLM(nnx.Module):
     aux["aux_loss"] = aux_loss
     final = self.residual.finish(state)
     record("stream", final)
-    return self._logits(final), aux, caches
+    return (self._logits(final) if project else final), aux, caches
 
   # -- public entry points ---------------------------------------------------
 
@@ -181,6 +182,24 @@ class HybridLM(nnx.Module):
       return out, stats, None
     logits, aux, _ = self._run(tokens_bt, mixer_fn, deterministic=deterministic)
     return logits, aux
+
+  def features(self, tokens_bt: jax.Array) -> jax.Array:
+    """The deterministic forward up to the output head: tokens_bt [B, T] int -> final
+    residual stream [B, T, D] (before the final norm); `head_logits` maps it to logits.
+
+    With the head applied per slice of positions, long sequences never hold a
+    [B, T, V] float32 array.
+    """
+    def mixer_fn(i, mixer, h):
+      del i
+      out, stats = mixer(h)
+      return out, stats, None
+    final, _, _ = self._run(tokens_bt, mixer_fn, deterministic=True, project=False)
+    return final
+
+  def head_logits(self, final_btd: jax.Array) -> jax.Array:
+    """Final norm + output projection: [B, T, D] stream (from `features`) -> [B, T, V] float32."""
+    return self._logits(final_btd)
 
   def trace(self, tokens_bt: jax.Array) -> tuple[jax.Array, dict]:
     """The deterministic forward with its residual-stream intermediates.
