@@ -9,8 +9,11 @@ KERNEL_TIMES = {
     "g5_t16": {"path": "pallas dense, tile 16", "fwd_ms": 2.571, "fwd_bwd_ms": 6.292,
                "note": "docs/benchmarks.md, call D of 2026-12-01 (session 2)"},
     "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 9.373, "fwd_bwd_ms": 30.902,
-                 "note": "docs/benchmarks.md; pairwise diagonal, the only path for an unbounded gate "
-                         "(its cost does not depend on the gate values)"},
+                 "note": "the former pairwise diagonal, which walked each tile's positions one at a "
+                         "time (at `e689ab0`); the nested-anchor diagonal that replaced it is not "
+                         "timed yet: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
+                         "--impls=pallas:dense,pallas:pairwise --stages= --peer_modes=unsafe`, so "
+                         "this ratio overstates the bound's gain"},
     "g2.5_t32": {"path": "pallas dense, tile 32", "fwd_ms": None, "fwd_bwd_ms": None,
                  "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-2.5 --sub_chunk=32 --peer=false`"},
@@ -18,7 +21,6 @@ KERNEL_TIMES = {
                  "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-1.3 --sub_chunk=64 --peer=false`"},
 }
-KERNEL_TIMES_SOURCE = ("Source: docs/benchmarks.md, \"Earlier the same day: exp2 exponentials and a "
-                       "4-warp split backward (H200, 2026-12-01, session 2)\", call D (dense and "
-                       "pairwise in one process), shape B16 T2048 H16 K=V=128, C=64; medians of "
-                       "10 calls.")
+KERNEL_TIMES_SOURCE = ("Source: call D of 2026-12-01 (dense and pairwise in one process; its notes "
+                       "are in docs/benchmarks.md at `e689ab0`), shape B16 T2048 H16 K=V=128, C=64; "
+                       "medians of 10 calls.")
