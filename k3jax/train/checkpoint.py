@@ -148,13 +148,26 @@ def verify_checksums(step_dir: str) -> bool:
   return True
 
 
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+  return jnp.stack([jnp.isfinite(x).all() for x in leaves])
+
+
 def _first_non_finite(tree: Any) -> str | None:
-  """Path of the first floating leaf holding a NaN/inf, or None."""
+  """Path of the first floating leaf holding a NaN/inf, or None.
+
+  One jitted program checks every leaf. A reduction per leaf would dispatch
+  one program per sharded array, each with its own cross-device reduction;
+  on CPU devices that share a small thread pool, such programs in flight at
+  once can wait on each other's participants forever.
+  """
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   floats = [(p, x) for p, x in flat if jnp.issubdtype(jnp.asarray(x).dtype, jnp.inexact)]
-  finite = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
+  if not floats:
+    return None
+  finite = np.asarray(jax.device_get(_all_finite([x for _, x in floats])))
   for (path, _), ok in zip(floats, finite):
-    if not bool(np.asarray(ok)):
+    if not bool(ok):
       return "/".join(_key_name(p) for p in path)
   return None
 
