@@ -10,9 +10,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-from jax._src.lib.mlir import ir
-from jax._src.pallas.triton import gpu_info
-from jax._src.pallas.triton import pallas_call_registration as reg
 
 from pallas_kernels.kda import decode
 from pallas_kernels.kda import triton_ir
@@ -34,29 +31,7 @@ def lower_decode_kernel(out_dir: str, *, batch: int, heads: int, dk: int, dv: in
     input/output buffer pairs XLA is told to share (1: the state in place).
   """
   os.makedirs(out_dir, exist_ok=True)
-  modules, params = [], []
-  saved = (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
-           reg.mlir.custom_call)
-
-  def lower(*args, **kwargs):
-    result = saved[1](*args, **kwargs)
-    modules.append(result.module.operation.get_asm())
-    return result
-
-  def custom_call(*args, backend_config=None, operand_output_aliases=None, **kwargs):
-    if isinstance(backend_config, dict) and "num_warps" in backend_config:
-      params.append(dict(name=ir.StringAttr(backend_config["name"]).value,
-                         num_warps=ir.IntegerAttr(backend_config["num_warps"]).value,
-                         num_stages=ir.IntegerAttr(backend_config["num_stages"]).value,
-                         aliases=len(operand_output_aliases or {})))
-    return saved[2](*args, backend_config=backend_config,
-                    operand_output_aliases=operand_output_aliases, **kwargs)
-
-  reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(
-      gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0", compute_capability=90)
-  reg.lowering.lower_jaxpr_to_triton_module = lower
-  reg.mlir.custom_call = custom_call
-  try:
+  with triton_ir.capture_cuda_lowering() as (modules, params):
     x = jax.ShapeDtypeStruct((batch, t_new, heads, dk), dtype)
     xv = jax.ShapeDtypeStruct((batch, t_new, heads, dv), dtype)
     g = jax.ShapeDtypeStruct((batch, t_new, heads, dk), jnp.float32)
@@ -66,9 +41,6 @@ def lower_decode_kernel(out_dir: str, *, batch: int, heads: int, dk: int, dv: in
                                                 num_warps=num_warps)
     jax.jit(step, donate_argnums=5).trace(x, x, xv, g, beta, state).lower(
         lowering_platforms=("cuda",))
-  finally:
-    (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
-     reg.mlir.custom_call) = saved
   if len(modules) != 1 or len(params) != 1:
     raise RuntimeError(f"expected one decode kernel, captured {len(modules)} modules and "
                        f"{len(params)} launches")

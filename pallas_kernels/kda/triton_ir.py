@@ -10,6 +10,7 @@ private modules of jax 0.11.2 (`jax._src.pallas.triton`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -44,28 +45,7 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
     line info points at lines of the .ttir file itself.
   """
   os.makedirs(out_dir, exist_ok=True)
-  modules, params = [], []
-  saved = (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
-           reg.mlir.custom_call)
-
-  def lower(*args, **kwargs):
-    result = saved[1](*args, **kwargs)
-    modules.append(result.module.operation.get_asm())
-    return result
-
-  def custom_call(*args, backend_config=None, **kwargs):
-    if isinstance(backend_config, dict) and "num_warps" in backend_config:
-      params.append(dict(name=ir.StringAttr(backend_config["name"]).value,
-                         num_warps=ir.IntegerAttr(backend_config["num_warps"]).value,
-                         num_stages=ir.IntegerAttr(backend_config["num_stages"]).value))
-    return saved[2](*args, backend_config=backend_config, **kwargs)
-
-  # No GPU here: name the target, and record what the lowering hands to XLA.
-  reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(
-      gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0", compute_capability=90)
-  reg.lowering.lower_jaxpr_to_triton_module = lower
-  reg.mlir.custom_call = custom_call
-  try:
+  with capture_cuda_lowering() as (modules, params):
     b, t, h, d = shape
 
     gate = dict(gate_activation="bounded_sigmoid", lower_bound=-5.0) if fused_gate else {}
@@ -84,9 +64,8 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
       args += (jax.ShapeDtypeStruct((h, d), jnp.float32),)
     jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(
         lowering_platforms=("cuda",))
-  finally:
-    (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
-     reg.mlir.custom_call) = saved
+  for entry in params:
+    del entry["aliases"]
   if len(modules) != len(params):
     raise RuntimeError(f"captured {len(modules)} modules but {len(params)} launches")
   for i, (asm, entry) in enumerate(zip(modules, params)):
@@ -96,6 +75,44 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
   with open(os.path.join(out_dir, "kernels.json"), "w") as f:
     json.dump(params, f, indent=1)
   return params
+
+
+@contextlib.contextmanager
+def capture_cuda_lowering():
+  """Lowers for an H200 (sm_90) without a GPU and records each pallas_call.
+
+  Yields (modules, params), filled while the block lowers a program for
+  CUDA: the Triton IR text of each kernel, and per launch {name, num_warps,
+  num_stages, aliases} (aliases: input/output buffer pairs XLA shares).
+  """
+  modules, params = [], []
+  saved = (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
+           reg.mlir.custom_call)
+
+  def lower(*args, **kwargs):
+    result = saved[1](*args, **kwargs)
+    modules.append(result.module.operation.get_asm())
+    return result
+
+  def custom_call(*args, backend_config=None, operand_output_aliases=None, **kwargs):
+    if isinstance(backend_config, dict) and "num_warps" in backend_config:
+      params.append(dict(name=ir.StringAttr(backend_config["name"]).value,
+                         num_warps=ir.IntegerAttr(backend_config["num_warps"]).value,
+                         num_stages=ir.IntegerAttr(backend_config["num_stages"]).value,
+                         aliases=len(operand_output_aliases or {})))
+    return saved[2](*args, backend_config=backend_config,
+                    operand_output_aliases=operand_output_aliases, **kwargs)
+
+  # No GPU here: name the target, and record what the lowering hands to XLA.
+  reg.gpu_info_lib.get_gpu_info = lambda: gpu_info.GpuInfo(
+      gpu_version=gpu_info.GpuVersion.H200, arch_name="9.0", compute_capability=90)
+  reg.lowering.lower_jaxpr_to_triton_module = lower
+  reg.mlir.custom_call = custom_call
+  try:
+    yield modules, params
+  finally:
+    (reg.gpu_info_lib.get_gpu_info, reg.lowering.lower_jaxpr_to_triton_module,
+     reg.mlir.custom_call) = saved
 
 
 def strip_locations(asm: str) -> str:
