@@ -10,7 +10,10 @@ Shapes and dtypes are checked by `validation`; this module looks at values:
   `checkify.checkify` and calls `err.throw()`);
 * traced inputs by default: the dense path clamps g into [lower_bound, 0]
   (`clamp_gates`) and cu_seqlens is made valid (`sanitize_cu_seqlens`), so
-  every input has a defined output.
+  every input has a defined output. The checks only say that the clamp is
+  needed; the implementation applies it where it is free: in jnp, fused by
+  XLA, on the xla path, and inside the gate-cumsum kernels on the pallas
+  path (`kernel_cumsum.clamped_cumsum`), which read g anyway.
 """
 from __future__ import annotations
 
@@ -34,20 +37,27 @@ def clamp_gates(g: jax.Array, lower_bound: float) -> jax.Array:
   return jnp.where(g > 0, jnp.zeros((), g.dtype), g)
 
 
+def out_of_range(g: jax.Array, lower_bound: float) -> jax.Array:
+  """Where `clamp_gates` changes g and passes no gradient: g < lower_bound or g > 0."""
+  return (g < lower_bound) | (g > 0)
+
+
 def check_gates(g: jax.Array, *, lower_bound: float | None, dense: bool,
-                checked: bool = False) -> jax.Array:
-  """Checks the log-decays g and returns what the chunked forms should use.
+                checked: bool = False) -> bool:
+  """Checks the log-decays g and says whether the chunked forms must clamp them.
 
   Args:
     g: [B, T, H, K] or [B, T, H] log-decays; valid entries lie in
       [lower_bound, 0] (dense path) or (-inf, 0] (pairwise path, naive form).
     lower_bound: the dense path's g_min, or None.
     dense: whether the call takes the dense diagonal path (where a gate below
-      the bound overflows exp); g is then clamped into [lower_bound, 0].
+      the bound overflows exp).
     checked: emit checkify checks for traced g.
 
   Returns:
-    g, clamped on the dense path.
+    Whether g must be clamped into [lower_bound, 0] (`clamp_gates`): a
+    traced g on the dense path, whose values no check has seen. A concrete
+    g that passed the checks is in range already.
   """
   bounded = dense and lower_bound is not None
   if not _is_traced(g):
@@ -68,7 +78,7 @@ def check_gates(g: jax.Array, *, lower_bound: float | None, dense: bool,
       checkify.check(jnp.all(~(g < lower_bound)),
                      f"g must be >= lower_bound = {lower_bound} on diagonal='dense'; "
                      "got min(g) = {}", jnp.min(g))
-  return clamp_gates(g, lower_bound) if bounded else g
+  return bounded and _is_traced(g)
 
 
 def check_cu_seqlens(cu_seqlens, total_len: int, *, checked: bool = False):
@@ -117,9 +127,10 @@ def check_inputs(g, cu_seqlens, *, spec, total_len: int, checked: bool = False):
   """`check_gates` and `check_cu_seqlens` for one `chunk_kda` call of `spec`.
 
   Returns:
-    (g, cu_seqlens) to pass on: g clamped on the dense path of the chunked
-    forms, a traced cu_seqlens made valid.
+    (clamp, cu_seqlens): whether the chunked form must clamp g into
+    [spec.lower_bound, 0] (`check_gates`), and the cu_seqlens to pass on (a
+    traced one made valid).
   """
   dense = spec.diagonal == "dense" and spec.implementation != "naive"
-  g = check_gates(g, lower_bound=spec.lower_bound, dense=dense, checked=checked)
-  return g, check_cu_seqlens(cu_seqlens, total_len, checked=checked)
+  clamp = check_gates(g, lower_bound=spec.lower_bound, dense=dense, checked=checked)
+  return clamp, check_cu_seqlens(cu_seqlens, total_len, checked=checked)

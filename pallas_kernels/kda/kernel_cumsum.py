@@ -8,6 +8,15 @@ Tp = NC * C.
 `chunk_cumsum` runs one program per [C, BF] block on the grid
 (B, NC, F/BF), all parallel: one read and one write of every element. On TPU
 it returns `chunk_cumsum_xla`, since Mosaic has no cumsum lowering.
+
+`clamped_cumsum` and `clamped_cumsum_bwd` are the same passes with
+`chunk_kda`'s safety clamp of traced gates folded in: G is the cumsum of g
+clamped into [lower_bound, 0], and dg is zero where g lay outside that range
+(gradient 1 on the closed interval). The clamp costs no memory traffic: the
+forward applies it to the gates it already reads, and the record the backward
+needs is a per-program flag [B, NC, F/BF] int32 (1: the block holds an
+out-of-range gate) plus an int8 mask [B, Tp, F] that only flagged programs
+write and only flagged programs read, so valid gates never touch it.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.input_checks import clamp_gates, out_of_range
 from pallas_kernels.kda.kernel_config import KernelConfig, is_pow2
 
 _F32 = jnp.float32
@@ -108,3 +118,124 @@ def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelCo
       compiler_params=cfg.compiler_params("cumsum"),
       interpret=cfg.interpret, name="kda_chunk_cumsum",
   )(g_btf)
+
+
+def clamped_cumsum_xla(g_btf, lower_bound: float, chunk_size: int):
+  """XLA form of `clamped_cumsum` (TPU, and the tests' reference).
+
+  Returns (G [B, Tp, F] f32, (None, mask [B, Tp, F] int8)): no flags, the
+  mask is written everywhere (XLA fuses it with the cumsum's read of g).
+  """
+  mask = out_of_range(g_btf, lower_bound).astype(jnp.int8)
+  return chunk_cumsum_xla(clamp_gates(g_btf, lower_bound), chunk_size), (None, mask)
+
+
+def clamped_cumsum_bwd_xla(dg_cum_btf, record, chunk_size: int):
+  """XLA form of `clamped_cumsum_bwd`; record as `clamped_cumsum_xla` returns it."""
+  _, mask = record
+  dg = chunk_cumsum_xla(dg_cum_btf, chunk_size, reverse=True)
+  return jnp.where(mask != 0, jnp.zeros((), dg.dtype), dg)
+
+
+def _clamped_cumsum_kernel(g_ref, o_ref, *record_refs, lower_bound: float):
+  g = g_ref[...]
+  outside = out_of_range(g, lower_bound)
+  o_ref[...] = jnp.cumsum(clamp_gates(g, lower_bound), axis=0)
+  if record_refs:
+    flag_ref, mask_ref = record_refs
+    # One axis at a time: the Triton lowering's multi-axis reduction fails
+    # under an abstract mesh (jax.export for CUDA from a CPU host).
+    hit = jnp.max(jnp.max(outside.astype(jnp.int32), axis=0), axis=0)
+    flag_ref[...] = hit
+
+    @pl.when(hit != 0)
+    def _():
+      mask_ref[...] = outside.astype(jnp.int8)
+
+
+def _clamped_reverse_kernel(x_ref, flag_ref, mask_ref, o_ref):
+  x = x_ref[...]
+  # Suffix sum as in _cumsum_kernel; the mask is loaded only where flagged.
+  dg = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
+  o_ref[...] = jax.lax.cond(flag_ref[...] != 0,
+                            lambda: jnp.where(mask_ref[...] != 0, 0.0, dg), lambda: dg)
+
+
+def _block_specs(f: int, chunk_size: int, block_f: int | None):
+  if block_f is None:
+    block_f = default_block_f(f)
+  if not isinstance(block_f, int) or not is_pow2(block_f) or f % block_f:
+    raise ValueError(f"block_f must be a power of two dividing F={f}, got {block_f!r}")
+  tile = pl.BlockSpec((None, chunk_size, block_f), lambda i, j, k: (i, j, k))
+  flag = pl.BlockSpec((None, None, None), lambda i, j, k: (i, j, k))
+  return block_f, tile, flag
+
+
+def clamped_cumsum(g_btf, lower_bound: float, chunk_size: int, *, cfg: KernelConfig,
+                   with_record: bool = False, block_f: int | None = None):
+  """G = within-chunk cumsum of g clamped into [lower_bound, 0], in one pass.
+
+  Args:
+    g_btf: [B, Tp, F] f32 log-decays (any values; NaN passes through).
+    lower_bound: g_min < 0 (python float).
+    chunk_size: C, a power of two dividing Tp.
+    cfg: kernel config; a TPU backend returns `clamped_cumsum_xla`.
+    with_record: also return what `clamped_cumsum_bwd` needs (training).
+    block_f: F-width of a program's block (default `default_block_f`).
+
+  Returns:
+    G [B, Tp, F] f32, or (G, record) with record = (flags [B, NC, F/BF]
+    int32, mask [B, Tp, F] int8 written only in flagged blocks).
+  """
+  _check(g_btf, chunk_size)
+  if not isinstance(lower_bound, float) or not lower_bound < 0:
+    raise ValueError(f"lower_bound must be a negative python float, got {lower_bound!r}")
+  b, tp, f = g_btf.shape
+  block_f, tile, flag = _block_specs(f, chunk_size, block_f)
+  if cfg.is_tpu:
+    g_cum, record = clamped_cumsum_xla(g_btf, lower_bound, chunk_size)
+    return (g_cum, record) if with_record else g_cum
+  nc = tp // chunk_size
+  out_specs, out_shape = [tile], [jax.ShapeDtypeStruct((b, tp, f), _F32)]
+  if with_record:
+    out_specs += [flag, tile]
+    out_shape += [jax.ShapeDtypeStruct((b, nc, f // block_f), jnp.int32),
+                  jax.ShapeDtypeStruct((b, tp, f), jnp.int8)]
+  outs = pl.pallas_call(
+      functools.partial(_clamped_cumsum_kernel, lower_bound=lower_bound),
+      grid=(b, nc, f // block_f), in_specs=[tile], out_specs=out_specs, out_shape=out_shape,
+      compiler_params=cfg.compiler_params("cumsum"),
+      interpret=cfg.interpret, name="kda_clamped_cumsum",
+  )(g_btf)
+  return (outs[0], tuple(outs[1:])) if with_record else outs[0]
+
+
+def clamped_cumsum_bwd(dg_cum_btf, record, chunk_size: int, *, cfg: KernelConfig,
+                       block_f: int | None = None):
+  """dg = within-chunk reverse cumsum of dG, zero where the forward clamped g.
+
+  Args:
+    dg_cum_btf: [B, Tp, F] f32 cotangent of G.
+    record: the forward's record (`clamped_cumsum(..., with_record=True)`),
+      with the same block_f.
+    chunk_size, cfg, block_f: as in `clamped_cumsum`.
+
+  Returns:
+    dg [B, Tp, F] f32.
+  """
+  _check(dg_cum_btf, chunk_size)
+  if cfg.is_tpu:
+    return clamped_cumsum_bwd_xla(dg_cum_btf, record, chunk_size)
+  b, tp, f = dg_cum_btf.shape
+  block_f, tile, flag = _block_specs(f, chunk_size, block_f)
+  flags, mask = record
+  if flags.shape != (b, tp // chunk_size, f // block_f) or mask.shape != dg_cum_btf.shape:
+    raise ValueError(f"record shapes {flags.shape}, {mask.shape} do not match dG "
+                     f"{dg_cum_btf.shape} with block_f={block_f}")
+  return pl.pallas_call(
+      _clamped_reverse_kernel,
+      grid=(b, tp // chunk_size, f // block_f), in_specs=[tile, flag, tile], out_specs=tile,
+      out_shape=jax.ShapeDtypeStruct((b, tp, f), _F32),
+      compiler_params=cfg.compiler_params("cumsum"),
+      interpret=cfg.interpret, name="kda_clamped_cumsum_bwd",
+  )(dg_cum_btf, flags, mask)

@@ -12,7 +12,8 @@ backward (`kernel_intra_bwd_split` or `kernel_intra_bwd`, by
   (`tiling.pack_varlen`), and scatters the outputs back; plain autodiff
   differentiates these gathers;
 * computes the within-chunk cumsum G of the gates (and the reverse cumsum of
-  dG in the backward) with `kernel_cumsum` (XLA on TPU), or, with
+  dG in the backward) with `kernel_cumsum` (XLA on TPU), with `chunk_kda`'s
+  clamp of traced gates folded into the same passes (`clamp_gates`), or, with
   `gate_activation="bounded_sigmoid"`, the gate itself from its
   pre-activation in the same pass (`kernel_gate_cumsum`);
 * joins the forward and backward kernels with `jax.custom_vjp`.
@@ -57,6 +58,8 @@ class _Static:
   cfg: kernel_config.KernelConfig
   # g_min of the fused gate: g is then the pre-activation (see _gate_cumsum).
   fused_gate_bound: float | None = None
+  # Clamp g into [clamp_bound, 0] inside the cumsum passes (gradient 0 outside).
+  clamp_bound: float | None = None
 
 
 def _kernel_layout(q, k, v, beta):
@@ -67,14 +70,20 @@ def _kernel_layout(q, k, v, beta):
               beta_t=jnp.transpose(beta.astype(_F32), (0, 2, 1))[..., None])
 
 
-def _gate_cumsum(st: _Static, g, gate_bias):
-  """G [B, Tp, H*K] f32: the cumsum of g, or of the fused gate of pre-activation g."""
+def _gate_cumsum(st: _Static, g, gate_bias, save: bool):
+  """(G [B, Tp, H*K] f32, clamp record or None): the cumsum of g (clamped with
+  st.clamp_bound; the record, kept for the backward when `save`, says where),
+  or of the fused gate of pre-activation g."""
   b, tp, h, dk = g.shape
   g2 = g.reshape(b, tp, h * dk)
-  if st.fused_gate_bound is None:
-    return kernel_cumsum.chunk_cumsum(g2.astype(_F32), st.chunk_size, cfg=st.cfg)
-  return kernel_gate_cumsum.gate_cumsum(g2, gate_bias.reshape(h * dk), st.fused_gate_bound,
-                                        st.chunk_size, cfg=st.cfg)
+  if st.fused_gate_bound is not None:
+    return kernel_gate_cumsum.gate_cumsum(g2, gate_bias.reshape(h * dk), st.fused_gate_bound,
+                                          st.chunk_size, cfg=st.cfg), None
+  if st.clamp_bound is None:
+    return kernel_cumsum.chunk_cumsum(g2.astype(_F32), st.chunk_size, cfg=st.cfg), None
+  out = kernel_cumsum.clamped_cumsum(g2.astype(_F32), st.clamp_bound, st.chunk_size, cfg=st.cfg,
+                                     with_record=save)
+  return out if save else (out, None)
 
 
 def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
@@ -84,7 +93,7 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
   cfg = st.cfg
   lay = _kernel_layout(q, k, v, beta)
   q2, k2, v2, beta_t = lay["q2"], lay["k2"], lay["v2"], lay["beta_t"]
-  g_cum = _gate_cumsum(st, g, gate_bias)
+  g_cum, clamp_record = _gate_cumsum(st, g, gate_bias, save)
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
   split = not cfg.is_tpu   # the GPU's state pass: recurrence, then outputs
   # Kept for the backward: M and (split pass) the entry states are written
@@ -114,7 +123,7 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
   # The GPU's reverse state kernel reads the gated queries and keys instead of
   # forming e^G and e^{G_last - G} on [C, K] tiles in its sequential loop.
   return o, ht, dict(lay, g_cum=g_cum, w=intra.w, a_qk=intra.a_qk, m=intra.m, hs=hs,
-                     v_new=v_new, qg=intra.qg, kg=intra.kg)
+                     v_new=v_new, qg=intra.qg, kg=intra.kg, clamp_record=clamp_record)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -146,6 +155,9 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
   token and head beyond the inputs, with bf16 inputs and bf16 M, states and
   V', that is 2K + 2C + 2C + 2KV/C + 2V + 4K bytes (G takes g's place):
   1792 bytes at K = V = 128, C = 64.
+  With the clamp (st.clamp_bound) the cumsum's record of where it acted is
+  kept too: int32 flags per cumsum block and an int8 mask [B, Tp, H*K] that
+  only flagged blocks wrote (`kernel_cumsum.clamped_cumsum`).
   save_residuals=False keeps only the inputs and recomputes
   everything in the backward (costing a second forward's intra and state
   kernels).
@@ -157,7 +169,8 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
     out = _forward(st, q, k, v, g, beta, gate_bias, h0, meta)
     return out, (q, k, v, g, beta, gate_bias, h0, meta, None)
   o, ht, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True)
-  saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "qg", "kg")}
+  saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "qg", "kg",
+                                      "clamp_record")}
   for name in ("m", "hs", "v_new"):
     saved[name] = saved[name].astype(st.cfg.saved_state_dtype)
   # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
@@ -193,7 +206,10 @@ def _core_bwd(st, res, cts):
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
       grad_dtype=q.dtype if same else _F32, **kw)
   if st.fused_gate_bound is None:
-    dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
+    if st.clamp_bound is None:
+      dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
+    else:
+      dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, r["clamp_record"], st.chunk_size, cfg=cfg)
     dg, dbias = dg.reshape(q.shape).astype(_F32), None
   else:
     dg, dbias = kernel_gate_cumsum.gate_cumsum_bwd(
@@ -221,7 +237,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
                      chunk_size=64, lower_bound=None, diagonal="dense", sub_chunk=16,
                      interpret=False, backend=None, block_v=None, config_overrides=None,
-                     gate_activation=None, gate_bias=None):
+                     gate_activation=None, gate_bias=None, clamp_gates=False):
   """Chunked KDA with Pallas kernels; differentiable (custom VJP).
 
   Args:
@@ -234,9 +250,9 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
     spec: the tiling (`KdaSpec`, validated when built; `chunk_kda` passes
       it), or None to take chunk_size (C), sub_chunk (L, the diagonal tile)
-      and diagonal ("dense" or "pairwise") as given. lower_bound is not
-      read here: the dense path's bound on the gates is checked by KdaSpec;
-      it is the fused gate's g_min (spec.lower_bound with spec).
+      and diagonal ("dense" or "pairwise") as given. The dense path's bound
+      on the gates is checked by KdaSpec; here lower_bound is the fused
+      gate's g_min or the clamp's bound (spec.lower_bound with spec).
       With spec, the three keyword values are not read.
     interpret: emulate the kernels on the CPU.
     backend: override of the lowering (a `kernel_config.BACKENDS` entry);
@@ -249,6 +265,11 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     gate_activation, gate_bias: the fused gate, as in `api.chunk_kda`: g is
       the pre-activation ([B, T, H, K] or [B, T, H], read in its dtype) and
       `kernel_gate_cumsum` forms lower_bound * sigmoid(g + gate_bias).
+    clamp_gates: clamp the log-decay g into [lower_bound, 0] (gradient 1
+      inside, 0 outside), as `api.chunk_kda` does for traced gates on the
+      dense diagonal; applied inside the gate-cumsum passes
+      (`kernel_cumsum.clamped_cumsum`), so it adds no pass over g. Needs a
+      lower_bound and no gate_activation.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
@@ -262,6 +283,10 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                              cu_seqlens=cu_seqlens)
   input_options.check_without_gate(gate_activation, gate_bias)
   fused = gate_activation is not None
+  if clamp_gates and (fused or lower_bound is None):
+    raise ValueError("clamp_gates needs a lower_bound and no gate_activation (an activated "
+                     f"gate is in range by construction); got lower_bound={lower_bound!r}, "
+                     f"gate_activation={gate_activation!r}")
   b, t_len, h, dk = q.shape
   if fused:
     # The pre-activation stays in its dtype, broadcast over K for a GDN gate.
@@ -277,7 +302,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   run = functools.partial(_chunk_kda_on, scale=args.scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
-                          fused_gate_bound=fused_gate_bound)
+                          fused_gate_bound=fused_gate_bound,
+                          clamp_bound=float(lower_bound) if clamp_gates else None)
   operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias)
   if backend is None:
     return platform_lowering.per_platform(run, *operands)
@@ -286,7 +312,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 
 def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                   output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                  config_overrides, fused_gate_bound):
+                  config_overrides, fused_gate_bound, clamp_bound):
   """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] (f32
   log-decay, or the fused gate's pre-activation with gate_bias [H, K]).
 
@@ -304,13 +330,13 @@ def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bia
                           scale=scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
-                          fused_gate_bound=fused_gate_bound)
+                          fused_gate_bound=fused_gate_bound, clamp_bound=clamp_bound)
   return head_pad.unpad_outputs(o, ht, dk, dv)
 
 
 def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                     output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                    config_overrides, fused_gate_bound):
+                    config_overrides, fused_gate_bound, clamp_bound):
   """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
@@ -325,7 +351,8 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
   g_pad = -jnp.inf if fused else 0.0
   varlen = cu_seqlens is not None
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
-               scale=float(scale), varlen=varlen, cfg=cfg, fused_gate_bound=fused_gate_bound)
+               scale=float(scale), varlen=varlen, cfg=cfg, fused_gate_bound=fused_gate_bound,
+               clamp_bound=clamp_bound)
   tensors = (q, k, v, g, beta)
 
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)
