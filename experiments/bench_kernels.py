@@ -215,7 +215,8 @@ def _run_jax(shapes):
       for diag in _STAGES.value:
         try:
           st = bench.stage_times_ms(*args, diagonal=diag, chunk_size=_CHUNK.value,
-                                    sub_chunk=_SUB.value, config_overrides=overrides or None)
+                                    sub_chunk=_SUB.value, config_overrides=overrides or None,
+                                    lower_bound=_LOWER_BOUND.value)
           print(f"{shape} stages pallas:{diag}: " +
                 ", ".join(f"{k} {v:.3f}" for k, v in st.items()), flush=True)
         except Exception as e:  # pylint: disable=broad-except

@@ -63,7 +63,8 @@ def main(argv):
                                    sub_chunk=_SUB.value, iters=_ITERS.value,
                                    config_overrides=bench.parse_overrides(items),
                                    interpret=_INTERPRET.value,
-                                   stages=_STAGES.value or None)
+                                   stages=_STAGES.value or None,
+                                   lower_bound=_LOWER_BOUND.value)
       rows.append((label, times))
       print(f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()), flush=True)
     except Exception as e:  # pylint: disable=broad-except

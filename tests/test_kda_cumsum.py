@@ -1,4 +1,5 @@
-"""Pallas within-chunk gate cumsum vs a float64 reference, forward and reverse.
+"""Pallas within-chunk gate cumsum vs a float64 reference, forward and reverse,
+and the clamped variant that `chunk_kda` runs on traced gates.
 
 The checks live in a mixin run twice: in interpret mode on the CPU (small
 shapes, CI) and compiled by Triton on the GPU (marker `gpu`, the benchmark
@@ -14,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.kda import input_checks
 from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda.kernel_cumsum import chunk_cumsum
 from pallas_kernels.kda.kernel_cumsum import chunk_cumsum_xla
 from pallas_kernels.kda.kernel_cumsum import default_block_f
@@ -65,6 +68,22 @@ def _assert_close(out, g, chunk, reverse):
   assert np.all(err <= bound), f"max err/bound {worst:.3f}"
 
 
+def _gates_out_of_range(seed, shape, chunk, lower_bound=-5.0):
+  """Decay gates with a few entries below the bound or above 0, in one chunk of one
+  F-block only, plus entries exactly at the bound (in range) elsewhere."""
+  g = _gates(seed, shape, "decay")
+  g = g.at[0, 3, 5].set(4 * lower_bound).at[0, 7, 6].set(0.5).at[0, 9, 5].set(jnp.inf)
+  return g.at[-1, chunk + 1, -3].set(lower_bound).at[-1, chunk + 2, -2].set(0.0)
+
+
+def _block_flags(g, chunk, block_f, lower_bound=-5.0):
+  """[B, NC, F/BF] int32: 1 where the block holds an out-of-range gate (numpy)."""
+  b, tp, f = g.shape
+  out = np.asarray(input_checks.out_of_range(g, lower_bound))
+  return out.reshape(b, tp // chunk, chunk, f // block_f, block_f).any(axis=(2, 4)).astype(
+      np.int32)
+
+
 class CumsumChecks:
   """Checks shared by the interpret and GPU twins. Subclasses set the fields."""
   backend: str
@@ -83,6 +102,44 @@ class CumsumChecks:
     g = _gates(1 + reverse, self.shape, kind)
     for block_f in self.block_fs:
       _assert_close(self._fn(self.chunk, reverse, block_f)(g), g, self.chunk, reverse)
+
+  def test_clamped_equals_clamp_then_cumsum(self):
+    """G is the plain kernel's cumsum of the clamped gates, bit for bit, with and
+    without the record; the flags mark exactly the blocks holding a clamped gate;
+    dg is the plain reverse cumsum with the clamped entries (only) zeroed."""
+    lb, c = -5.0, self.chunk
+    g = _gates_out_of_range(7, self.shape, c)
+    dg_cum = _gates(8, self.shape, "mixed")
+    cfg = _config(self.backend, c)
+    clamped = input_checks.clamp_gates(g, lb)
+    for block_f in self.block_fs:
+      fwd = jax.jit(functools.partial(kernel_cumsum.clamped_cumsum, lower_bound=lb,
+                                      chunk_size=c, cfg=cfg, block_f=block_f, with_record=True))
+      g_cum, record = fwd(g)
+      plain = self._fn(c, False, block_f)(clamped)
+      np.testing.assert_array_equal(np.asarray(g_cum), np.asarray(plain))
+      np.testing.assert_array_equal(np.asarray(kernel_cumsum.clamped_cumsum(
+          g, lb, c, cfg=cfg, block_f=block_f)), np.asarray(plain))
+      bf = block_f or default_block_f(self.shape[2])
+      np.testing.assert_array_equal(np.asarray(record[0]), _block_flags(g, c, bf))
+      dg = jax.jit(functools.partial(kernel_cumsum.clamped_cumsum_bwd, chunk_size=c, cfg=cfg,
+                                     block_f=block_f))(dg_cum, record)
+      want = np.where(np.asarray(input_checks.out_of_range(g, lb)), 0.0,
+                      np.asarray(self._fn(c, True, block_f)(dg_cum)))
+      np.testing.assert_array_equal(np.asarray(dg), want)
+      assert np.asarray(dg)[-1, c + 1, -3] != 0  # at the bound: in range, gradient kept
+
+  def test_clamped_backward_reads_the_mask_only_where_flagged(self):
+    """A mask of ones under zero flags changes nothing: unflagged blocks never load it
+    (so the forward need not write it there)."""
+    c = self.chunk
+    dg_cum = _gates(9, self.shape, "mixed")
+    cfg = _config(self.backend, c)
+    b, tp, f = self.shape
+    flags = jnp.zeros((b, tp // c, f // default_block_f(f)), jnp.int32)
+    ones = jnp.ones(self.shape, jnp.int8)
+    dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, (flags, ones), c, cfg=cfg)
+    np.testing.assert_array_equal(np.asarray(dg), np.asarray(self._fn(c, True)(dg_cum)))
 
 
 class TestChunkCumsumInterpret(CumsumChecks):
@@ -138,6 +195,27 @@ class TestChunkCumsumInterpret(CumsumChecks):
     text = exported.mlir_module()
     assert f"@{target}" in text and 'name = "kda_chunk_cumsum"' in text
     assert "num_warps = 4" in text
+
+  def test_tpu_backend_clamps_in_xla(self):
+    g = _gates_out_of_range(10, self.shape, self.chunk)
+    dg_cum = _gates(11, self.shape, "mixed")
+    cfg = _config("tpu_interpret", self.chunk)
+    g_cum, record = kernel_cumsum.clamped_cumsum(g, -5.0, self.chunk, cfg=cfg, with_record=True)
+    want = chunk_cumsum_xla(input_checks.clamp_gates(g, -5.0), self.chunk)
+    np.testing.assert_array_equal(np.asarray(g_cum), np.asarray(want))
+    dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, record, self.chunk, cfg=cfg)
+    want = np.where(np.asarray(input_checks.out_of_range(g, -5.0)), 0.0,
+                    np.asarray(chunk_cumsum_xla(dg_cum, self.chunk, reverse=True)))
+    np.testing.assert_array_equal(np.asarray(dg), want)
+
+  def test_clamped_rejects_bad_inputs(self):
+    cfg = _config("interpret", 32)
+    g = jnp.zeros((1, 64, 32), jnp.float32)
+    with pytest.raises(ValueError, match="lower_bound must be a negative python float"):
+      kernel_cumsum.clamped_cumsum(g, 0.0, 32, cfg=cfg)
+    _, record = kernel_cumsum.clamped_cumsum(g, -5.0, 32, cfg=cfg, with_record=True)
+    with pytest.raises(ValueError, match="record shapes"):
+      kernel_cumsum.clamped_cumsum_bwd(g, record, 32, cfg=cfg, block_f=16)
 
   def test_rejects_bad_inputs(self):
     cfg = _config("interpret", 32)

@@ -57,6 +57,10 @@ def test_exports_for_cuda(dk, dv):
         *args).mlir_module()
   # Forward: cumsum, intra, recurrence, output; backward: state, two intra, cumsum.
   assert text.count("@__gpu$xla.gpu.triton") == 8
+  # The clamp of the traced gates runs inside the two cumsum kernels: no XLA
+  # select passes over the f32 gate or its gradient.
+  assert 'name = "kda_clamped_cumsum"' in text and 'name = "kda_clamped_cumsum_bwd"' in text
+  assert "stablehlo.select" not in text
   assert "tpu_custom_call" not in text
   # T is a multiple of C: only non-kernel head widths are padded.
   assert ("stablehlo.pad" in text) == ((dk, dv) != (128, 128))

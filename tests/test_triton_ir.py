@@ -9,8 +9,10 @@ def test_captures_every_kernel_of_the_training_step(tmp_path):
   entries = triton_ir.lower_kernels(str(tmp_path), (1, 128, 2, 64),
                                          overrides={"num_warps": (("intra_bwd_k", 8),)})
   names = [e["name"] for e in entries]
-  assert names == ["kda_chunk_cumsum", "kda_intra_fwd", "kda_state_rec", "kda_output_fwd",
-                   "kda_state_bwd", "kda_intra_bwd_cc", "kda_intra_bwd_k", "kda_chunk_cumsum"]
+  # The dense path clamps the traced gates inside its two cumsum kernels.
+  assert names == ["kda_clamped_cumsum", "kda_intra_fwd", "kda_state_rec", "kda_output_fwd",
+                   "kda_state_bwd", "kda_intra_bwd_cc", "kda_intra_bwd_k",
+                   "kda_clamped_cumsum_bwd"]
   warps = {e["name"]: e["num_warps"] for e in entries}
   assert warps["kda_intra_bwd_k"] == 8          # the override
   assert warps["kda_intra_bwd_cc"] == 4         # a default

@@ -20,7 +20,6 @@ from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import kernel_state_bwd
 from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
-from pallas_kernels.kda import pallas_op
 from pallas_kernels import timing
 
 
@@ -63,20 +62,15 @@ def pipelined_ms(fn, *args, iters=20, rounds=5, warmup=3):
 
 def kda_fn(implementation, diagonal, *, chunk_size=64, sub_chunk=16, lower_bound=-5.0,
            backward=False, config_overrides=None):
-  """Jitted forward (or forward+backward) of `api.chunk_kda`.
+  """Jitted forward (or forward+backward) of `api.chunk_kda`, as a caller runs it
+  (g traced, so the dense path clamps it inside the gate-cumsum kernels).
 
-  config_overrides: KernelConfig fields for the pallas path (then called
-  directly, g must be [B, T, H, K]).
+  config_overrides: KernelConfig fields for the pallas path.
   """
   def fwd(q, k, v, g, beta):
-    if implementation == "pallas" and config_overrides:
-      o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
-                                        chunk_size=chunk_size, sub_chunk=sub_chunk,
-                                        diagonal=diagonal, config_overrides=config_overrides)
-      return o
     o, _ = api.chunk_kda(q, k, v, g, beta, chunk_size=chunk_size, sub_chunk=sub_chunk,
                          lower_bound=lower_bound, diagonal=diagonal,
-                         implementation=implementation)
+                         implementation=implementation, config_overrides=config_overrides)
     return o
 
   if not backward:
@@ -136,11 +130,12 @@ def roofline_ms(cost, ceil: Ceilings):
 
 
 def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, iters=10,
-                   config_overrides=None, interpret=False, stages=None):
+                   config_overrides=None, interpret=False, stages=None, lower_bound=-5.0):
   """Per-kernel times (ms) of the Pallas path on the current backend.
 
-  Stages: the g cumsum (`kernel_cumsum`; cumsum_xla is XLA's, for
-  comparison), intra_fwd, state_fwd, the training forward's variants
+  Stages: the g cumsum (`kernel_cumsum`; on the dense diagonal the clamped
+  one, with `lower_bound`, as `chunk_kda` runs traced gates; cumsum_xla is
+  XLA's plain one, for comparison), intra_fwd, state_fwd, the training forward's variants
   (intra_fwd with M, state_fwd saving the entry states and V'), state_bwd,
   intra_bwd, when the split backward runs its two kernels alone
   (intra_bwd_cc, intra_bwd_k), and the reverse cumsum giving dg
@@ -181,8 +176,16 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
           jnp.zeros((nc,), jnp.int32))
   h0 = jnp.zeros((b, h, dk, dv), jnp.float32)
   kw = dict(heads=h, chunk_size=c, scale=scale, cfg=cfg)
-  cums = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, cfg=cfg))
-  cums_rev = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, reverse=True, cfg=cfg))
+  if diagonal == "dense":
+    # As chunk_kda runs a traced gate: clamped inside the cumsum passes (the
+    # backward's pass reads the record the training forward writes).
+    lb = float(lower_bound)
+    cums = jax.jit(lambda x: kernel_cumsum.clamped_cumsum(x, lb, c, cfg=cfg))
+    record = kernel_cumsum.clamped_cumsum(g2, lb, c, cfg=cfg, with_record=True)[1]
+    cums_rev = jax.jit(lambda x: kernel_cumsum.clamped_cumsum_bwd(x, record, c, cfg=cfg))
+  else:
+    cums = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, cfg=cfg))
+    cums_rev = jax.jit(lambda x: kernel_cumsum.chunk_cumsum(x, c, reverse=True, cfg=cfg))
   cums_xla = jax.jit(lambda x: kernel_cumsum.chunk_cumsum_xla(x, c))
   g_cum = cums(g2)
   split_state = not cfg.is_tpu

@@ -139,12 +139,12 @@ def clamped_cumsum_bwd_xla(dg_cum_btf, record, chunk_size: int):
 
 def _clamped_cumsum_kernel(g_ref, o_ref, *record_refs, lower_bound: float):
   g = g_ref[...]
-  outside = out_of_range(g, lower_bound)
   o_ref[...] = jnp.cumsum(clamp_gates(g, lower_bound), axis=0)
   if record_refs:
     flag_ref, mask_ref = record_refs
     # One axis at a time: the Triton lowering's multi-axis reduction fails
     # under an abstract mesh (jax.export for CUDA from a CPU host).
+    outside = out_of_range(g, lower_bound)
     hit = jnp.max(jnp.max(outside.astype(jnp.int32), axis=0), axis=0)
     flag_ref[...] = hit
 
@@ -157,8 +157,15 @@ def _clamped_reverse_kernel(x_ref, flag_ref, mask_ref, o_ref):
   x = x_ref[...]
   # Suffix sum as in _cumsum_kernel; the mask is loaded only where flagged.
   dg = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
-  o_ref[...] = jax.lax.cond(flag_ref[...] != 0,
-                            lambda: jnp.where(mask_ref[...] != 0, 0.0, dg), lambda: dg)
+  flagged = flag_ref[...] != 0
+
+  @pl.when(jnp.logical_not(flagged))
+  def _():
+    o_ref[...] = dg
+
+  @pl.when(flagged)
+  def _():
+    o_ref[...] = jnp.where(mask_ref[...] != 0, 0.0, dg)
 
 
 def _block_specs(f: int, chunk_size: int, block_f: int | None):

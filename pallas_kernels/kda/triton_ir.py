@@ -32,6 +32,9 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
                   overrides: dict | None = None, fused_gate: bool = False) -> list[dict]:
   """Lowers the bf16 forward+VJP for CUDA (sm_90) and writes each kernel's Triton IR.
 
+  The kernels are those `api.chunk_kda` runs on a traced gate: on the dense
+  diagonal, the clamped gate cumsums (`kernel_cumsum.clamped_cumsum`).
+
   Args:
     out_dir: folder for `NN_<kernel>.ttir` files and `kernels.json`.
     shape: (B, T, H, D) with K = V = D.
@@ -48,12 +51,15 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
   with capture_cuda_lowering() as (modules, params):
     b, t, h, d = shape
 
-    gate = dict(gate_activation="bounded_sigmoid", lower_bound=-5.0) if fused_gate else {}
+    gate = dict(lower_bound=-5.0, **(dict(gate_activation="bounded_sigmoid") if fused_gate else {}))
 
     def loss(q, k, v, g, beta, *bias):
+      # As `api.chunk_kda` runs a traced gate: the dense path clamps it inside the cumsums.
       o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, scale=d ** -0.5, backend="triton",
                                         diagonal=diagonal, config_overrides=overrides,
-                                        gate_bias=bias[0] if bias else None, **gate)
+                                        gate_bias=bias[0] if bias else None,
+                                        clamp_gates=diagonal == "dense" and not fused_gate,
+                                        **gate)
       return jnp.sum(o.astype(jnp.float32) ** 2)
 
     qkv = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
