@@ -87,7 +87,8 @@ class GateCumsumChecks:
     # few roundings of the sigmoid and products per term.
     c = self.chunk
     assert np.all(np.abs(g_cum - ref["g_cum"]) <= (c + 8) * eps * ref["g_mass"] + 1e-30)
-    out_eps = np.finfo(raw_dtype).eps if raw_dtype != jnp.float32 else 0.0
+    # jnp.finfo: numpy's finfo knows bfloat16 only with a recent ml_dtypes (not the GPU image's).
+    out_eps = float(jnp.finfo(raw_dtype).eps) if raw_dtype != jnp.float32 else 0.0
     draw_bound = (2 * c + 16) * eps * ref["draw_mass"] + out_eps * np.abs(ref["draw"])
     assert np.all(np.abs(draw - ref["draw"]) <= draw_bound + 1e-30)
     n_terms = self.shape[0] * self.shape[1]
