@@ -49,6 +49,15 @@ def default_block_f(f: int) -> int:
   return min(_MAX_BLOCK_F, f & -f)
 
 
+def block_width(f: int, block_f: int | None) -> int:
+  """A program's F-width: `block_f` checked (a power of two dividing F), or the default."""
+  if block_f is None:
+    return default_block_f(f)
+  if not isinstance(block_f, int) or not is_pow2(block_f) or f % block_f:
+    raise ValueError(f"block_f must be a power of two dividing F={f}, got {block_f!r}")
+  return block_f
+
+
 def chunk_cumsum_xla(g_btf, chunk_size: int, *, reverse: bool = False):
   """Within-chunk (reverse) cumsum along T in XLA.
 
@@ -103,10 +112,7 @@ def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelCo
   """
   _check(g_btf, chunk_size)
   b, tp, f = g_btf.shape
-  if block_f is None:
-    block_f = default_block_f(f)
-  if not isinstance(block_f, int) or not is_pow2(block_f) or f % block_f:
-    raise ValueError(f"block_f must be a power of two dividing F={f}, got {block_f!r}")
+  block_f = block_width(f, block_f)
   if cfg.is_tpu:
     return chunk_cumsum_xla(g_btf, chunk_size, reverse=reverse)
   spec = pl.BlockSpec((None, chunk_size, block_f), lambda i, j, k: (i, j, k))
@@ -169,10 +175,8 @@ def _clamped_reverse_kernel(x_ref, flag_ref, mask_ref, o_ref):
 
 
 def _block_specs(f: int, chunk_size: int, block_f: int | None):
-  if block_f is None:
-    block_f = default_block_f(f)
-  if not isinstance(block_f, int) or not is_pow2(block_f) or f % block_f:
-    raise ValueError(f"block_f must be a power of two dividing F={f}, got {block_f!r}")
+  """(block_f, the [C, BF] tile's BlockSpec, the per-program flag's)."""
+  block_f = block_width(f, block_f)
   tile = pl.BlockSpec((None, chunk_size, block_f), lambda i, j, k: (i, j, k))
   flag = pl.BlockSpec((None, None, None), lambda i, j, k: (i, j, k))
   return block_f, tile, flag

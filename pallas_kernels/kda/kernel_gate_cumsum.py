@@ -104,14 +104,6 @@ def _bwd_kernel(dg_cum_ref, raw_ref, bias_ref, draw_ref, dbias_ref, *, lower_bou
   dbias_ref[...] = jnp.sum(draw, axis=0)
 
 
-def _block_f(f: int, block_f: int | None) -> int:
-  if block_f is None:
-    return kernel_cumsum.default_block_f(f)
-  if not isinstance(block_f, int) or not is_pow2(block_f) or f % block_f:
-    raise ValueError(f"block_f must be a power of two dividing F={f}, got {block_f!r}")
-  return block_f
-
-
 def gate_cumsum(raw_btf, bias_f, lower_bound: float, chunk_size: int, *, cfg: KernelConfig,
                 block_f: int | None = None):
   """G = within-chunk cumsum of lower_bound * sigmoid(raw + bias), one pass.
@@ -129,7 +121,7 @@ def gate_cumsum(raw_btf, bias_f, lower_bound: float, chunk_size: int, *, cfg: Ke
   """
   _check(raw_btf, bias_f, lower_bound, chunk_size)
   b, tp, f = raw_btf.shape
-  block_f = _block_f(f, block_f)
+  block_f = kernel_cumsum.block_width(f, block_f)
   if cfg.is_tpu:
     return gate_cumsum_xla(raw_btf, bias_f, lower_bound, chunk_size)
   tile = pl.BlockSpec((None, chunk_size, block_f), lambda i, j, k: (i, j, k))
@@ -161,7 +153,7 @@ def gate_cumsum_bwd(dg_cum_btf, raw_btf, bias_f, lower_bound: float, chunk_size:
     raise ValueError(f"dg_cum_btf must be float32 of raw's shape {raw_btf.shape}, got "
                      f"{dg_cum_btf.shape} {dg_cum_btf.dtype}")
   b, tp, f = raw_btf.shape
-  block_f = _block_f(f, block_f)
+  block_f = kernel_cumsum.block_width(f, block_f)
   if cfg.is_tpu:
     return gate_cumsum_bwd_xla(dg_cum_btf, raw_btf, bias_f, lower_bound, chunk_size)
   nc = tp // chunk_size
