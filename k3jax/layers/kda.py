@@ -180,18 +180,11 @@ class KDA(nnx.Module):
     return proj(self.wq), proj(self.wk), proj(self.wv)
 
   def _gate_preactivation(self, x_btd):
-    """z = x W_fa W_fb [B, T, H, K] float32 (before the bias) and beta [B, T, H] float32.
-
-    Full float32 products (Precision.HIGHEST): the log-decays add up over the
-    state's memory, so their rounding compounds, and at the default precision
-    the GPU takes TF32 for the matrix products of a long sequence but full
-    float32 for a decoding step's vector products, so the two disagreed.
-    """
+    """z = x W_fa W_fb [B, T, H, K] float32 (before the bias) and beta [B, T, H] float32."""
     x = x_btd.astype(jnp.float32)
-    mm = lambda spec, a, w: jnp.einsum(spec, a, w[...].astype(jnp.float32),
-                                       precision=jax.lax.Precision.HIGHEST)
-    z = mm("btr,rhk->bthk", mm("btd,dr->btr", x, self.wf_a), self.wf_b)
-    beta = jax.nn.sigmoid(mm("btd,dh->bth", x, self.wb))
+    z = jnp.einsum("btd,dr->btr", x, self.wf_a[...].astype(jnp.float32))
+    z = jnp.einsum("btr,rhk->bthk", z, self.wf_b[...].astype(jnp.float32))
+    beta = jax.nn.sigmoid(jnp.einsum("btd,dh->bth", x, self.wb[...].astype(jnp.float32)))
     return z, beta
 
   def _gates(self, x_btd):
