@@ -20,7 +20,6 @@ steps it with `pallas_kernels.kda.decode.kda_decode_step`
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,35 +36,17 @@ from pallas_kernels.kda import spec as kda_spec
 
 
 def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array) -> jax.Array:
-  """y[t] = sum_j w[j] * x[t - (W - 1) + j], zeros before the start, in float32.
+  """y[t] = sum_j w[j] * x[t - (W - 1) + j], zeros before the start.
 
-  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K] float32.
+  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K].
   """
   width = w_whk.shape[0]
   t = x_bthk.shape[1]
   xp = jnp.pad(x_bthk, ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
-  y = jnp.zeros(x_bthk.shape, jnp.float32)
+  y = jnp.zeros_like(x_bthk)
   for j in range(width):
-    y = y + xp[:, j:j + t].astype(jnp.float32) * w_whk[j].astype(jnp.float32)
+    y = y + xp[:, j:j + t] * w_whk[j].astype(x_bthk.dtype)
   return y
-
-
-@functools.partial(jax.checkpoint, static_argnums=(2,))
-def conv_activation(x_bthk: jax.Array, w_whk: jax.Array, unit_norm: bool) -> jax.Array:
-  """silu(causal_depthwise_conv(x)), L2-normalised over K if `unit_norm`, in x's dtype.
-
-  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K].
-
-  The whole chain runs in float32 and is rounded once, at the end. With bf16
-  steps in between, XLA keeps or drops each intermediate rounding depending on
-  how it fuses the program, so the full pass, a prefill and a decode step
-  rounded the same row differently (q and k disagreed by one bf16 ulp in most
-  channels), and decoding drifted from the full forward by that much per
-  layer. Under `jax.checkpoint` the backward recomputes the chain from x
-  instead of keeping its float32 intermediates.
-  """
-  y = jax.nn.silu(causal_depthwise_conv(x_bthk, w_whk))
-  return (l2_norm(y) if unit_norm else y).astype(x_bthk.dtype)
 
 
 def _conv_tail(x_bthk: jax.Array, width: int) -> jax.Array:
@@ -197,17 +178,17 @@ class KDA(nnx.Module):
                               self.f_bias[...].astype(jnp.float32))
     return g.astype(jnp.float32), beta
 
-  def _output(self, x_btd, o_bthv):
-    """Per-head RMS norm, sigmoid output gate, output projection -> [B, T, D].
+  def _activate(self, q, k, v):
+    """SiLU after the conv, unit-norm q and k."""
+    q, k, v = jax.nn.silu(q), jax.nn.silu(k), jax.nn.silu(v)
+    return l2_norm(q), l2_norm(k), v
 
-    The gate's logits stay float32 up to the one rounding of o * gate, for the
-    reason given in `conv_activation`.
-    """
+  def _output(self, x_btd, o_bthv):
+    """Per-head RMS norm, sigmoid output gate, output projection -> [B, T, D]."""
     x = x_btd.astype(self.dtype)
-    og = jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.w_og[...].astype(self.dtype),
-                                   preferred_element_type=jnp.float32))
+    og = jax.nn.sigmoid(jnp.einsum("btd,dhk->bthk", x, self.w_og[...].astype(self.dtype)))
     o = rms_norm(o_bthv.astype(jnp.float32)) * self.o_norm[...].astype(jnp.float32)
-    o = (o * og).astype(self.dtype)
+    o = (o * og.astype(jnp.float32)).astype(self.dtype)
     return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(self.dtype))
 
   @property
@@ -267,9 +248,10 @@ class KDA(nnx.Module):
   def _forward(self, x_btd, *, with_cache):
     self._check(x_btd)
     qp, kp, vp = self._project(x_btd)
-    q = conv_activation(qp, self.conv_q[...], True)
-    k = conv_activation(kp, self.conv_k[...], True)
-    v = conv_activation(vp, self.conv_v[...], False)
+    q = causal_depthwise_conv(qp, self.conv_q[...])
+    k = causal_depthwise_conv(kp, self.conv_k[...])
+    v = causal_depthwise_conv(vp, self.conv_v[...])
+    q, k, v = self._activate(q, k, v)
     g_in, gate_bias, beta, stats = self._kernel_gates(x_btd)
     o, state = self._kernel(q, k, v, g_in, beta, output_final_state=with_cache,
                             gate_bias=gate_bias)
@@ -303,13 +285,13 @@ class KDA(nnx.Module):
     new_cache = {}
     acts = []
     keep = self.conv_size - 1
-    for name, xp, w, unit in (("conv_q", qp, self.conv_q, True), ("conv_k", kp, self.conv_k, True),
-                              ("conv_v", vp, self.conv_v, False)):
+    for name, xp, w in (("conv_q", qp, self.conv_q), ("conv_k", kp, self.conv_k),
+                        ("conv_v", vp, self.conv_v)):
       window = jnp.concatenate([cache[name].astype(xp.dtype), xp], axis=1)  # [B, W-1+T, H, K]
       # The same conv as the full pass; its first W-1 outputs see the zero padding.
-      acts.append(conv_activation(window, w[...], unit)[:, keep:])
+      acts.append(causal_depthwise_conv(window, w[...])[:, keep:])
       new_cache[name] = window[:, t_new:]
-    q, k, v = acts
+    q, k, v = self._activate(*acts)
     g, beta = self._gates(x_btd)
     impl = kda_decode.resolve_decode(self.decode_implementation)
     o, state = kda_decode.kda_decode_step(
