@@ -107,7 +107,7 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
   if spec.implementation == "naive":
     return reference.naive_recurrent_kda(q, k, v, g, beta, **kwargs)
   if spec.implementation == "xla":
-    if clamp:  # one elementwise op that XLA fuses into the chunked form's first reads
+    if clamp:  # elementwise in the same XLA program as the chunked form
       g = input_checks.clamp_gates(g, spec.lower_bound)
     return reference.chunk_kda_xla(q, k, v, g, beta, spec=spec, **kwargs)
   # The kernels clamp inside the gate cumsum, which reads g anyway: a clamp
