@@ -272,14 +272,34 @@ def test_gpu_decode_after_a_prefill_matches_the_full_forward_f32(model):
   assert out["logits_rel_max"] < 1e-5 and max(out["cache_rel_max"].values()) < 1e-5, out
 
 
+def test_decode_accuracy_of_a_float32_model_against_its_twin_is_rounding():
+  m = _model(num_layers=3, layer_pattern="KKA")
+  twin = lc.float32_twin(m)
+  assert twin.config.kda_implementation == "naive" and twin.config.dtype == "float32"
+  out = lc.decode_accuracy(m, twin, _tokens(1, 80, 9), 60, window=8)
+  assert out["num_new"] == 20 and set(out["cache"]) == {"kda_state", "kda_conv", "attn_kv"}
+  errors = [out[k] for k in ("full_rel_max", "decoded_rel_max", "decoded_first", "decoded_last")]
+  errors += [e for kind in out["cache"].values() for e in kind.values()]
+  assert max(errors) < 1e-5 and out["full_argmax"] == out["decoded_argmax"] == 1.0, out
+  with pytest.raises(ValueError, match="window=30 must lie in"):
+    lc.decode_accuracy(m, twin, _tokens(1, 80, 9), 60, window=30)
+
+
 @pytest.mark.gpu
-def test_gpu_decode_after_a_32k_prefill_stays_within_bf16():
+def test_gpu_decode_after_a_32k_prefill_is_as_accurate_as_the_full_pass():
   # The GPU model path: bf16 compute, Pallas chunked KDA, cuDNN attention; 32k prompt + 256 decoded.
+  # Decode and full pass are each measured against the float32 twin: two bf16 evaluations each
+  # 0.03-0.04 of the largest logit from it differ from each other by as much (docs/benchmarks.md,
+  # "GPU tier"), so their difference bounds neither. The 1.25 allows for the spread of a maximum
+  # over a few thousand rounding errors between two evaluations.
   m = _model(d_model=128, num_heads=2, head_dim=64, num_kv_heads=2, kda_chunk_size=64,
              kda_implementation="pallas", dtype="bfloat16", num_layers=4, layer_pattern="KKKA")
-  out = lc.decode_consistency(m, _tokens(1, 32768 + 256, 7), 32768)
-  assert out["logits_rel_max"] < 3e-2 and out["argmax_agreement"] >= 0.98, out
-  assert max(out["cache_rel_max"].values()) < 3e-2, out["cache_rel_max"]
+  out = lc.decode_accuracy(m, lc.float32_twin(m), _tokens(1, 32768 + 256, 7), 32768, window=64)
+  assert out["decoded_rel_max"] <= 1.25 * out["full_rel_max"], out
+  assert out["decoded_last"] <= 1.25 * out["decoded_first"], out    # no drift over the decode
+  assert out["decoded_argmax"] >= out["full_argmax"] - 0.02, out
+  for kind, err in out["cache"].items():
+    assert err["decoded"] <= 1.25 * err["prefill"], (kind, out)
 
 
 @pytest.mark.gpu

@@ -10,12 +10,15 @@
   the queries (`evaluate.mqar_with_gap`);
 * `decode_consistency`: prefill P tokens, decode N more, and compare logits and
   caches with the full forward of the whole sequence;
+* `decode_accuracy`: the same decode and full forward of a reduced-precision
+  model, each measured against its float32 twin (`float32_twin`);
 * `evaluate_run`: all of the above for one run directory (its data kind
   decides text or MQAR);
 * `render_long_tables`: the results-page tables of a "long" sweep summary.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -226,6 +229,22 @@ def _decode_vs_full(graphdef, state, tokens_bt, *, prefill_len):
           "cache": decoded_cache, "ref_cache": ref_cache}
 
 
+def _cache_kind(name: str) -> str | None:
+  return ("kda_state" if name == "state" else "kda_conv" if name.startswith("conv")
+          else "attn_kv" if name in ("k", "v") else None)
+
+
+def _cache_rel_max(caches, ref_caches) -> dict[str, float]:
+  """{kind: max over layers of `_rel_max`} of two per-layer cache lists (kinds as `_cache_kind`)."""
+  diff: dict[str, float] = {}
+  for layer, ref in zip(caches, ref_caches):
+    for name, value in layer.items():
+      kind = _cache_kind(name)
+      if kind is not None:
+        diff[kind] = max(diff.get(kind, 0.0), _rel_max(value, ref[name]))
+  return diff
+
+
 def _rel_max(a, b) -> float:
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
@@ -263,19 +282,91 @@ def decode_consistency(model, tokens_bt, prefill_len: int) -> dict[str, Any]:
   graphdef, state = nnx.split(model)
   out = jax.device_get(_decode_vs_full(graphdef, state, tokens, prefill_len=int(prefill_len)))
   full = out["full"]
-  cache_diff: dict[str, float] = {}
-  for layer, ref in zip(out["cache"], out["ref_cache"]):
-    for name, value in layer.items():
-      kind = ("kda_state" if name == "state" else "kda_conv" if name.startswith("conv")
-              else "attn_kv" if name in ("k", "v") else None)
-      if kind is None:
-        continue
-      cache_diff[kind] = max(cache_diff.get(kind, 0.0), _rel_max(value, ref[name]))
+  cache_diff = _cache_rel_max(out["cache"], out["ref_cache"])
   return {"prefill_len": int(prefill_len), "num_new": int(t - prefill_len),
           "logits_rel_max": _rel_max(out["decoded"], full[:, 1:]),
           "prefill_rel_max": _rel_max(out["prefill_last"], full[:, 0]),
           "argmax_agreement": float(np.mean(out["decoded"].argmax(-1) == full[:, 1:].argmax(-1))),
           "max_abs_logit": float(np.max(np.abs(full))), "cache_rel_max": cache_diff}
+
+
+def float32_twin(model):
+  """A float32 copy of `model` whose KDA layers run the naive token loop (same variables).
+
+  The reference `decode_accuracy` measures a bf16 model against; evaluate it under
+  `jax.default_matmul_precision("highest")` (decode_accuracy does), so no matmul takes TF32.
+  """
+  config = dataclasses.replace(model.config, dtype="float32", kda_implementation="naive")
+  twin = type(model)(config, rngs=nnx.Rngs(0))
+  nnx.update(twin, nnx.state(model))
+  return twin
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "prefill_len"))
+def _full_and_cache(graphdef, state, tokens_bt, *, prefill_len):
+  model = nnx.merge(graphdef, state)
+  full = model.head_logits(model.features(tokens_bt)[:, prefill_len - 1:])  # [B, N + 1, V]
+  return full, model.prefill(tokens_bt, tokens_bt.shape[1])[1]
+
+
+def decode_accuracy(model, reference, tokens_bt, prefill_len: int, *,
+                    window: int = 64) -> dict[str, Any]:
+  """How far `model`'s decode and its full forward each lie from `reference`'s full forward.
+
+  `decode_consistency` compares two evaluations of one model. In bf16 each
+  carries the model's own rounding error, 0.03-0.04 of the largest logit for
+  a random 4-layer model at 32k tokens (docs/benchmarks.md, "GPU tier"), so
+  their difference can exceed either error and bounds neither. Measured
+  against a float32 evaluation of the same variables (`float32_twin`),
+  decoding adds no error of its own when its error is the full pass's, and
+  does not drift when its error does not grow over the decoded tokens.
+
+  Args:
+    model: HybridLM (e.g. bf16 compute, the Pallas KDA kernels).
+    reference: the same variables evaluated exactly enough (`float32_twin(model)`);
+      run here under `jax.default_matmul_precision("highest")`.
+    tokens_bt: [B, P + N] int; the first P are the prompt, the next N are decoded.
+    prefill_len: P in [1, T - 1].
+    window: positions in each of the first and last windows of the decode.
+
+  Returns:
+    {"prefill_len", "num_new", "max_abs_logit" (of the reference),
+     "full_rel_max" / "decoded_rel_max": max |x - ref| over the N decoded
+     positions / max |ref|, for the model's full forward and its decode;
+     "decoded_first" / "decoded_last": the decode's over its first and last
+     `window` positions; "full_argmax" / "decoded_argmax": share of the N
+     positions whose argmax is the reference's; "cache": {kind: {"decoded",
+     "prefill"}}: the max relative difference from the reference's prefill of
+     all P + N tokens, of the caches after decoding and of the model's own
+     prefill of all P + N tokens (kinds as in `decode_consistency`)}.
+  """
+  tokens = jnp.asarray(tokens_bt)
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+  t = tokens.shape[1]
+  if not 1 <= prefill_len < t:
+    raise ValueError(f"prefill_len={prefill_len} must lie in [1, T - 1 = {t - 1}]; "
+                     "T - prefill_len tokens are decoded")
+  if not 1 <= window <= t - prefill_len:
+    raise ValueError(f"window={window} must lie in [1, N = {t - prefill_len}] (N decoded tokens)")
+  out = jax.device_get(_decode_vs_full(*nnx.split(model), tokens, prefill_len=int(prefill_len)))
+  with jax.default_matmul_precision("highest"):
+    ref, ref_cache = jax.device_get(_full_and_cache(*nnx.split(reference), tokens,
+                                                    prefill_len=int(prefill_len)))
+  ref, full, decoded = ref[:, 1:], out["full"][:, 1:], out["decoded"]
+  scale = max(float(np.max(np.abs(ref))), 1e-30)
+  err = lambda x, part=slice(None): float(np.max(np.abs(
+      np.asarray(x[:, part], np.float64) - np.asarray(ref[:, part], np.float64)))) / scale
+  argmax = lambda x: float(np.mean(np.asarray(x).argmax(-1) == np.asarray(ref).argmax(-1)))
+  decoded_caches = _cache_rel_max(out["cache"], ref_cache)
+  prefill_caches = _cache_rel_max(out["ref_cache"], ref_cache)
+  return {"prefill_len": int(prefill_len), "num_new": int(t - prefill_len), "max_abs_logit": scale,
+          "full_rel_max": err(full), "decoded_rel_max": err(decoded),
+          "decoded_first": err(decoded, slice(0, window)),
+          "decoded_last": err(decoded, slice(-window, None)),
+          "full_argmax": argmax(full), "decoded_argmax": argmax(decoded),
+          "cache": {kind: {"decoded": decoded_caches[kind], "prefill": prefill_caches[kind]}
+                    for kind in decoded_caches}}
 
 
 # -- one run directory -----------------------------------------------------------------

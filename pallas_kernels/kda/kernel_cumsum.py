@@ -9,6 +9,16 @@ Tp = NC * C.
 (B, NC, F/BF), all parallel: one read and one write of every element. On TPU
 it returns `chunk_cumsum_xla`, since Mosaic has no cumsum lowering.
 
+Every GPU kernel here (and in `kernel_gate_cumsum`) sums the block's rows one
+[1, BF] row at a time (`scan_rows`): each thread keeps its columns' running
+sum in registers, so nothing crosses threads. A scan over the rows of the
+whole [C, BF] tile (`jnp.cumsum(axis=0)`, Triton's tl.cumsum) spreads the rows
+over warps and exchanges partial sums through shared memory; with the clamp's
+flag reduction on top it took 240 registers and ran at 2.0 TB/s on the H200,
+where the row scan runs at the copy rate (docs/benchmarks.md, "Gate cumsum
+kernels"). The sums are sequential in row order, as numpy's cumsum, and the
+reverse one is a true suffix sum.
+
 `clamped_cumsum` and `clamped_cumsum_bwd` are the same passes with
 `chunk_kda`'s safety clamp of traced gates folded in: G is the cumsum of g
 clamped into [lower_bound, 0], and dg is zero where g lay outside that range
@@ -30,7 +40,10 @@ from pallas_kernels.kda.input_checks import clamp_gates, out_of_range
 from pallas_kernels.kda.kernel_config import KernelConfig, is_pow2
 
 _F32 = jnp.float32
-_MAX_BLOCK_F = 128
+# Widest block: at 256 columns and 4 warps each thread loads two floats per row.
+_MAX_BLOCK_F = 256
+# Rows loaded before the first of them is stored (see `scan_rows`).
+ROW_GROUP = 8
 
 
 def _check(g_btf, chunk_size: int) -> None:
@@ -45,7 +58,7 @@ def _check(g_btf, chunk_size: int) -> None:
 
 
 def default_block_f(f: int) -> int:
-  """The largest power of two dividing F, at most 128 (min(F, 128) for F = 2^n)."""
+  """The largest power of two dividing F, at most 256 (min(F, 256) for F = 2^n)."""
   return min(_MAX_BLOCK_F, f & -f)
 
 
@@ -75,17 +88,71 @@ def chunk_cumsum_xla(g_btf, chunk_size: int, *, reverse: bool = False):
   return jax.lax.cumsum(g, axis=2, reverse=reverse).reshape(b, tp, f)
 
 
+def scan_rows(num_rows: int, width: int, load_row, store_row, *, reverse: bool = False,
+              carry=None):
+  """Running sum over a block's rows, one [1, BF] row at a time (in a Pallas kernel).
+
+  For r in row order (reversed with `reverse`): acc += x_r, then
+  carry = `store_row(r, acc, extra_r, carry)`, where `(x_r, extra_r) =
+  load_row(r)`; x_r is the row's f32 summand and extra_r whatever else the
+  store needs from row r. A loop over groups of ROW_GROUP rows, each group
+  loaded before any of its rows is stored: a load may not move past a store to
+  another ref (the compiler cannot tell they do not alias), so loading each row
+  just before its sum would leave one load per thread in flight. The loop (not
+  a Python unroll of all C rows) keeps the Triton IR small: unrolled, the
+  clamped kernel's IR made pip Triton 3.6's TTGIR passes run for minutes.
+
+  Args:
+    num_rows: C, the block's rows (static).
+    width: BF, the block's columns (static).
+    load_row: r (traced int32) -> (x_r [1, BF] f32, extra_r).
+    store_row: (r, acc [1, BF] f32, extra_r, carry) -> carry.
+    reverse: suffix sums (rows C-1 down to 0).
+    carry: initial value of the loop state store_row threads through.
+
+  Returns:
+    The final carry.
+  """
+  group = min(ROW_GROUP, num_rows)
+  num_groups = num_rows // group
+
+  def body(j, state):
+    acc, carry = state
+    if reverse:
+      start = (num_groups - 1 - j) * group
+      rows = [start + i for i in reversed(range(group))]
+    else:
+      rows = [j * group + i for i in range(group)]
+    loaded = [load_row(r) for r in rows]
+    for r, (x, extra) in zip(rows, loaded):
+      acc = acc + x
+      carry = store_row(r, acc, extra, carry)
+    return acc, carry
+
+  return jax.lax.fori_loop(0, num_groups, body, (jnp.zeros((1, width), _F32), carry))[1]
+
+
+def _row(r):
+  """Index of row r (int or traced int32) of a [C, BF] block ref, as a [1, BF] slice."""
+  return pl.ds(r, 1), slice(None)
+
+
+def _load(ref):
+  """load_row for `scan_rows`: row r of ref, nothing else."""
+  return lambda r: (ref[_row(r)], None)
+
+
+def _store(ref):
+  """store_row for `scan_rows`: the running sum into row r of ref."""
+  def store(r, acc, _, carry):
+    ref[_row(r)] = acc
+    return carry
+  return store
+
+
 def _cumsum_kernel(x_ref, o_ref, *, reverse: bool):
-  x = x_ref[...]
-  c = jnp.cumsum(x, axis=0)
-  if reverse:
-    # The Triton lowering has forward cumsum only (it raises on reverse), and
-    # a row flip does not lower either, so the suffix sum is total - prefix + x.
-    # Its rounding differs from a sequential suffix sum by up to about
-    # f32 eps times the chunk's total magnitude (a small suffix after a large
-    # prefix keeps the prefix's absolute rounding error).
-    c = jnp.sum(x, axis=0, keepdims=True) - c + x
-  o_ref[...] = c
+  c, bf = x_ref.shape
+  scan_rows(c, bf, _load(x_ref), _store(o_ref), reverse=reverse)
 
 
 def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelConfig,
@@ -100,12 +167,11 @@ def chunk_cumsum(g_btf, chunk_size: int, *, reverse: bool = False, cfg: KernelCo
       "tpu_interpret") this returns `chunk_cumsum_xla` (Mosaic has no cumsum
       lowering); every other backend runs the Pallas kernel.
     block_f: F-width of a program's block, a power of two dividing F;
-      default `default_block_f(F)` (128 for F = 2048).
+      default `default_block_f(F)` (256 for F = 2048).
 
   Returns:
     [B, Tp, F] f32. Forward: out[t] = sum of g over the chunk's rows <= t;
-    reverse: over rows >= t, computed as chunk total - prefix + g (see
-    `_cumsum_kernel` for its rounding).
+    reverse: over rows >= t. Summed in sequence, row by row (`scan_rows`).
 
   Raises:
     ValueError: wrong rank or dtype, Tp not a multiple of C, bad block_f.
@@ -144,34 +210,50 @@ def clamped_cumsum_bwd_xla(dg_cum_btf, record, chunk_size: int):
 
 
 def _clamped_cumsum_kernel(g_ref, o_ref, *record_refs, lower_bound: float):
-  g = g_ref[...]
-  o_ref[...] = jnp.cumsum(clamp_gates(g, lower_bound), axis=0)
+  c, bf = g_ref.shape
+
+  def load(r):
+    g = g_ref[_row(r)]
+    return clamp_gates(g, lower_bound), out_of_range(g, lower_bound).astype(jnp.int32)
+
+  def store(r, acc, outside, hit):
+    o_ref[_row(r)] = acc
+    return jnp.maximum(hit, outside)
+
+  # hit [1, BF]: 1 where a row so far had its gate outside [lower_bound, 0].
+  hit = scan_rows(c, bf, load, store, carry=jnp.zeros((1, bf), jnp.int32))
   if record_refs:
     flag_ref, mask_ref = record_refs
     # One axis at a time: the Triton lowering's multi-axis reduction fails
     # under an abstract mesh (jax.export for CUDA from a CPU host).
-    outside = out_of_range(g, lower_bound)
-    hit = jnp.max(jnp.max(outside.astype(jnp.int32), axis=0), axis=0)
-    flag_ref[...] = hit
+    flag = jnp.max(jnp.max(hit, axis=1), axis=0)
+    flag_ref[...] = flag
 
-    @pl.when(hit != 0)
+    @pl.when(flag != 0)
     def _():
-      mask_ref[...] = outside.astype(jnp.int8)
+      def write(r, carry):
+        mask_ref[_row(r)] = out_of_range(g_ref[_row(r)], lower_bound).astype(jnp.int8)
+        return carry
+      jax.lax.fori_loop(0, c, write, 0)
 
 
 def _clamped_reverse_kernel(x_ref, flag_ref, mask_ref, o_ref):
-  x = x_ref[...]
-  # Suffix sum as in _cumsum_kernel; the mask is loaded only where flagged.
-  dg = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
+  c, bf = x_ref.shape
+
+  def store_masked(r, acc, mask, carry):
+    o_ref[_row(r)] = jnp.where(mask != 0, 0.0, acc)
+    return carry
+
   flagged = flag_ref[...] != 0
 
+  # The mask is loaded only where flagged.
   @pl.when(jnp.logical_not(flagged))
   def _():
-    o_ref[...] = dg
+    scan_rows(c, bf, _load(x_ref), _store(o_ref), reverse=True)
 
   @pl.when(flagged)
   def _():
-    o_ref[...] = jnp.where(mask_ref[...] != 0, 0.0, dg)
+    scan_rows(c, bf, lambda r: (x_ref[_row(r)], mask_ref[_row(r)]), store_masked, reverse=True)
 
 
 def _block_specs(f: int, chunk_size: int, block_f: int | None):

@@ -90,18 +90,36 @@ def gate_cumsum_bwd_xla(dg_cum_btf, raw_btf, bias_f, lower_bound: float, chunk_s
 
 
 def _fwd_kernel(raw_ref, bias_ref, o_ref, *, lower_bound: float):
-  g = lower_bound * _sigmoid(raw_ref[...].astype(_F32) + bias_ref[...])
-  o_ref[...] = jnp.cumsum(g, axis=0)
+  c, bf = raw_ref.shape
+  bias = bias_ref[...]
+
+  def load(r):
+    return lower_bound * _sigmoid(raw_ref[pl.ds(r, 1), :].astype(_F32) + bias), None
+
+  def store(r, acc, _, carry):
+    o_ref[pl.ds(r, 1), :] = acc
+    return carry
+
+  kernel_cumsum.scan_rows(c, bf, load, store)
 
 
 def _bwd_kernel(dg_cum_ref, raw_ref, bias_ref, draw_ref, dbias_ref, *, lower_bound: float):
-  x = dg_cum_ref[...]
-  # Suffix sum as total - prefix + x (no reverse cumsum in the Triton
-  # lowering); rounding as in kernel_cumsum._cumsum_kernel.
-  dg = jnp.sum(x, axis=0, keepdims=True) - jnp.cumsum(x, axis=0) + x
-  draw = dg * (lower_bound * _sigmoid_slope(raw_ref[...].astype(_F32) + bias_ref[...]))
-  draw_ref[...] = draw.astype(draw_ref.dtype)
-  dbias_ref[...] = jnp.sum(draw, axis=0)
+  c, bf = raw_ref.shape
+  bias = bias_ref[...]
+
+  def load(r):
+    return dg_cum_ref[pl.ds(r, 1), :], raw_ref[pl.ds(r, 1), :]
+
+  def store(r, dg, raw, dbias):
+    # dg is the suffix sum of dG (the rows are scanned in reverse).
+    draw = dg * (lower_bound * _sigmoid_slope(raw.astype(_F32) + bias))
+    draw_ref[pl.ds(r, 1), :] = draw.astype(draw_ref.dtype)
+    return dbias + draw
+
+  # dbias [1, BF] f32: the column sums of draw.
+  dbias = kernel_cumsum.scan_rows(c, bf, load, store, reverse=True,
+                                  carry=jnp.zeros((1, bf), _F32))
+  dbias_ref[...] = jnp.sum(dbias, axis=0)
 
 
 def gate_cumsum(raw_btf, bias_f, lower_bound: float, chunk_size: int, *, cfg: KernelConfig,
