@@ -4,7 +4,9 @@ Prints one table per shape: the pipelined time (ms, median of 5 rounds of
 --iters calls) of each pass over the [B, T, H*K] float32 gate, its rate in
 TB/s of bytes read and written, and its ratio to an XLA elementwise pass over
 the same array (read once, written once: the floor for a pass that must read
-g and write G). Passes:
+g and write G).
+
+Passes (`pallas_kernels.kda.bench.cumsum_passes`):
 
 * cumsum / reverse: `kernel_cumsum.chunk_cumsum` (G from g; dg from dG);
 * clamped / clamped+record / clamped_bwd: `chunk_kda`'s path for a traced
@@ -46,40 +48,11 @@ _INTERPRET = flags.DEFINE_bool("interpret", False, "Emulate the kernels at a tin
                                "smoke run; the times mean nothing).")
 
 
-def passes(b, t, f, *, chunk_size, lower_bound, cfg, block_f):
-  """{name: (jitted fn, args, bytes read + written)} for one [B, T, F] gate."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import kernel_cumsum as kc  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import kernel_gate_cumsum as kg  # pylint: disable=g-import-not-at-top
-
-  key_g, key_raw, key_bias = jax.random.split(jax.random.PRNGKey(0), 3)
-  g = lower_bound * jax.nn.sigmoid(jax.random.normal(key_g, (b, t, f)))
-  raw = jax.random.normal(key_raw, (b, t, f)).astype(jnp.bfloat16)
-  bias = jax.random.normal(key_bias, (f,))
-  c, lb, n = chunk_size, lower_bound, b * t * f
-  kw = dict(cfg=cfg, block_f=block_f)
-  record = kc.clamped_cumsum(g, lb, c, with_record=True, **kw)[1]
-  return {
-      "xla_copy": (jax.jit(lambda x: x + 1.0), (g,), 8 * n),
-      "cumsum": (jax.jit(lambda x: kc.chunk_cumsum(x, c, **kw)), (g,), 8 * n),
-      "reverse": (jax.jit(lambda x: kc.chunk_cumsum(x, c, reverse=True, **kw)), (g,), 8 * n),
-      "clamped": (jax.jit(lambda x: kc.clamped_cumsum(x, lb, c, **kw)), (g,), 8 * n),
-      "clamped+record": (jax.jit(lambda x: kc.clamped_cumsum(x, lb, c, with_record=True, **kw)),
-                         (g,), 8 * n),
-      "clamped_bwd": (jax.jit(lambda x, r: kc.clamped_cumsum_bwd(x, r, c, **kw)), (g, record),
-                      8 * n),
-      "gate": (jax.jit(lambda x, y: kg.gate_cumsum(x, y, lb, c, **kw)), (raw, bias), 6 * n),
-      "gate_bwd": (jax.jit(lambda x, y, z: kg.gate_cumsum_bwd(x, y, z, lb, c, **kw)),
-                   (g, raw, bias), 8 * n),
-      "cumsum_xla": (jax.jit(lambda x: kc.chunk_cumsum_xla(x, c)), (g,), 8 * n),
-  }
-
-
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   from pallas_kernels import timing  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import kernel_config  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import platform_lowering  # pylint: disable=g-import-not-at-top
 
@@ -97,7 +70,7 @@ def main(argv):
                                     dtype="bfloat16", head_k=k, head_v=k,
                                     chunk_size=_CHUNK.value, sub_chunk=16, state_programs=b * h,
                                     overrides=overrides)
-    table = passes(b, t, h * k, chunk_size=_CHUNK.value, lower_bound=_LOWER_BOUND.value,
+    table = bench.cumsum_passes(b, t, h * k, chunk_size=_CHUNK.value, lower_bound=_LOWER_BOUND.value,
                    cfg=cfg, block_f=_BLOCK_F.value)
     times = {}
     for name, (fn, args, _) in table.items():

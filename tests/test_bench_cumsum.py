@@ -1,19 +1,14 @@
-"""experiments/bench_cumsum.py times the passes it names (interpret mode, CPU)."""
-import sys
-from pathlib import Path
-
+"""The passes experiments/bench_cumsum.py times compute what they are named (interpret, CPU)."""
 import numpy as np
 
+from pallas_kernels.kda import bench
 from pallas_kernels.kda import kernel_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import bench_cumsum  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def test_passes_compute_the_cumsums_they_name():
   cfg = kernel_config.make_config(backend="interpret", dtype="bfloat16", head_k=32, head_v=32,
                                   chunk_size=16, sub_chunk=16)
-  table = bench_cumsum.passes(1, 64, 64, chunk_size=16, lower_bound=-5.0, cfg=cfg, block_f=None)
+  table = bench.cumsum_passes(1, 64, 64, chunk_size=16, lower_bound=-5.0, cfg=cfg, block_f=None)
   run = {name: fn(*args) for name, (fn, args, _) in table.items()}
   g = np.asarray(table["cumsum"][1][0], np.float64).reshape(1, 4, 16, 64)
   prefix = np.cumsum(g, axis=2).reshape(1, 64, 64)

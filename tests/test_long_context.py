@@ -286,6 +286,7 @@ def test_decode_accuracy_of_a_float32_model_against_its_twin_is_rounding():
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu   # the float32 twin's attention scores alone are 8.7 GB
 def test_gpu_decode_after_a_32k_prefill_is_as_accurate_as_the_full_pass():
   # The GPU model path: bf16 compute, Pallas chunked KDA, cuDNN attention; 32k prompt + 256 decoded.
   # Decode and full pass are each measured against the float32 twin: two bf16 evaluations each

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda import api
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
+from pallas_kernels.kda import kernel_gate_cumsum
 from pallas_kernels.kda import kernel_intra_bwd
 from pallas_kernels.kda import kernel_intra_bwd_split
 from pallas_kernels.kda import kernel_intra_fwd
@@ -359,3 +360,37 @@ def stage_table(rows: list[tuple[str, dict | str]]) -> str:
       cells = [f"failed: {v}"] + [""] * (len(cols) - 1)
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def cumsum_passes(b, t, f, *, chunk_size, lower_bound, cfg, block_f):
+  """The gate-cumsum passes `experiments/bench_cumsum.py` times, on one [B, T, F] gate.
+
+  Returns:
+    {name: (jitted fn, args, bytes read + written)}: xla_copy (the floor),
+    cumsum, reverse, clamped, clamped+record, clamped_bwd, gate, gate_bwd,
+    cumsum_xla; g = lower_bound * sigmoid(N(0, 1)) f32 (in range), a bf16
+    pre-activation and an f32 bias for the fused gate.
+  """
+  kc, kg = kernel_cumsum, kernel_gate_cumsum
+
+  key_g, key_raw, key_bias = jax.random.split(jax.random.PRNGKey(0), 3)
+  g = lower_bound * jax.nn.sigmoid(jax.random.normal(key_g, (b, t, f)))
+  raw = jax.random.normal(key_raw, (b, t, f)).astype(jnp.bfloat16)
+  bias = jax.random.normal(key_bias, (f,))
+  c, lb, n = chunk_size, lower_bound, b * t * f
+  kw = dict(cfg=cfg, block_f=block_f)
+  record = kc.clamped_cumsum(g, lb, c, with_record=True, **kw)[1]
+  return {
+      "xla_copy": (jax.jit(lambda x: x + 1.0), (g,), 8 * n),
+      "cumsum": (jax.jit(lambda x: kc.chunk_cumsum(x, c, **kw)), (g,), 8 * n),
+      "reverse": (jax.jit(lambda x: kc.chunk_cumsum(x, c, reverse=True, **kw)), (g,), 8 * n),
+      "clamped": (jax.jit(lambda x: kc.clamped_cumsum(x, lb, c, **kw)), (g,), 8 * n),
+      "clamped+record": (jax.jit(lambda x: kc.clamped_cumsum(x, lb, c, with_record=True, **kw)),
+                         (g,), 8 * n),
+      "clamped_bwd": (jax.jit(lambda x, r: kc.clamped_cumsum_bwd(x, r, c, **kw)), (g, record),
+                      8 * n),
+      "gate": (jax.jit(lambda x, y: kg.gate_cumsum(x, y, lb, c, **kw)), (raw, bias), 6 * n),
+      "gate_bwd": (jax.jit(lambda x, y, z: kg.gate_cumsum_bwd(x, y, z, lb, c, **kw)),
+                   (g, raw, bias), 8 * n),
+      "cumsum_xla": (jax.jit(lambda x: kc.chunk_cumsum_xla(x, c)), (g,), 8 * n),
+  }
