@@ -229,6 +229,18 @@ def _decode_vs_full(graphdef, state, tokens_bt, *, prefill_len):
           "cache": decoded_cache, "ref_cache": ref_cache}
 
 
+def _decode_tokens(tokens_bt, prefill_len: int):
+  """(tokens [B, T] array, T), checked for a prefill of `prefill_len` and decoding the rest."""
+  tokens = jnp.asarray(tokens_bt)
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+  t = tokens.shape[1]
+  if not 1 <= prefill_len < t:
+    raise ValueError(f"prefill_len={prefill_len} must lie in [1, T - 1 = {t - 1}]; "
+                     "T - prefill_len tokens are decoded")
+  return tokens, t
+
+
 def _cache_kind(name: str) -> str | None:
   return ("kda_state" if name == "state" else "kda_conv" if name.startswith("conv")
           else "attn_kv" if name in ("k", "v") else None)
@@ -272,13 +284,7 @@ def decode_consistency(model, tokens_bt, prefill_len: int) -> dict[str, Any]:
      relative difference between the caches after decoding and those of a prefill
      of all P + N tokens (absent kinds are left out)}.
   """
-  tokens = jnp.asarray(tokens_bt)
-  if tokens.ndim != 2:
-    raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-  t = tokens.shape[1]
-  if not 1 <= prefill_len < t:
-    raise ValueError(f"prefill_len={prefill_len} must lie in [1, T - 1 = {t - 1}]; "
-                     "T - prefill_len tokens are decoded")
+  tokens, t = _decode_tokens(tokens_bt, prefill_len)
   graphdef, state = nnx.split(model)
   out = jax.device_get(_decode_vs_full(graphdef, state, tokens, prefill_len=int(prefill_len)))
   full = out["full"]
@@ -340,13 +346,7 @@ def decode_accuracy(model, reference, tokens_bt, prefill_len: int, *,
      all P + N tokens, of the caches after decoding and of the model's own
      prefill of all P + N tokens (kinds as in `decode_consistency`)}.
   """
-  tokens = jnp.asarray(tokens_bt)
-  if tokens.ndim != 2:
-    raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
-  t = tokens.shape[1]
-  if not 1 <= prefill_len < t:
-    raise ValueError(f"prefill_len={prefill_len} must lie in [1, T - 1 = {t - 1}]; "
-                     "T - prefill_len tokens are decoded")
+  tokens, t = _decode_tokens(tokens_bt, prefill_len)
   if not 1 <= window <= t - prefill_len:
     raise ValueError(f"window={window} must lie in [1, N = {t - prefill_len}] (N decoded tokens)")
   out = jax.device_get(_decode_vs_full(*nnx.split(model), tokens, prefill_len=int(prefill_len)))
