@@ -144,7 +144,7 @@ def test_missing_key_raises():
     ({"model.param_dtype": "bfloat16"}, r"float32 master weights"),
     ({"model.vocab_size": 128}, r"model.vocab_size=128 is smaller than the data's vocabulary 256"),
     ({"model.top_k": 9}, r"top_k"),
-    ({"model.router.name": "quantiles"}, r"RouterConfig.name='quantiles'"),
+    ({"model.router.name": "quantiles"}, r"config model.router.name='quantiles'"),
     ({"data.kind": "text"}, r"data.kind='text'; allowed"),
     ({"data.kind": "token_file", "data.vocab_size": 256}, r"data.token_file is empty"),
     ({"data.kind": "mqar", "data.vocab_size": 256, "data.mqar_num_kv_pairs": 200}, r"fewer than num_kv_pairs=200"),

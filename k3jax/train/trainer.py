@@ -25,7 +25,8 @@ from k3jax.parallel import training
 from k3jax.train import report
 from k3jax.train import run_config
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
-from k3jax.train.config_schema import parallel_config
+from k3jax.train.cli_errors import InputError
+from k3jax.train.config_schema import ConfigError, parallel_config
 from k3jax.train.metrics import MetricWriter
 from k3jax.train.optimizer import make_optimizer
 from k3jax.train.state import create_train_state, param_count
@@ -87,11 +88,11 @@ def _devices(config: Any, nproc: int) -> list:
   devices = jax.devices()
   n = config.num_devices
   if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-    raise ValueError(f"config num_devices={n!r} must be an int >= 0 (0 = all devices)")
+    raise ConfigError(f"config num_devices={n!r} must be an int >= 0 (0 = all devices)")
   if n:
     if n > len(devices) or nproc > 1:
-      raise ValueError(f"config num_devices={n}: {len(devices)} devices in "
-                       f"{nproc} process(es); use 0 (all) for multi-process runs")
+      raise ConfigError(f"config num_devices={n}: {len(devices)} devices in "
+                        f"{nproc} process(es); use 0 (all) for multi-process runs")
     devices = devices[:n]
   return devices
 
@@ -154,6 +155,10 @@ def train_and_evaluate(config: Any, workdir: str, *,
     hooks: callables `hook(step, host_metrics)` run after every step (forces a
       host sync per step; meant for tests and notebooks).
 
+  Raises:
+    InputError: a configuration or input error (ConfigError, ConfigMismatchError);
+      nothing was trained or changed.
+
   Returns:
     {"step", "num_steps", "interrupted", "train": last train record, "eval": last eval
      record, "eval_step": its step, "evals": [(step, record)] of this invocation,
@@ -177,13 +182,19 @@ def train_and_evaluate(config: Any, workdir: str, *,
   if resuming:  # before anything is read from or written to the run directory
     run_config.check_resume(workdir, config)
 
-  dataset = make_dataset(config.data, seed=config.seed)
-  dataset.check_seq_len(config.seq_len)
-  data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
-                          seed=config.seed, process_index=jax.process_index(), process_count=nproc)
-  rows = data_it._rows  # this process's rows of every global batch
-  eval_set = [{k: v[rows] for k, v in b.items()}
-              for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
+  try:
+    dataset = make_dataset(config.data, seed=config.seed)
+    dataset.check_seq_len(config.seq_len)
+    data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
+                            seed=config.seed, process_index=jax.process_index(), process_count=nproc)
+    rows = data_it._rows  # this process's rows of every global batch
+    eval_set = [{k: v[rows] for k, v in b.items()}
+                for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
+  except ValueError as e:  # the data modules name the file or the size; say which section to fix
+    if isinstance(e, InputError):
+      raise
+    raise ConfigError(f"config data (data.kind={config.data.kind!r}): {e}. Fix the data.* fields, "
+                      "or seq_len and batch_size.") from e
 
   mesh = pconf.make_mesh(devices)
 
