@@ -11,7 +11,7 @@ coordinator (JAX_COORDINATOR_ADDRESS) or a multi-task SLURM / Open MPI job.
 Exit status (`k3jax.train.cli_errors`): 0 finished (or nothing to do), 1 training
 failed (non-finite loss) or an unexpected exception, 2 a configuration or input
 error (one `error:` paragraph; `--traceback` or K3JAX_TRACEBACK=1 adds the
-traceback).
+traceback), 75 preempted: a signal stopped the run after a checkpoint was saved.
 """
 import logging as pylogging
 import os
@@ -122,6 +122,7 @@ def main(argv):
   except trainer.NonFiniteLossError as e:
     _fail(str(e), cli_errors.EXIT_FAILED)
   print(report.summary(result), flush=True)
+  return cli_errors.EXIT_PREEMPTED if result["interrupted"] else cli_errors.EXIT_FINISHED
 
 
 if __name__ == "__main__":

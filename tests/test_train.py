@@ -91,7 +91,8 @@ def test_one_step_smoke_on_shrunk_tiny(tmp_path, caplog):
   # The summary labels the step-0 evaluation as such, never as final.
   line = report.summary(result)
   assert "eval at step 0:" in line and "final" not in line
-  assert "stopped by a signal at step 1" in line and "latest evaluation is from step 0" in line
+  assert "preempted by SIGTERM at step 1" in line and "latest evaluation is from step 0" in line
+  assert result["signal"] == "SIGTERM"
   saved = json.loads((tmp_path / "config.json").read_text())
   assert saved["model"]["layer_pattern"] == "KA" and saved["num_steps"] == 5
   train = read_jsonl(str(tmp_path / "metrics.jsonl"), "train")
@@ -304,7 +305,8 @@ def test_summary_and_step_lines_label_every_number():
   assert line.endswith("eval at step 300: bpb=2.5000") and "step 100" not in line
   resumed = {"step": 26, "num_steps": 300, "evals": [], "interrupted": True, "resumed_from": 20}
   assert report.summary(resumed) == ("step 26 of 300 (resumed from step 20) | no evaluation in this "
-                                     "invocation | stopped by a signal at step 26 after saving a checkpoint")
+                                     "invocation | preempted by a signal at step 26: checkpoint saved, "
+                                     "the same command resumes from it")
   step = report.step_line(20, 300, {"loss": 3.25, "tokens_per_s": 2700.4, "mfu": 0.0123,
                                     "learning_rate": 3e-3})
   assert step == "step 20/300 loss=3.2500 tokens/s=2700 MFU=1.23% lr=0.003"

@@ -1,16 +1,32 @@
 """`experiments/train.py` as a command: one `error:` paragraph and exit status 2 for each class of
-configuration or input error."""
+configuration or input error, the run directory's lock between real processes, and the exit
+status of a run stopped by SIGTERM."""
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from k3jax.train import cli_errors
+from k3jax.train import workdir_lock
 from k3jax.train.defaults import base_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "experiments", "train.py")
+# configs/tiny.py shrunk on the command line (2 layers, short sequences): compiles in seconds.
+SHRUNK = ["--config.batch_size=8", "--config.seq_len=32", "--config.num_devices=1", "--config.log_every=1",
+          "--config.eval_every=0", "--config.checkpoint_every=0", "--config.eval_batches=1",
+          "--config.progress_bar=False", "--config.async_checkpoints=False", "--config.data.max_bytes=200000",
+          "--config.optim.warmup_steps=1", "--config.model.num_layers=2", "--config.model.layer_pattern=KA",
+          "--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.head_dim=16",
+          "--config.model.num_kv_heads=2", "--config.model.kda_chunk_size=16", "--config.model.num_experts=4",
+          "--config.model.expert_hidden=32", "--config.model.dense_hidden=64",
+          "--config.model.first_layer_dense=False"]
+
+
 def _env(**extra):
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **extra}
   env.pop(cli_errors.TRACEBACK_ENV, None)
@@ -89,3 +105,61 @@ def test_resume_mismatch_is_one_paragraph_and_traceback_on_request(tmp_path):
   assert verbose.returncode == cli_errors.EXIT_INPUT_ERROR
   assert "Traceback (most recent call last)" in verbose.stderr and "ConfigMismatchError" in verbose.stderr
   assert verbose.stderr.strip().split("\n\n")[-1].count("error:") == 1
+
+
+def test_a_second_trainer_is_refused_and_sigterm_exits_75_after_saving(tmp_path):
+  workdir = tmp_path / "run"
+  first = subprocess.Popen([sys.executable, TRAIN, "--config=configs/tiny.py", f"--workdir={workdir}",
+                            "--config.num_steps=2000", *SHRUNK], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+  try:
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and '"split": "train"' in metrics.read_text()):
+      assert first.poll() is None, first.communicate()
+      assert time.monotonic() < deadline, "the first trainer never reached a training step"
+      time.sleep(0.5)
+    owner = json.loads((workdir / workdir_lock.LOCK_FILE).read_text())
+    assert owner["pid"] == first.pid and owner["host"]
+
+    second = _train(workdir, "--config.num_steps=2000", *SHRUNK)
+    assert second.returncode == cli_errors.EXIT_INPUT_ERROR, second.stderr
+    paragraph = _error_paragraph(second.stderr)
+    assert f"in use by another trainer: pid {first.pid} on host {owner['host']}" in paragraph
+    assert first.poll() is None  # the refusal left the owner running
+
+    first.send_signal(signal.SIGTERM)
+    stdout, stderr = first.communicate(timeout=120)
+  finally:
+    if first.poll() is None:
+      first.kill()
+      first.wait()
+  assert first.returncode == cli_errors.EXIT_PREEMPTED, stderr
+  summary = stdout.strip().splitlines()[-1]
+  assert "preempted by SIGTERM at step" in summary, stdout
+  step = int(summary.split("preempted by SIGTERM at step ")[1].split(":")[0])
+  assert (workdir / "checkpoints" / str(step)).is_dir()
+  assert not (workdir / workdir_lock.LOCK_FILE).exists()  # released on the way out
+
+
+def test_stale_lock_of_a_killed_process_is_taken_over_with_a_warning(tmp_path, caplog):
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time; from k3jax.train.workdir_lock import WorkdirLock; "
+       "WorkdirLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)", str(tmp_path)],
+      stdout=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(workdir_lock.WorkdirLockedError, match=rf"pid {holder.pid} on host"):
+      workdir_lock.check_free(str(tmp_path))
+    with pytest.raises(workdir_lock.WorkdirLockedError, match=rf"kill {holder.pid}"):
+      workdir_lock.WorkdirLock(str(tmp_path)).acquire()
+  finally:
+    holder.kill()  # SIGKILL: the lock file stays behind, its flock does not
+    holder.wait()
+  assert (tmp_path / workdir_lock.LOCK_FILE).exists()
+  workdir_lock.check_free(str(tmp_path))
+  with caplog.at_level("WARNING", logger="k3jax.train.workdir_lock"):
+    with workdir_lock.WorkdirLock(str(tmp_path)):
+      assert json.loads((tmp_path / workdir_lock.LOCK_FILE).read_text())["pid"] == os.getpid()
+  assert f"took over the stale lock {tmp_path / workdir_lock.LOCK_FILE} of pid {holder.pid}" in caplog.text
+  assert not (tmp_path / workdir_lock.LOCK_FILE).exists()

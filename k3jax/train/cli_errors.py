@@ -18,6 +18,7 @@ from typing import Mapping, NoReturn, Sequence
 EXIT_FINISHED = 0     # the run reached num_steps (or already had: nothing to do)
 EXIT_FAILED = 1       # training failed (non-finite loss) or an unexpected exception (with its traceback)
 EXIT_INPUT_ERROR = 2  # configuration or input error: nothing was trained, the run directory is unchanged
+EXIT_PREEMPTED = 75   # stopped by SIGTERM/SIGINT after saving a checkpoint; the same command resumes (EX_TEMPFAIL)
 
 TRACEBACK_FLAG = "--traceback"
 TRACEBACK_ENV = "K3JAX_TRACEBACK"

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,6 +25,7 @@ from k3jax.parallel import rules as rules_lib
 from k3jax.parallel import training
 from k3jax.train import report
 from k3jax.train import run_config
+from k3jax.train import workdir_lock
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
 from k3jax.train.cli_errors import InputError
 from k3jax.train.config_schema import ConfigError, parallel_config
@@ -117,6 +119,25 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
 
+def _lock_all_processes(lock: workdir_lock.WorkdirLock | None, workdir: str, nproc: int) -> None:
+  """Process 0 takes the run directory's lock; in a multi-process run every process learns
+  whether it did, so that none is left waiting in a collective when it could not."""
+  error = None
+  if lock is not None:
+    try:
+      lock.acquire()
+    except workdir_lock.WorkdirLockedError as e:
+      error = e
+  if nproc > 1:
+    from jax.experimental import multihost_utils
+    locked = bool(np.all(multihost_utils.process_allgather(np.array(error is None))))
+    if not locked and error is None:
+      raise workdir_lock.WorkdirLockedError(f"process 0 could not take the lock of {workdir}; its "
+                                            "error message names the trainer that holds it")
+  if error is not None:
+    raise error
+
+
 def _non_finite_message(step: int, host: dict, start: int, restored, last: int | None,
                         directory: str) -> str:
   if restored is None:
@@ -139,12 +160,14 @@ def train_and_evaluate(config: Any, workdir: str, *,
 
   Writes `config.json`, `metrics.jsonl`, TensorBoard events under `tb/` and orbax
   checkpoints under `checkpoints/`. SIGTERM/SIGINT save a checkpoint and return
-  early. A non-finite loss raises `NonFiniteLossError` without saving.
+  early (`interrupted`). A non-finite loss raises `NonFiniteLossError` without saving.
 
   Nothing is written to `workdir` before the config, the data and (when
   resuming) the saved `config.json` have been checked: see `run_config` for the
-  fields that may change on resume. Resuming restores the newest checkpoint whose
-  checksums match; newer damaged ones are moved to `checkpoints.rejected/`.
+  fields that may change on resume. Then process 0 holds `workdir`'s lock
+  (`workdir_lock`) until it returns; a live trainer's lock is refused at once.
+  Resuming restores the newest checkpoint whose checksums match; newer damaged
+  ones are moved to `checkpoints.rejected/`.
 
   Args:
     config: the full ConfigDict (validated here before anything is computed).
@@ -156,16 +179,32 @@ def train_and_evaluate(config: Any, workdir: str, *,
       host sync per step; meant for tests and notebooks).
 
   Raises:
-    InputError: a configuration or input error (ConfigError, ConfigMismatchError);
-      nothing was trained or changed.
+    InputError: a configuration or input error (ConfigError, ConfigMismatchError,
+      WorkdirLockedError); nothing was trained or changed.
 
   Returns:
-    {"step", "num_steps", "interrupted", "train": last train record, "eval": last eval
+    {"step", "num_steps", "interrupted", "signal": the stopping signal's name (or None),
+     "train": last train record, "eval": last eval
      record, "eval_step": its step, "evals": [(step, record)] of this invocation,
      "first_eval": eval record at step 0 of a fresh run (or None), "resumed_from": the
      restored step (or None), "skipped_checkpoints": [(step, reason)], "num_params",
      "mesh": {axis: size}}.
   """
+  is_main = jax.process_index() == 0
+  if is_main:  # a second trainer refuses before it spends time on data and compilation
+    workdir_lock.check_free(workdir)
+  lock = workdir_lock.WorkdirLock(workdir) if is_main else None
+  try:
+    return _train_and_evaluate(config, workdir, lock, model_fn, flops_per_token, hooks)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLock | None,
+                        model_fn: Callable[[nnx.Rngs], nnx.Module] | None,
+                        flops_per_token: float | None, hooks: Sequence[Hook]) -> dict[str, Any]:
+  """`train_and_evaluate` once `lock` (process 0's, not yet taken) is known."""
   nproc = jax.process_count()
   devices = _devices(config, nproc)
   ndev = len(devices)
@@ -219,8 +258,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
                                         config.num_steps)
   abstract_state = jax.eval_shape(lambda: create_train_state(model_fn, tx, config.seed)[1])
   shardings = rules_lib.tree_shardings(abstract_state, mesh, pconf.rules)
-  # Every check has passed: from here on the run directory is written.
-  os.makedirs(workdir, exist_ok=True)
+  # Every check has passed: from here on the run directory is written, under its lock.
+  _lock_all_processes(lock, workdir, nproc)
   ckpt = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
   restored = None
   if resuming:
@@ -283,7 +322,7 @@ def train_and_evaluate(config: Any, workdir: str, *,
 
   result: dict[str, Any] = {
       "first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
-      "interrupted": False, "num_params": num_params, "mesh": dict(mesh.shape),
+      "interrupted": False, "signal": None, "num_params": num_params, "mesh": dict(mesh.shape),
       "num_steps": config.num_steps, "resumed_from": restored.step if restored else None,
       "skipped_checkpoints": restored.skipped if restored else []}
   if start == 0:
@@ -364,6 +403,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
           timer["time"] += time.perf_counter() - paused  # tokens/s counts training time only
           if stopping:
             result["interrupted"] = True
+            if guard.received is not None:
+              result["signal"] = signal.Signals(guard.received).name
             log.warning("stopping at step %d after a signal; checkpoint saved", step)
             break
         else:
