@@ -257,6 +257,42 @@ def test_resumable_config_changes_are_allowed_and_logged(tmp_path, caplog):
   assert saved["num_steps"] == 3 and saved["optim"]["learning_rate"] == 1e-3
 
 
+def _raw_records(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_resume_moves_superseded_metric_records_aside_and_logs_every_eval(tmp_path, caplog):
+  # Checkpoints at 2 and 4; dropping 4 leaves the run as a kill before its save would: records of
+  # steps 3 and 4 (and a torn line) that the resumed run writes again.
+  overrides = {"num_steps": 4, "checkpoint_every": 2, "eval_every": 2, "progress_bar": True}
+  with caplog.at_level(logging.INFO, logger="k3jax.train.trainer"):
+    _, full = _standin_run(tmp_path, **overrides)
+  assert full["step"] == 4 and sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+  first_pass = _raw_records(tmp_path / "metrics.jsonl")
+  import shutil
+  shutil.rmtree(tmp_path / "checkpoints" / "4")
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 5, "split": "tra')
+  with caplog.at_level(logging.INFO, logger="k3jax.train.trainer"):
+    _, resumed = _standin_run(tmp_path, **overrides)
+  assert resumed["resumed_from"] == 2 and resumed["step"] == 4
+  records = _raw_records(tmp_path / "metrics.jsonl")
+  keys = [(r["split"], r["step"]) for r in records]
+  assert len(keys) == len(set(keys))  # one record per (split, step), without the readers' help
+  assert sorted(keys) == sorted((r["split"], r["step"]) for r in first_pass)
+  assert sorted(records, key=lambda r: (r["step"], r["split"])) == read_jsonl(str(tmp_path / "metrics.jsonl"))
+  backup = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+  moved = [json.loads(line) for line in backup[:-1]]
+  assert sorted((r["split"], r["step"]) for r in moved) == [("eval", 4), ("train", 3), ("train", 4)]
+  assert backup[-1] == '{"step": 5, "split": "tra'
+  assert "moved 4 record(s) past step 2" in caplog.text
+  # Each evaluation has its log line, the bar notwithstanding: steps 0, 2 and 4, then 4 again.
+  evals = [m for m in caplog.messages if m.startswith("eval at step ")]
+  assert [m.split(":")[0] for m in evals] == ["eval at step 0", "eval at step 2", "eval at step 4",
+                                              "eval at step 4"]
+  assert all("bpb=" in m for m in evals)
+
+
 def test_diff_configs_splits_refused_from_allowed_fields():
   saved = {"seed": 0, "num_steps": 10, "model": {"d_model": 32, "kda_implementation": "pallas"},
            "parallel": {"expert": 2}, "data": {"paths": ["a"]}}

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -29,7 +30,7 @@ from k3jax.train import workdir_lock
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
 from k3jax.train.cli_errors import InputError
 from k3jax.train.config_schema import ConfigError, parallel_config
-from k3jax.train.metrics import MetricWriter
+from k3jax.train.metrics import MetricWriter, drop_superseded
 from k3jax.train.optimizer import make_optimizer
 from k3jax.train.state import create_train_state, param_count
 from k3jax.train.step import make_eval_step, make_train_step
@@ -119,6 +120,15 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
 
+def _log_above_bar(bar_enabled: bool, message: str) -> None:
+  """Logs an INFO line; with a progress bar, clears the bar first and redraws it after."""
+  if bar_enabled:
+    with tqdm.external_write_mode(file=sys.stderr):
+      log.info(message)
+  else:
+    log.info(message)
+
+
 def _lock_all_processes(lock: workdir_lock.WorkdirLock | None, workdir: str, nproc: int) -> None:
   """Process 0 takes the run directory's lock; in a multi-process run every process learns
   whether it did, so that none is left waiting in a collective when it could not."""
@@ -167,7 +177,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
   fields that may change on resume. Then process 0 holds `workdir`'s lock
   (`workdir_lock`) until it returns; a live trainer's lock is refused at once.
   Resuming restores the newest checkpoint whose checksums match; newer damaged
-  ones are moved to `checkpoints.rejected/`.
+  ones are moved to `checkpoints.rejected/`. The metric records past the
+  restored step are superseded (`metrics.drop_superseded`).
 
   Args:
     config: the full ConfigDict (validated here before anything is computed).
@@ -293,8 +304,12 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
     raise ValueError(f"checkpoint mismatch: state step {start}, data position {data_it.position}")
   if is_main:
     run_config.write_config(workdir, config)
+    dropped = drop_superseded(workdir, start if restored is not None else -1)
+    if dropped:
+      log.info("metrics.jsonl: moved %d record(s) past step %d, which this run redoes, to %s", dropped,
+               start, os.path.join(workdir, "metrics.superseded.jsonl"))
 
-  writer = MetricWriter(workdir, enabled=is_main)
+  writer = MetricWriter(workdir, enabled=is_main, purge_step=start + 1 if restored is not None else 0)
   bar_enabled = is_main and config.progress_bar and tqdm is not None
   log_lines = is_main and not bar_enabled  # without a bar, step lines go to the log
   peak = peak_flops_per_device(config)
@@ -316,8 +331,8 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
     writer.write(step, "eval", record)
     result["evals"].append((step, record))
     result["eval"], result["eval_step"] = record, step
-    if log_lines:
-      log.info(report.eval_line(step, record))
+    if is_main:
+      _log_above_bar(bar_enabled and step > start, report.eval_line(step, record))
     return record
 
   result: dict[str, Any] = {
