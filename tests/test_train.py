@@ -19,7 +19,7 @@ from k3jax.train.config_files import load_config_file
 from k3jax.train.metrics import MetricWriter, read_jsonl
 from k3jax.train.optimizer import make_optimizer
 from k3jax.train.step import flatten_scalars, masked_cross_entropy
-from k3jax.train.trainer import NonFiniteLossError, train_and_evaluate
+from k3jax.train.trainer import NonFiniteLossError, PastNumStepsError, train_and_evaluate
 from tests.config_helpers import set_dotted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,6 +291,19 @@ def test_resume_moves_superseded_metric_records_aside_and_logs_every_eval(tmp_pa
   assert [m.split(":")[0] for m in evals] == ["eval at step 0", "eval at step 2", "eval at step 4",
                                               "eval at step 4"]
   assert all("bpb=" in m for m in evals)
+
+
+def test_num_steps_at_or_below_the_saved_step_changes_nothing(tmp_path):
+  _standin_run(tmp_path, num_steps=3)
+  files = ("config.json", "metrics.jsonl")
+  before = {p: (tmp_path / p).read_bytes() for p in files}
+  with pytest.raises(PastNumStepsError, match=r"already at step 3, past num_steps=2: nothing to do"):
+    _standin_run(tmp_path, num_steps=2)
+  _, again = _standin_run(tmp_path, num_steps=3, log_every=3)  # log_every may change; nothing runs
+  assert again["nothing_to_do"] and again["step"] == 3
+  assert report.summary(again).startswith("run already at step 3 of num_steps=3: nothing to do")
+  assert {p: (tmp_path / p).read_bytes() for p in files} == before
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
 
 
 def test_diff_configs_splits_refused_from_allowed_fields():

@@ -39,6 +39,9 @@ def summary(result: Mapping[str, Any]) -> str:
   by a signal says that it was preempted, at which step, and when its last
   evaluation is older than its step.
   """
+  if result.get("nothing_to_do"):
+    return (f"run already at step {result['step']} of num_steps={result['num_steps']}: nothing to do "
+            "(give a larger --config.num_steps to continue it)")
   evals: Sequence[tuple[int, Mapping[str, float]]] = result.get("evals") or []
   parts = [f"step {result['step']} of {result['num_steps']}"]
   if result.get("resumed_from") is not None:

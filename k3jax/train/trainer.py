@@ -120,6 +120,10 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
 
+class PastNumStepsError(InputError):
+  """The run directory's checkpoint is past the config's num_steps: nothing to do, nothing changed."""
+
+
 def _log_above_bar(bar_enabled: bool, message: str) -> None:
   """Logs an INFO line; with a progress bar, clears the bar first and redraws it after."""
   if bar_enabled:
@@ -177,7 +181,9 @@ def train_and_evaluate(config: Any, workdir: str, *,
   fields that may change on resume. Then process 0 holds `workdir`'s lock
   (`workdir_lock`) until it returns; a live trainer's lock is refused at once.
   Resuming restores the newest checkpoint whose checksums match; newer damaged
-  ones are moved to `checkpoints.rejected/`. The metric records past the
+  ones are moved to `checkpoints.rejected/`. A checkpoint past `num_steps` is
+  refused (`PastNumStepsError`); one at `num_steps` returns at once
+  (`nothing_to_do`), neither changing anything. The metric records past the
   restored step are superseded (`metrics.drop_superseded`).
 
   Args:
@@ -191,11 +197,11 @@ def train_and_evaluate(config: Any, workdir: str, *,
 
   Raises:
     InputError: a configuration or input error (ConfigError, ConfigMismatchError,
-      WorkdirLockedError); nothing was trained or changed.
+      WorkdirLockedError, PastNumStepsError); nothing was trained or changed.
 
   Returns:
     {"step", "num_steps", "interrupted", "signal": the stopping signal's name (or None),
-     "train": last train record, "eval": last eval
+     "nothing_to_do", "train": last train record, "eval": last eval
      record, "eval_step": its step, "evals": [(step, record)] of this invocation,
      "first_eval": eval record at step 0 of a fresh run (or None), "resumed_from": the
      restored step (or None), "skipped_checkpoints": [(step, reason)], "num_params",
@@ -279,9 +285,22 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
                             abstract_state, training.full_shardings(shardings, abstract_state))
     try:
       restored = ckpt.restore_intact(template)
+      if restored is not None and restored.step > config.num_steps:
+        raise PastNumStepsError(
+            f"the run in {workdir} is already at step {restored.step}, past num_steps="
+            f"{config.num_steps}: nothing to do; nothing in {workdir} was changed (config.json "
+            f"included). To train it further, give --config.num_steps above {restored.step}; to start "
+            "a shorter run, give a new run directory.")
     except BaseException:
       ckpt.close()
       raise
+  if restored is not None and restored.step == config.num_steps and not restored.skipped:
+    ckpt.close()
+    log.info("the run in %s is already at step %d = num_steps: nothing to do", workdir, restored.step)
+    return {"first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
+            "interrupted": False, "signal": None, "nothing_to_do": True, "num_params": None,
+            "mesh": dict(mesh.shape), "num_steps": config.num_steps, "resumed_from": restored.step,
+            "skipped_checkpoints": [], "step": restored.step}
   if restored is not None:
     state = restored.state
     data_it.set_state(restored.data_state["iterator"])
@@ -337,7 +356,8 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
 
   result: dict[str, Any] = {
       "first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
-      "interrupted": False, "signal": None, "num_params": num_params, "mesh": dict(mesh.shape),
+      "interrupted": False, "signal": None, "nothing_to_do": False, "num_params": num_params,
+      "mesh": dict(mesh.shape),
       "num_steps": config.num_steps, "resumed_from": restored.step if restored else None,
       "skipped_checkpoints": restored.skipped if restored else []}
   if start == 0:
