@@ -64,8 +64,9 @@ def _resumable_run_dir(tmp_path):
     (["--config.batch_size=-4"], ["batch_size=-4", ">= 1", "--config.batch_size=VALUE"]),
     # The model's own checks, spelt as config fields.
     (["--config.model.g_min=-50"], ["model.g_min=-50.0", "safe limit 85.0", "--config.model.g_min=VALUE"]),
-    # A misspelt section.
+    # A misspelt section, and a misspelt field inside one.
     (["--config.modle.d_model=64"], ["'modle'", "did you mean 'model'"]),
+    (["--config.optim.lerning_rate=1e-3"], ["'optim.lerning_rate'", "did you mean 'optim.learning_rate'"]),
     # A real field at the wrong level.
     (["--config.model.batch_size=8"], ["'model.batch_size'", "lives at 'batch_size' (top level)",
                                        "--config.batch_size=VALUE"]),
