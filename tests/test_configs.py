@@ -106,6 +106,24 @@ def test_typo_keys_raise_with_a_suggestion(key, suggestion):
     validate(_cfg(**{key: 1}))
 
 
+@pytest.mark.parametrize("key,home", [
+    ("model.batch_size", "batch_size"), ("optim.seq_len", "seq_len"), ("data.g_min", "model.g_min"),
+    ("model.learning_rate", "optim.learning_rate"), ("capacity_factor", "parallel.capacity_factor"),
+])
+def test_a_field_at_the_wrong_level_names_its_level(key, home):
+  with pytest.raises(ValueError, match=rf"config '{key}' names no field: .* lives at '{home}'"):
+    validate(_cfg(**{key: 1}))
+
+
+def test_override_paths_are_explained_before_they_are_applied():
+  from k3jax.train.config_schema import unknown_field_message
+  assert unknown_field_message("model.router.name") is None
+  assert unknown_field_message("parallel.rules.batch") is None
+  assert "Use --config.model.router.name=VALUE" in unknown_field_message("router.name")
+  assert "did you mean 'model'" in unknown_field_message("modle.d_model")
+  assert "'seed' is a field, not a section" in unknown_field_message("seed.x")
+
+
 def test_wrong_types_raise_for_plain_dict_configs():
   # ConfigDict already refuses most retyping; the schema also guards configs built as plain dicts.
   c = base_config().to_dict()

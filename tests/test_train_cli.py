@@ -28,7 +28,7 @@ SHRUNK = ["--config.batch_size=8", "--config.seq_len=32", "--config.num_devices=
 
 
 def _env(**extra):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **extra}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
   env.pop(cli_errors.TRACEBACK_ENV, None)
   env.update(extra)
   return env
