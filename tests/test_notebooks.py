@@ -1,7 +1,15 @@
-"""Executes the ablation notebooks on their committed `quick` setting (tiny CPU runs); any cell error fails."""
+"""Executes the ablation notebooks on their committed `quick` setting (tiny CPU runs); any cell error fails.
+
+The README's notebook command runs its notebook, as the README gives it, and must write an
+executed copy holding the tables and figures.
+"""
 import glob
 import json
 import os
+import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -13,6 +21,7 @@ nbclient = pytest.importorskip("nbclient")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = ("decay_ablation", "router_ablation", "residual_ablation")
 FIGURES = {"decay_ablation": 3, "router_ablation": 1, "residual_ablation": 2}  # figure cells of each
+README_NOTEBOOK = "router_ablation"  # the notebook that the README's command executes
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +42,10 @@ def test_notebook_runs(name, tmp_path, shared_cache, monkeypatch):
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", shared_cache)
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel draws inline PNGs
-  _execute(book, name)
+  if name == README_NOTEBOOK:
+    _run_readme_command(tmp_path)
+  else:
+    _execute(book, name)
 
   # The "full" setting reads a summary.json and the run directories: point it at the quick runs.
   records = []
@@ -49,6 +61,34 @@ def test_notebook_runs(name, tmp_path, shared_cache, monkeypatch):
   for cell in full.cells:
     cell.source = cell.source.replace('SETTING = "quick"', 'SETTING = "full"')
   _execute(full, name)
+
+
+def readme_notebook_command() -> str:
+  """The README's notebook command (continuation lines joined), without its `pip install` part."""
+  with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    blocks = re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S)
+  commands = [b.replace("\\\n", " ") for b in blocks if "jupyter-execute" in b]
+  assert len(commands) == 1, "the README must give one notebook command"
+  parts = [p.strip() for p in commands[0].split("#")[0].split("&&")]
+  assert parts[0].startswith("pip install -e") and "notebooks" in parts[0], parts[0]
+  return " && ".join(parts[1:])
+
+
+def _run_readme_command(tmp_path):
+  """Runs the README's command in a copy of the repository's notebooks folder; checks the executed copy."""
+  shutil.copytree(os.path.join(ROOT, "notebooks"), tmp_path / "checkout" / "notebooks")
+  env = {**os.environ, "PYTHONPATH": ROOT,
+         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+  done = subprocess.run(["bash", "-c", readme_notebook_command()], cwd=tmp_path / "checkout", env=env,
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-3000:]
+  executed = glob.glob(str(tmp_path / "checkout" / "runs" / "**" / f"{README_NOTEBOOK}*.ipynb"), recursive=True)
+  assert len(executed) == 1, executed
+  book = nbformat.read(executed[0], as_version=4)
+  outputs = [o for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+  assert sum("image/png" in o.get("data", {}) for o in outputs) >= FIGURES[README_NOTEBOOK]
+  tables = [o["data"]["text/markdown"] for o in outputs if "text/markdown" in o.get("data", {})]
+  assert len(tables) >= 2 and all("|" in t for t in tables)  # the router and per-layer tables
 
 
 def path_of(name):

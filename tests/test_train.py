@@ -19,7 +19,7 @@ from k3jax.train.config_files import load_config_file
 from k3jax.train.metrics import MetricWriter, read_jsonl
 from k3jax.train.optimizer import make_optimizer
 from k3jax.train.step import flatten_scalars, masked_cross_entropy
-from k3jax.train.trainer import NonFiniteLossError, train_and_evaluate
+from k3jax.train.trainer import NonFiniteLossError, PastNumStepsError, train_and_evaluate
 from tests.config_helpers import set_dotted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,7 +91,8 @@ def test_one_step_smoke_on_shrunk_tiny(tmp_path, caplog):
   # The summary labels the step-0 evaluation as such, never as final.
   line = report.summary(result)
   assert "eval at step 0:" in line and "final" not in line
-  assert "stopped by a signal at step 1" in line and "latest evaluation is from step 0" in line
+  assert "preempted by SIGTERM at step 1" in line and "latest evaluation is from step 0" in line
+  assert result["signal"] == "SIGTERM"
   saved = json.loads((tmp_path / "config.json").read_text())
   assert saved["model"]["layer_pattern"] == "KA" and saved["num_steps"] == 5
   train = read_jsonl(str(tmp_path / "metrics.jsonl"), "train")
@@ -256,6 +257,55 @@ def test_resumable_config_changes_are_allowed_and_logged(tmp_path, caplog):
   assert saved["num_steps"] == 3 and saved["optim"]["learning_rate"] == 1e-3
 
 
+def _raw_records(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_resume_moves_superseded_metric_records_aside_and_logs_every_eval(tmp_path, caplog):
+  # Checkpoints at 2 and 4; dropping 4 leaves the run as a kill before its save would: records of
+  # steps 3 and 4 (and a torn line) that the resumed run writes again.
+  overrides = {"num_steps": 4, "checkpoint_every": 2, "eval_every": 2, "progress_bar": True}
+  with caplog.at_level(logging.INFO, logger="k3jax.train.trainer"):
+    _, full = _standin_run(tmp_path, **overrides)
+  assert full["step"] == 4 and sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+  first_pass = _raw_records(tmp_path / "metrics.jsonl")
+  import shutil
+  shutil.rmtree(tmp_path / "checkpoints" / "4")
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 5, "split": "tra')
+  with caplog.at_level(logging.INFO, logger="k3jax.train.trainer"):
+    _, resumed = _standin_run(tmp_path, **overrides)
+  assert resumed["resumed_from"] == 2 and resumed["step"] == 4
+  records = _raw_records(tmp_path / "metrics.jsonl")
+  keys = [(r["split"], r["step"]) for r in records]
+  assert len(keys) == len(set(keys))  # one record per (split, step), without the readers' help
+  assert sorted(keys) == sorted((r["split"], r["step"]) for r in first_pass)
+  assert sorted(records, key=lambda r: (r["step"], r["split"])) == read_jsonl(str(tmp_path / "metrics.jsonl"))
+  backup = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+  moved = [json.loads(line) for line in backup[:-1]]
+  assert sorted((r["split"], r["step"]) for r in moved) == [("eval", 4), ("train", 3), ("train", 4)]
+  assert backup[-1] == '{"step": 5, "split": "tra'
+  assert "moved 4 record(s) past step 2" in caplog.text
+  # Each evaluation has its log line, the bar notwithstanding: steps 0, 2 and 4, then 4 again.
+  evals = [m for m in caplog.messages if m.startswith("eval at step ")]
+  assert [m.split(":")[0] for m in evals] == ["eval at step 0", "eval at step 2", "eval at step 4",
+                                              "eval at step 4"]
+  assert all("bpb=" in m for m in evals)
+
+
+def test_num_steps_at_or_below_the_saved_step_changes_nothing(tmp_path):
+  _standin_run(tmp_path, num_steps=3)
+  files = ("config.json", "metrics.jsonl")
+  before = {p: (tmp_path / p).read_bytes() for p in files}
+  with pytest.raises(PastNumStepsError, match=r"already at step 3, past num_steps=2: nothing to do"):
+    _standin_run(tmp_path, num_steps=2)
+  _, again = _standin_run(tmp_path, num_steps=3, log_every=3)  # log_every may change; nothing runs
+  assert again["nothing_to_do"] and again["step"] == 3
+  assert report.summary(again).startswith("run already at step 3 of num_steps=3: nothing to do")
+  assert {p: (tmp_path / p).read_bytes() for p in files} == before
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
+
+
 def test_diff_configs_splits_refused_from_allowed_fields():
   saved = {"seed": 0, "num_steps": 10, "model": {"d_model": 32, "kda_implementation": "pallas"},
            "parallel": {"expert": 2}, "data": {"paths": ["a"]}}
@@ -304,7 +354,8 @@ def test_summary_and_step_lines_label_every_number():
   assert line.endswith("eval at step 300: bpb=2.5000") and "step 100" not in line
   resumed = {"step": 26, "num_steps": 300, "evals": [], "interrupted": True, "resumed_from": 20}
   assert report.summary(resumed) == ("step 26 of 300 (resumed from step 20) | no evaluation in this "
-                                     "invocation | stopped by a signal at step 26 after saving a checkpoint")
+                                     "invocation | preempted by a signal at step 26: checkpoint saved, "
+                                     "the same command resumes from it")
   step = report.step_line(20, 300, {"loss": 3.25, "tokens_per_s": 2700.4, "mfu": 0.0123,
                                     "learning_rate": 3e-3})
   assert step == "step 20/300 loss=3.2500 tokens/s=2700 MFU=1.23% lr=0.003"

@@ -1,6 +1,7 @@
 """Loading `configs/*.py` files (each defines `get_config(arg=None)`) outside of absl flags."""
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import inspect
 import os
@@ -16,7 +17,7 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
   if arg is None and ":" in os.path.basename(path):
     path, arg = path.rsplit(":", 1)
   if not os.path.isfile(path):
-    raise ValueError(f"config file {path!r} does not exist")
+    raise ValueError(missing_file_message(path))
   name = "k3jax_config_" + os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
@@ -27,6 +28,20 @@ def load_config_file(path: str, arg: str | None = None) -> ml_collections.Config
   if arg is not None and not takes_arg:
     raise ValueError(f"config file {path!r} takes no argument, got {arg!r}")
   return module.get_config(arg) if arg is not None else module.get_config()
+
+
+def missing_file_message(path: str) -> str:
+  """`config file X does not exist`, with the closest file of its directory or the files there."""
+  folder = os.path.dirname(path) or "."
+  names = sorted(n for n in os.listdir(folder) if n.endswith(".py")) if os.path.isdir(folder) else []
+  close = difflib.get_close_matches(os.path.basename(path), names, n=1)
+  if close:
+    hint = f"; did you mean {os.path.join(os.path.dirname(path), close[0])!r}?"
+  elif names:
+    hint = f"; config files in {folder}: {', '.join(names)}"
+  else:
+    hint = f"; {folder} holds no config files (the presets are configs/*.py in the repository root)"
+  return f"config file {path!r} does not exist{hint}"
 
 
 def sibling_config(this_file: str, relpath: str, arg: str | None = None) -> ml_collections.ConfigDict:

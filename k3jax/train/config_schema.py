@@ -1,15 +1,19 @@
 """Typed validation of the whole training ConfigDict, run before any compute.
 
-`validate(config)` raises ValueError naming the key, the value and what is
-allowed for: unknown keys (with a did-you-mean), missing keys, wrong types,
-out-of-range values and unsafe combinations. It returns the `ModelConfig`.
+`validate(config)` raises `ConfigError` (a ValueError) naming the key, the
+value and what is allowed for: unknown keys (with a did-you-mean, or the level
+where a misplaced field lives), missing keys, wrong types, out-of-range values
+and unsafe combinations. It returns the `ModelConfig`.
 `parallel_config(config, num_devices)` repeats the mesh checks with the
 device count known (an axis of -1 resolved) and returns the `ParallelConfig`.
+`unknown_field_message(dotted)` explains a `--config.a.b` override that names
+no field.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 from typing import Any, Mapping
 
@@ -17,6 +21,7 @@ from k3jax.data.corpus import BYTE_VOCAB_SIZE
 from k3jax.data.mqar import check_mqar
 from k3jax.configdict import to_plain as _to_plain
 from k3jax.data.token_file import TOKEN_DTYPES
+from k3jax.train.cli_errors import InputError
 
 _NUM = (int, float)
 _SEQ = (list, tuple)
@@ -46,16 +51,91 @@ DATA_KINDS = ("bytes", "token_file", "mqar")
 MAX_LEARNING_RATE = 0.05
 
 
+class ConfigError(InputError):
+  """A config value, key or combination the trainer cannot run; the message names it and the limit."""
+
+
+def _as_config_error(fn):
+  """Re-raises the ValueErrors of a check (the data and model modules' own included) as ConfigError,
+  with the model's own field names (`ModelConfig.g_min`) spelled as config fields (`model.g_min`)."""
+  @functools.wraps(fn)
+  def checked(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except ConfigError:
+      raise
+    except ValueError as e:
+      text = str(e).replace("ModelConfig.", "config model.").replace("RouterConfig.", "config model.router.")
+      raise ConfigError(text if text.startswith("config") else f"config: {text}") from e
+  return checked
+
+
+def _section_fields() -> dict[str, list[str]]:
+  """{section ("" = top level): its field names}, for every section a dotted config key can name."""
+  from k3jax.models.config import ModelConfig  # the model package is heavy; import on use
+  from k3jax.routing.config import RouterConfig
+  return {"": [*TOP_LEVEL, "parallel"], "data": list(DATA), "optim": list(OPTIM), "parallel": list(PARALLEL),
+          "model": [f.name for f in dataclasses.fields(ModelConfig)],
+          "model.router": [f.name for f in dataclasses.fields(RouterConfig)]}
+
+
+def _homes(name: str, sections: Mapping[str, list[str]]) -> list[str]:
+  """The dotted keys of every field called `name`."""
+  return [f"{where}.{name}" if where else name for where, fields in sections.items() if name in fields]
+
+
+def _level(where: str) -> str:
+  return f"under {where.rstrip('.')!r}" if where else "at the top level"
+
+
+def _unknown_key(where: str, key: str, allowed, sections: Mapping[str, list[str]], rest: str = "") -> str:
+  """Why `where + key` names no field: the level where a field of that name lives, or the closest name.
+
+  `rest` is the remainder of an override's path below `key` (".name" of `router.name`).
+  """
+  dotted = where + key
+  homes = [h for h in _homes(key, sections) if h != dotted]
+  if homes:
+    levels = " and ".join(f"{h!r}" + (" (top level)" if "." not in h else "") for h in homes)
+    return (f"config {dotted + rest!r} names no field: {key} lives at {levels}, not {_level(where)}. "
+            f"Use --config.{homes[0] + rest}=VALUE (or set it there in the config file).")
+  close = difflib.get_close_matches(key, list(allowed), n=1)
+  hint = f"; did you mean {where + close[0]!r}?" if close else "."
+  return f"unknown config key {dotted!r}{hint} Allowed {_level(where)}: {sorted(allowed)}"
+
+
+def unknown_field_message(dotted: str) -> str | None:
+  """Why the dotted config key `a.b.c` (an override's path) names no field, or None when it does.
+
+  Walks the sections from the top: a misspelt section or field gets the closest
+  name, a field at the wrong level the level where it lives, and a path through
+  a plain field says so.
+  """
+  sections = _section_fields()
+  section = ""
+  parts = dotted.split(".")
+  for i, part in enumerate(parts):
+    if section == "parallel.rules":  # logical axis names: ParallelConfig checks them
+      return None
+    if section not in sections:
+      return (f"config {section!r} is a field, not a section, so {dotted!r} names nothing. "
+              f"Use --config.{section}=VALUE.")
+    if part not in sections[section]:
+      rest = "".join("." + p for p in parts[i + 1:])
+      return _unknown_key(section + "." if section else "", part, sections[section], sections, rest)
+    section = f"{section}.{part}" if section else part
+  return None
+
+
 def _check_keys(section: Mapping[str, Any], allowed, where: str, *, require_all: bool = True) -> None:
   allowed = list(allowed)
   for key in section:
     if key not in allowed:
-      close = difflib.get_close_matches(key, allowed, n=1)
-      hint = f"; did you mean {where + close[0]!r}?" if close else ""
-      raise ValueError(f"unknown config key {where + key!r}{hint} Allowed: {sorted(allowed)}")
+      raise ConfigError(_unknown_key(where, key, allowed, _section_fields()))
   missing = [k for k in allowed if k not in section]
   if missing and require_all:
-    raise ValueError(f"config is missing keys {[where + m for m in missing]}")
+    raise ConfigError(f"config is missing keys {[where + m for m in missing]}; start the config "
+                      "file from k3jax.train.defaults.base_config(), which sets every field")
 
 
 def _check_types(section: Mapping[str, Any], spec: Mapping[str, Any], where: str) -> None:
@@ -66,12 +146,12 @@ def _check_types(section: Mapping[str, Any], spec: Mapping[str, Any], where: str
     ok = isinstance(value, want) and not (isinstance(value, bool) and want in (int, _NUM))
     if not ok:
       names = "/".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
-      raise ValueError(f"config {where}{key}={value!r} has type {type(value).__name__}; expected {names}")
+      raise ConfigError(f"config {where}{key}={value!r} has type {type(value).__name__}; expected {names}")
 
 
 def _require(cond: bool, msg: str) -> None:
   if not cond:
-    raise ValueError(msg)
+    raise ConfigError(msg)
 
 
 def model_config_from(model_section: Mapping[str, Any]):
@@ -98,8 +178,9 @@ def _check_model_keys(model_section: Mapping[str, Any]) -> None:
                 "model.router.", require_all=False)
 
 
+@_as_config_error
 def validate(config: Any):
-  """Validates a full training config; returns the built `ModelConfig`. Raises ValueError."""
+  """Validates a full training config; returns the built `ModelConfig`. Raises ConfigError."""
   c = _to_plain(config)
   _check_keys(c, [*TOP_LEVEL, "parallel"], "", require_all=False)
   _check_keys({k: v for k, v in c.items() if k != "parallel"}, TOP_LEVEL, "")
@@ -170,7 +251,7 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
   rules = section.get("rules") or {}
   for name, target in rules.items():
     if not isinstance(target, RULE_TYPES):
-      raise ValueError(f"config parallel.rules.{name}={target!r} has type {type(target).__name__}; "
+      raise ConfigError(f"config parallel.rules.{name}={target!r} has type {type(target).__name__}; "
                        "expected a string of comma-separated mesh axes ('' = replicated)")
   try:
     pconf = pconfig_lib.ParallelConfig.from_trainer_config(section)
@@ -178,7 +259,7 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
     if num_devices is not None:
       sizes = dict(zip(mesh_lib.AXES, mesh_lib.resolve_sizes(pconf.mesh, num_devices)))
   except ValueError as e:
-    raise ValueError(f"config parallel: {e}") from None
+    raise ConfigError(f"config parallel: {e}") from None
 
   def product(axes) -> int:  # over the known sizes; an unresolved -1 counts as 1
     return math.prod(max(sizes[a], 1) for a in axes)
@@ -223,6 +304,7 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
   return pconf, sizes
 
 
+@_as_config_error
 def parallel_config(config: Any, num_devices: int):
   """Validates `config` for a run on `num_devices` devices.
 

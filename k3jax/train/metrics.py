@@ -18,15 +18,56 @@ def _to_float(v: Any) -> float | None:
   return f
 
 
+SUPERSEDED_FILE = "metrics.superseded.jsonl"
+
+
+def drop_superseded(workdir: str, last_kept_step: int) -> int:
+  """Moves the records past `last_kept_step` out of `<workdir>/metrics.jsonl`; returns how many lines moved.
+
+  A run that resumes from the checkpoint of step s redoes the steps after s,
+  so their old records (and lines torn by a kill) are superseded: they are
+  appended to `<workdir>/metrics.superseded.jsonl`, a backup, and the file
+  keeps the records of steps <= s. `last_kept_step=-1` (a fresh start) moves
+  every line. The backup is written before the file is replaced, so a kill
+  in between loses nothing.
+  """
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return 0
+  kept, dropped = [], []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      line = line.rstrip("\n") + "\n"
+      try:
+        whole = int(json.loads(line)["step"]) <= last_kept_step
+      except (ValueError, TypeError, KeyError):
+        whole = False  # not a whole record
+      (kept if whole else dropped).append(line)
+  if not dropped:
+    return 0
+  with open(os.path.join(workdir, SUPERSEDED_FILE), "a", encoding="utf-8") as f:
+    f.writelines(dropped)
+    f.flush()
+    os.fsync(f.fileno())
+  tmp = path + ".partial"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+  return len(dropped)
+
+
 class MetricWriter:
   """Writes `{"step", "split", ...}` records to `<workdir>/metrics.jsonl` and TensorBoard under `<workdir>/tb`.
 
-  A resumed run appends; if a run died after its last checkpoint, a step can
-  appear twice and readers keep the last record per (split, step).
-  Pass `enabled=False` on non-zero processes.
+  The writer appends. The trainer first calls `drop_superseded` on resume, so
+  that each (split, step) has one record; `purge_step` tells TensorBoard to
+  drop its events from that step on. Pass `enabled=False` on non-zero processes.
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+               purge_step: int | None = None):
     self.enabled = enabled
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._jsonl = None
@@ -43,7 +84,7 @@ class MetricWriter:
       except ImportError:
         logging.warning("tensorboardX is not installed: metrics go to %s only", self.path)
       else:
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=purge_step)
 
   def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
     """Writes one record; non-finite numbers are written as null in JSON and skipped in TensorBoard."""
@@ -83,8 +124,10 @@ def _ends_mid_line(path: str) -> bool:
 def read_jsonl(path: str, split: str | None = None) -> list[dict[str, Any]]:
   """Reads a metrics file, keeping the last record per (split, step), sorted by step.
 
-  Lines that are not whole records (torn when a run was killed mid-write; a
-  resumed run continues on the next line) are skipped with a warning.
+  The trainer leaves one record per (split, step) (see `drop_superseded`);
+  keeping the last one also reads files that other writers appended to. Lines
+  that are not whole records (torn when a run was killed mid-write) are
+  skipped with a warning.
   """
   latest: dict[tuple[str, int], dict[str, Any]] = {}
   torn = []

@@ -36,8 +36,12 @@ def summary(result: Mapping[str, Any]) -> str:
 
   Names the step reached, then the evaluations this invocation made (the first
   and the last when there were more), each labelled by its step; a run stopped
-  by a signal says so, and says when its last evaluation is older than its step.
+  by a signal says that it was preempted, at which step, and when its last
+  evaluation is older than its step.
   """
+  if result.get("nothing_to_do"):
+    return (f"run already at step {result['step']} of num_steps={result['num_steps']}: nothing to do "
+            "(give a larger --config.num_steps to continue it)")
   evals: Sequence[tuple[int, Mapping[str, float]]] = result.get("evals") or []
   parts = [f"step {result['step']} of {result['num_steps']}"]
   if result.get("resumed_from") is not None:
@@ -47,7 +51,9 @@ def summary(result: Mapping[str, Any]) -> str:
   if not evals:
     parts.append("no evaluation in this invocation")
   if result.get("interrupted"):
-    stop = f"stopped by a signal at step {result['step']} after saving a checkpoint"
+    by = result.get("signal") or "a signal"
+    stop = (f"preempted by {by} at step {result['step']}: checkpoint saved, the same command "
+            "resumes from it")
     if evals and evals[-1][0] != result["step"]:
       stop += f"; the latest evaluation is from step {evals[-1][0]}"
     parts.append(stop)

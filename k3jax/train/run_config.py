@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any
 
+from k3jax.train.cli_errors import InputError
+
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 
@@ -29,7 +31,7 @@ RESUMABLE = (
 )
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(InputError):
   """The new config changes fields that the run's checkpoints depend on."""
 
 

@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import os
+import signal
+import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -24,9 +26,11 @@ from k3jax.parallel import rules as rules_lib
 from k3jax.parallel import training
 from k3jax.train import report
 from k3jax.train import run_config
+from k3jax.train import workdir_lock
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
-from k3jax.train.config_schema import parallel_config
-from k3jax.train.metrics import MetricWriter
+from k3jax.train.cli_errors import InputError
+from k3jax.train.config_schema import ConfigError, parallel_config
+from k3jax.train.metrics import MetricWriter, drop_superseded
 from k3jax.train.optimizer import make_optimizer
 from k3jax.train.state import create_train_state, param_count
 from k3jax.train.step import make_eval_step, make_train_step
@@ -87,11 +91,11 @@ def _devices(config: Any, nproc: int) -> list:
   devices = jax.devices()
   n = config.num_devices
   if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-    raise ValueError(f"config num_devices={n!r} must be an int >= 0 (0 = all devices)")
+    raise ConfigError(f"config num_devices={n!r} must be an int >= 0 (0 = all devices)")
   if n:
     if n > len(devices) or nproc > 1:
-      raise ValueError(f"config num_devices={n}: {len(devices)} devices in "
-                       f"{nproc} process(es); use 0 (all) for multi-process runs")
+      raise ConfigError(f"config num_devices={n}: {len(devices)} devices in "
+                        f"{nproc} process(es); use 0 (all) for multi-process runs")
     devices = devices[:n]
   return devices
 
@@ -116,6 +120,38 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
 
+class PastNumStepsError(InputError):
+  """The run directory's checkpoint is past the config's num_steps: nothing to do, nothing changed."""
+
+
+def _log_above_bar(bar_enabled: bool, message: str) -> None:
+  """Logs an INFO line; with a progress bar, clears the bar first and redraws it after."""
+  if bar_enabled:
+    with tqdm.external_write_mode(file=sys.stderr):
+      log.info(message)
+  else:
+    log.info(message)
+
+
+def _lock_all_processes(lock: workdir_lock.WorkdirLock | None, workdir: str, nproc: int) -> None:
+  """Process 0 takes the run directory's lock; in a multi-process run every process learns
+  whether it did, so that none is left waiting in a collective when it could not."""
+  error = None
+  if lock is not None:
+    try:
+      lock.acquire()
+    except workdir_lock.WorkdirLockedError as e:
+      error = e
+  if nproc > 1:
+    from jax.experimental import multihost_utils
+    locked = bool(np.all(multihost_utils.process_allgather(np.array(error is None))))
+    if not locked and error is None:
+      raise workdir_lock.WorkdirLockedError(f"process 0 could not take the lock of {workdir}; its "
+                                            "error message names the trainer that holds it")
+  if error is not None:
+    raise error
+
+
 def _non_finite_message(step: int, host: dict, start: int, restored, last: int | None,
                         directory: str) -> str:
   if restored is None:
@@ -138,12 +174,17 @@ def train_and_evaluate(config: Any, workdir: str, *,
 
   Writes `config.json`, `metrics.jsonl`, TensorBoard events under `tb/` and orbax
   checkpoints under `checkpoints/`. SIGTERM/SIGINT save a checkpoint and return
-  early. A non-finite loss raises `NonFiniteLossError` without saving.
+  early (`interrupted`). A non-finite loss raises `NonFiniteLossError` without saving.
 
   Nothing is written to `workdir` before the config, the data and (when
   resuming) the saved `config.json` have been checked: see `run_config` for the
-  fields that may change on resume. Resuming restores the newest checkpoint whose
-  checksums match; newer damaged ones are moved to `checkpoints.rejected/`.
+  fields that may change on resume. Then process 0 holds `workdir`'s lock
+  (`workdir_lock`) until it returns; a live trainer's lock is refused at once.
+  Resuming restores the newest checkpoint whose checksums match; newer damaged
+  ones are moved to `checkpoints.rejected/`. A checkpoint past `num_steps` is
+  refused (`PastNumStepsError`); one at `num_steps` returns at once
+  (`nothing_to_do`), neither changing anything. The metric records past the
+  restored step are superseded (`metrics.drop_superseded`).
 
   Args:
     config: the full ConfigDict (validated here before anything is computed).
@@ -154,13 +195,33 @@ def train_and_evaluate(config: Any, workdir: str, *,
     hooks: callables `hook(step, host_metrics)` run after every step (forces a
       host sync per step; meant for tests and notebooks).
 
+  Raises:
+    InputError: a configuration or input error (ConfigError, ConfigMismatchError,
+      WorkdirLockedError, PastNumStepsError); nothing was trained or changed.
+
   Returns:
-    {"step", "num_steps", "interrupted", "train": last train record, "eval": last eval
+    {"step", "num_steps", "interrupted", "signal": the stopping signal's name (or None),
+     "nothing_to_do", "train": last train record, "eval": last eval
      record, "eval_step": its step, "evals": [(step, record)] of this invocation,
      "first_eval": eval record at step 0 of a fresh run (or None), "resumed_from": the
      restored step (or None), "skipped_checkpoints": [(step, reason)], "num_params",
      "mesh": {axis: size}}.
   """
+  is_main = jax.process_index() == 0
+  if is_main:  # a second trainer refuses before it spends time on data and compilation
+    workdir_lock.check_free(workdir)
+  lock = workdir_lock.WorkdirLock(workdir) if is_main else None
+  try:
+    return _train_and_evaluate(config, workdir, lock, model_fn, flops_per_token, hooks)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLock | None,
+                        model_fn: Callable[[nnx.Rngs], nnx.Module] | None,
+                        flops_per_token: float | None, hooks: Sequence[Hook]) -> dict[str, Any]:
+  """`train_and_evaluate` once `lock` (process 0's, not yet taken) is known."""
   nproc = jax.process_count()
   devices = _devices(config, nproc)
   ndev = len(devices)
@@ -177,13 +238,19 @@ def train_and_evaluate(config: Any, workdir: str, *,
   if resuming:  # before anything is read from or written to the run directory
     run_config.check_resume(workdir, config)
 
-  dataset = make_dataset(config.data, seed=config.seed)
-  dataset.check_seq_len(config.seq_len)
-  data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
-                          seed=config.seed, process_index=jax.process_index(), process_count=nproc)
-  rows = data_it._rows  # this process's rows of every global batch
-  eval_set = [{k: v[rows] for k, v in b.items()}
-              for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
+  try:
+    dataset = make_dataset(config.data, seed=config.seed)
+    dataset.check_seq_len(config.seq_len)
+    data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
+                            seed=config.seed, process_index=jax.process_index(), process_count=nproc)
+    rows = data_it._rows  # this process's rows of every global batch
+    eval_set = [{k: v[rows] for k, v in b.items()}
+                for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
+  except ValueError as e:  # the data modules name the file or the size; say which section to fix
+    if isinstance(e, InputError):
+      raise
+    raise ConfigError(f"config data (data.kind={config.data.kind!r}): {e}. Fix the data.* fields, "
+                      "or seq_len and batch_size.") from e
 
   mesh = pconf.make_mesh(devices)
 
@@ -208,8 +275,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
                                         config.num_steps)
   abstract_state = jax.eval_shape(lambda: create_train_state(model_fn, tx, config.seed)[1])
   shardings = rules_lib.tree_shardings(abstract_state, mesh, pconf.rules)
-  # Every check has passed: from here on the run directory is written.
-  os.makedirs(workdir, exist_ok=True)
+  # Every check has passed: from here on the run directory is written, under its lock.
+  _lock_all_processes(lock, workdir, nproc)
   ckpt = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
   restored = None
   if resuming:
@@ -218,9 +285,22 @@ def train_and_evaluate(config: Any, workdir: str, *,
                             abstract_state, training.full_shardings(shardings, abstract_state))
     try:
       restored = ckpt.restore_intact(template)
+      if restored is not None and restored.step > config.num_steps:
+        raise PastNumStepsError(
+            f"the run in {workdir} is already at step {restored.step}, past num_steps="
+            f"{config.num_steps}: nothing to do; nothing in {workdir} was changed (config.json "
+            f"included). To train it further, give --config.num_steps above {restored.step}; to start "
+            "a shorter run, give a new run directory.")
     except BaseException:
       ckpt.close()
       raise
+  if restored is not None and restored.step == config.num_steps and not restored.skipped:
+    ckpt.close()
+    log.info("the run in %s is already at step %d = num_steps: nothing to do", workdir, restored.step)
+    return {"first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
+            "interrupted": False, "signal": None, "nothing_to_do": True, "num_params": None,
+            "mesh": dict(mesh.shape), "num_steps": config.num_steps, "resumed_from": restored.step,
+            "skipped_checkpoints": [], "step": restored.step}
   if restored is not None:
     state = restored.state
     data_it.set_state(restored.data_state["iterator"])
@@ -243,8 +323,12 @@ def train_and_evaluate(config: Any, workdir: str, *,
     raise ValueError(f"checkpoint mismatch: state step {start}, data position {data_it.position}")
   if is_main:
     run_config.write_config(workdir, config)
+    dropped = drop_superseded(workdir, start if restored is not None else -1)
+    if dropped:
+      log.info("metrics.jsonl: moved %d record(s) past step %d, which this run redoes, to %s", dropped,
+               start, os.path.join(workdir, "metrics.superseded.jsonl"))
 
-  writer = MetricWriter(workdir, enabled=is_main)
+  writer = MetricWriter(workdir, enabled=is_main, purge_step=start + 1 if restored is not None else 0)
   bar_enabled = is_main and config.progress_bar and tqdm is not None
   log_lines = is_main and not bar_enabled  # without a bar, step lines go to the log
   peak = peak_flops_per_device(config)
@@ -266,13 +350,14 @@ def train_and_evaluate(config: Any, workdir: str, *,
     writer.write(step, "eval", record)
     result["evals"].append((step, record))
     result["eval"], result["eval_step"] = record, step
-    if log_lines:
-      log.info(report.eval_line(step, record))
+    if is_main:
+      _log_above_bar(bar_enabled and step > start, report.eval_line(step, record))
     return record
 
   result: dict[str, Any] = {
       "first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
-      "interrupted": False, "num_params": num_params, "mesh": dict(mesh.shape),
+      "interrupted": False, "signal": None, "nothing_to_do": False, "num_params": num_params,
+      "mesh": dict(mesh.shape),
       "num_steps": config.num_steps, "resumed_from": restored.step if restored else None,
       "skipped_checkpoints": restored.skipped if restored else []}
   if start == 0:
@@ -353,6 +438,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
           timer["time"] += time.perf_counter() - paused  # tokens/s counts training time only
           if stopping:
             result["interrupted"] = True
+            if guard.received is not None:
+              result["signal"] = signal.Signals(guard.received).name
             log.warning("stopping at step %d after a signal; checkpoint saved", step)
             break
         else:
