@@ -1,0 +1,117 @@
+"""Grouped matmuls on the tiled row layout (`layout.TileMap`), as Pallas kernels.
+
+    tiles = layout.tile_map(group_start, group_size, num_rows, block_m)
+    out_mn = gmm(x_nd, w_gkn, tiles, row_index=source_m)         # gathered rows
+    dw_gkn = tgmm(x_nd, dy_mn, tiles, lhs_index=source_m)        # weight gradient
+
+On the GPU both lower through Triton; `interpret=True` runs the same kernel
+bodies anywhere (CPU tests). Mosaic (TPU) has no row gather inside a
+kernel, so the TPU keeps XLA's own `ragged_dot` (see `k3jax.layers.grouped_matmul`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gmm import kernel_gmm, kernel_tgmm
+from pallas_kernels.gmm.config import GmmConfig, default_config
+from pallas_kernels.gmm.layout import TileMap
+
+
+def _check_index(name, index, num_rows):
+  if index is None:
+    return
+  if index.shape != (num_rows,) or not jnp.issubdtype(index.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an int array of shape ({num_rows},) (one entry per row "
+                     f"of the layout), got {index.dtype}{list(index.shape)}")
+
+
+def _config(config, dtype, tiles: TileMap, k, n) -> GmmConfig:
+  cfg = (config or default_config(dtype)).fit(k, n)
+  if cfg.block_m != tiles.block_m:
+    raise ValueError(f"config.block_m={cfg.block_m} differs from the layout's block_m="
+                     f"{tiles.block_m}: build the TileMap with the kernel's block_m")
+  return cfg
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, tiles: TileMap, *, row_index: jax.Array | None = None,
+        row_scale: jax.Array | None = None, transpose_rhs: bool = False, out_dtype=None,
+        config: GmmConfig | None = None, interpret: bool = False) -> jax.Array:
+  """out[m] = row_scale[m] * lhs_row(m) @ W[g(m)], W = rhs or rhs^T per group.
+
+  Args:
+    lhs: [R, K]. Without row_index R must be M, the layout's rows.
+    rhs: [G, K, N] (or [G, N, K] with transpose_rhs), in lhs's dtype.
+    tiles: the layout (M = tiles.num_rows rows in tiles of tiles.block_m).
+    row_index: [M] int; row m reads lhs[row_index[m]], a zero row when
+      row_index[m] >= R (an empty slot).
+    row_scale: [M] float, multiplies row m of the result.
+    transpose_rhs: contract with rhs's last axis (the dgrad of `gmm`).
+    out_dtype: result dtype (default lhs's).
+    config: tile sizes (default `default_config(lhs.dtype)`, fitted to K, N).
+    interpret: run the kernel body in the Pallas interpreter.
+
+  Returns:
+    [M, N] out_dtype; zero rows for padding tiles and empty slots.
+  """
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"gmm needs lhs [R, K] and rhs [G, K, N], got {lhs.shape} and {rhs.shape}")
+  num_groups, rk, rn = rhs.shape
+  k = lhs.shape[1]
+  kk, n = (rn, rk) if transpose_rhs else (rk, rn)
+  if kk != k:
+    raise ValueError(f"gmm contracts lhs's K={k} with rhs {rhs.shape} (transpose_rhs="
+                     f"{transpose_rhs}): the widths differ")
+  if num_groups != tiles.num_groups:
+    raise ValueError(f"rhs has {num_groups} groups, the layout {tiles.num_groups}")
+  if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
+    raise ValueError(f"gmm operands must share a dtype, got {lhs.dtype} and {rhs.dtype}: "
+                     "cast the weights to the compute dtype")
+  m = tiles.num_rows
+  if row_index is None and lhs.shape[0] != m:
+    raise ValueError(f"without row_index lhs needs the layout's {m} rows, got {lhs.shape[0]}")
+  _check_index("row_index", row_index, m)
+  if row_scale is not None and row_scale.shape != (m,):
+    raise ValueError(f"row_scale must have shape ({m},), got {row_scale.shape}")
+  cfg = _config(config, lhs.dtype, tiles, k, n)
+  index = None if row_index is None else row_index.astype(jnp.int32)
+  return kernel_gmm.gmm_call(lhs, rhs, tiles.tile_group, index, row_scale, num_rows=m,
+                             transpose_rhs=transpose_rhs, out_dtype=out_dtype or lhs.dtype,
+                             cfg=cfg, interpret=interpret)
+
+
+def tgmm(lhs: jax.Array, rhs: jax.Array, tiles: TileMap, *, lhs_index=None, lhs_scale=None,
+         rhs_index=None, rhs_scale=None, out_dtype=jnp.float32,
+         config: GmmConfig | None = None, interpret: bool = False) -> jax.Array:
+  """out[g] = sum_{m in group g} lhs_row(m)^T rhs_row(m), the weight gradient of `gmm`.
+
+  Args:
+    lhs: [R_l, K]; rhs: [R_r, N], one dtype. Each is read through its index
+      ([M] int, zero rows where the index is >= its rows) or, without one,
+      must have the layout's M rows; a scale ([M] float) multiplies its rows
+      before the product.
+    tiles: the layout.
+    out_dtype: result dtype (float32: the sum of many row products).
+    config, interpret: as `gmm`.
+
+  Returns:
+    [G, K, N] out_dtype; zeros for empty groups.
+  """
+  if lhs.ndim != 2 or rhs.ndim != 2:
+    raise ValueError(f"tgmm needs lhs [R, K] and rhs [R, N], got {lhs.shape} and {rhs.shape}")
+  if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
+    raise ValueError(f"tgmm operands must share a dtype, got {lhs.dtype} and {rhs.dtype}")
+  m = tiles.num_rows
+  for name, x, index, scale in (("lhs", lhs, lhs_index, lhs_scale),
+                                ("rhs", rhs, rhs_index, rhs_scale)):
+    if index is None and x.shape[0] != m:
+      raise ValueError(f"without {name}_index {name} needs the layout's {m} rows, "
+                       f"got {x.shape[0]}")
+    _check_index(f"{name}_index", index, m)
+    if scale is not None and scale.shape != (m,):
+      raise ValueError(f"{name}_scale must have shape ({m},), got {scale.shape}")
+  cfg = _config(config, lhs.dtype, tiles, lhs.shape[1], rhs.shape[1])
+  as_int = lambda i: None if i is None else i.astype(jnp.int32)
+  return kernel_tgmm.tgmm_call(lhs, rhs, tiles.group_tile_start, tiles.group_tile_count,
+                               as_int(lhs_index), lhs_scale, as_int(rhs_index), rhs_scale,
+                               num_rows=m, out_dtype=out_dtype, cfg=cfg, interpret=interpret)

@@ -1,0 +1,80 @@
+"""Tile sizes and launch options of the grouped matmuls, and their heuristic."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def _is_pow2(n) -> bool:
+  return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmConfig:
+  """One launch of `api.gmm` / `api.tgmm`.
+
+  Attributes:
+    block_m: rows per tile. Groups start on multiples of it (the layout's
+      alignment), so one tile never spans two groups.
+    block_n: output columns per program.
+    block_k: contraction slice per step of the inner loop.
+    group_m: row tiles per launch group of `gmm`: programs run every column
+      tile of `group_m` consecutive row tiles before the next rows, so a
+      gathered row tile is read from memory once and reused from L2 by its
+      N / block_n column tiles (1: all columns of one row tile in turn).
+    num_warps, num_stages: Triton launch options (GPU only).
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  group_m: int = 8
+  num_warps: int = 8
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_m", "block_n", "block_k"):
+      value = getattr(self, name)
+      if not _is_pow2(value) or value < 16:
+        raise ValueError(f"GmmConfig.{name}={value!r}; must be a power of two >= 16 "
+                         "(Triton tiles are powers of two; tensor cores take 16)")
+    if not (isinstance(self.group_m, int) and self.group_m >= 1):
+      raise ValueError(f"GmmConfig.group_m={self.group_m!r}; must be an int >= 1")
+    if not _is_pow2(self.num_warps) or self.num_warps > 16:
+      raise ValueError(f"GmmConfig.num_warps={self.num_warps!r}; must be 1, 2, 4, 8 or 16")
+    if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+      raise ValueError(f"GmmConfig.num_stages={self.num_stages!r}; must be an int >= 1")
+
+  def fit(self, k: int, n: int) -> "GmmConfig":
+    """This config with block_k and block_n shrunk to divide K and N.
+
+    Raises:
+      ValueError: K or N is not a multiple of 16.
+    """
+    for name, size in (("K", k), ("N", n)):
+      if size % 16:
+        raise ValueError(f"grouped matmul {name}={size} must be a multiple of 16 (pad the "
+                         "expert width or the model width to a multiple of 16)")
+    return dataclasses.replace(self, block_k=min(self.block_k, k & -k),
+                               block_n=min(self.block_n, n & -n))
+
+
+def default_config(dtype=jnp.bfloat16) -> GmmConfig:
+  """The heuristic: 128 x 128 result tiles, 64-deep slices of 16-bit operands,
+  8 warps and 3 pipeline stages; float32 operands take twice the shared
+  memory, so 64-wide result tiles, 32-deep slices and 2 stages (the weight
+  gradient's 128-row steps need 392 KB at 128 x 128 and 3 stages, past the
+  H200's 227 KB). Compiled for sm_90a, 8 warps hold the [128, 128] float32
+  accumulator and the gathered rows' addresses without spilling (4 warps
+  spill in both kernels; 256-wide tiles spill at 8), and every product is a
+  wgmma."""
+  if jnp.dtype(dtype).itemsize >= 4:
+    return GmmConfig(block_n=64, block_k=32, num_stages=2)
+  return GmmConfig()
+
+
+def on_gpu() -> bool:
+  """Whether the default backend is an NVIDIA GPU (the Triton kernels' target)."""
+  return jax.default_backend() == "gpu"

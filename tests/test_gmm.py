@@ -1,0 +1,179 @@
+"""The Pallas grouped matmuls (`pallas_kernels.gmm`) against plain-jnp references:
+uneven, empty and long groups, gathered and scaled rows, both products and the
+weight gradient; interpret mode here, the Triton kernels in the GPU twins."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.gmm import api, layout, reference
+from pallas_kernels.gmm.config import GmmConfig, default_config
+
+SMALL = GmmConfig(block_m=16, block_n=16, block_k=16)
+
+
+def _layout(sizes, block_m, spare_tiles=1):
+  """Groups of `sizes` rows packed on tile boundaries, plus spare (unowned) tiles."""
+  padded = layout.round_up(np.asarray(sizes), block_m)
+  starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+  num_rows = int(padded.sum()) + spare_tiles * block_m
+  tiles = layout.tile_map(jnp.asarray(starts), jnp.asarray(sizes), num_rows, block_m)
+  return tiles, starts
+
+
+def _row_index(rng, sizes, starts, num_rows, source_rows):
+  """Each group's rows read random sources; padding rows read the empty sentinel."""
+  index = np.full(num_rows, source_rows)
+  for start, size in zip(starts, sizes):
+    index[start:start + size] = rng.integers(0, source_rows, size)
+  return jnp.asarray(index, jnp.int32)
+
+
+# Uneven groups, an empty first and a middle one, one group of several tiles.
+SIZES = [0, 20, 0, 53, 5, 16]
+
+
+def test_tile_map_owners_and_counts():
+  tiles, _ = _layout(SIZES, 16, spare_tiles=2)
+  np.testing.assert_array_equal(tiles.tile_group, [1, 1, 3, 3, 3, 3, 4, 5, -1, -1])
+  np.testing.assert_array_equal(tiles.group_tile_count, [0, 2, 0, 4, 1, 1])
+  np.testing.assert_array_equal(tiles.group_tile_start, [0, 0, 2, 2, 6, 7])
+  with pytest.raises(ValueError, match="multiple of block_m"):
+    layout.tile_map(jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32), 40, 16)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_gmm_matches_reference(gathered, transpose_rhs):
+  rng = np.random.default_rng(0)
+  tiles, starts = _layout(SIZES, 16)
+  m, k, n, source_rows = tiles.num_rows, 48, 32, 70
+  g = len(SIZES)
+  rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
+  rhs = jnp.asarray(rng.standard_normal(rhs_shape), jnp.float32)
+  kw = dict(transpose_rhs=transpose_rhs)
+  if gathered:
+    lhs = jnp.asarray(rng.standard_normal((source_rows, k)), jnp.float32)
+    kw.update(row_index=_row_index(rng, SIZES, starts, m, source_rows),
+              row_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
+  else:
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  out = api.gmm(lhs, rhs, tiles, config=SMALL, interpret=True, **kw)
+  want = reference.gmm_reference(lhs, rhs, tiles, **kw)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+  # Padding: the spare tile and every empty slot's row are written as zeros.
+  np.testing.assert_array_equal(np.asarray(out)[-16:], 0.0)
+  if gathered:
+    np.testing.assert_array_equal(np.asarray(out)[np.asarray(kw["row_index"]) >= source_rows], 0)
+
+
+@pytest.mark.parametrize("lhs_gathered, rhs_scaled", [(True, True), (False, False)])
+def test_tgmm_matches_reference(lhs_gathered, rhs_scaled):
+  rng = np.random.default_rng(1)
+  tiles, starts = _layout(SIZES, 16)
+  m, k, n, source_rows = tiles.num_rows, 32, 48, 70
+  kw = {}
+  if lhs_gathered:
+    lhs = jnp.asarray(rng.standard_normal((source_rows, k)), jnp.float32)
+    kw.update(lhs_index=_row_index(rng, SIZES, starts, m, source_rows),
+              lhs_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
+  else:
+    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  if rhs_scaled:
+    kw.update(rhs_index=_row_index(rng, SIZES, starts, m, m),
+              rhs_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
+  out = api.tgmm(lhs, rhs, tiles, config=SMALL, interpret=True, **kw)
+  want = reference.tgmm_reference(lhs, rhs, tiles, **kw)
+  assert out.shape == (len(SIZES), k, n) and out.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-4, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(out)[[0, 2]], 0.0)  # empty groups
+
+
+def test_config_and_argument_errors():
+  tiles, _ = _layout([16, 16], 16)
+  x = jnp.zeros((tiles.num_rows, 32))
+  w = jnp.zeros((2, 32, 32))
+  with pytest.raises(ValueError, match="power of two"):
+    GmmConfig(block_n=96)
+  with pytest.raises(ValueError, match="multiple of 16"):
+    default_config().fit(40, 32)
+  assert default_config().fit(48, 96).block_k == 16 and default_config().fit(48, 96).block_n == 32
+  with pytest.raises(ValueError, match="block_m"):
+    api.gmm(x, w, tiles, config=GmmConfig(block_m=32), interpret=True)
+  with pytest.raises(ValueError, match="share a dtype"):
+    api.gmm(x, w.astype(jnp.bfloat16), tiles, config=SMALL, interpret=True)
+  with pytest.raises(ValueError, match="groups"):
+    api.gmm(x, jnp.zeros((3, 32, 32)), tiles, config=SMALL, interpret=True)
+  with pytest.raises(ValueError, match="row_index"):
+    api.gmm(x, w, tiles, row_index=jnp.zeros(5, jnp.int32), config=SMALL, interpret=True)
+  with pytest.raises(ValueError, match="layout's"):
+    api.tgmm(x[:8], x, tiles, config=SMALL, interpret=True)
+
+
+def test_tile_order_visits_every_tile_once():
+  from pallas_kernels.gmm.kernel_gmm import tile_of
+  for num_m, num_n, group_m in [(10, 3, 4), (7, 12, 8), (5, 1, 1), (3, 4, 100)]:
+    pids = jnp.arange(num_m * num_n)
+    i, j = tile_of(pids, num_m, num_n, group_m)
+    assert sorted(zip(np.asarray(i).tolist(), np.asarray(j).tolist())) == [
+        (a, b) for a in range(num_m) for b in range(num_n)]
+    # Within a launch group every column tile of its rows comes before the next group.
+    assert np.all(np.diff(np.asarray(i) // group_m) >= 0)
+
+
+# The five calls of the MoE layer (`k3jax.layers.routed_gmm`), each a GPU twin:
+# (gmm or tgmm, lhs gathered, lhs scaled, rhs gathered, rhs scaled, transposed).
+LAYER_CALLS = {
+    "gate_up: gmm, rows gathered": ("gmm", True, False, False, False, False),
+    "out: gmm, plain rows": ("gmm", False, False, False, False, False),
+    "dh: gmm, rows gathered and scaled, rhs transposed": ("gmm", True, True, False, False, True),
+    "dx: gmm, plain rows, rhs transposed": ("gmm", False, False, False, False, True),
+    "dW_out: tgmm, rhs gathered and scaled": ("tgmm", False, False, True, True, False),
+    "dW_in: tgmm, lhs gathered": ("tgmm", True, False, False, False, False),
+    "tgmm, both gathered and scaled": ("tgmm", True, True, True, True, False),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("call", list(LAYER_CALLS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_kernel_calls_match_reference(call, dtype):
+  """Each operand form the layer uses, on a routed layout of realistic size."""
+  kind, lhs_index, lhs_scale, rhs_index, rhs_scale, transpose = LAYER_CALLS[call]
+  rng = np.random.default_rng(3)
+  cfg = default_config(dtype)
+  sizes = [0, 300, 1, 700, 0, 129, 2000, 64]    # empty, ragged and many-tile groups
+  tiles, starts = _layout(sizes, cfg.block_m)
+  m, k, n, source_rows = tiles.num_rows, 384, 256, 3000
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+  scale = lambda: jnp.asarray(rng.uniform(0.5, 1.5, m), jnp.float32)
+  tol = 1e-5 if dtype == jnp.float32 else 1e-2
+  if kind == "gmm":
+    kw = {"transpose_rhs": transpose}
+    if lhs_index:
+      kw["row_index"] = _row_index(rng, sizes, starts, m, source_rows)
+    if lhs_scale:
+      kw["row_scale"] = scale()
+    x = normal(source_rows if lhs_index else m, k)
+    w = normal(*((len(sizes), n, k) if transpose else (len(sizes), k, n))) * k ** -0.5
+    out = api.gmm(x, w.astype(dtype), tiles, out_dtype=jnp.float32, **kw)
+    want = reference.gmm_reference(x, w.astype(dtype), tiles, **kw)
+  else:
+    kw = {}
+    if lhs_index:
+      kw["lhs_index"] = _row_index(rng, sizes, starts, m, source_rows)
+    if lhs_scale:
+      kw["lhs_scale"] = scale()
+    if rhs_index:
+      kw["rhs_index"] = _row_index(rng, sizes, starts, m, source_rows)
+    if rhs_scale:
+      kw["rhs_scale"] = scale()
+    x = normal(source_rows if lhs_index else m, k)
+    y = normal(source_rows if rhs_index else m, n)
+    out = api.tgmm(x, y, tiles, **kw)
+    want = reference.tgmm_reference(x, y, tiles, **kw)
+    np.testing.assert_array_equal(np.asarray(out)[[0, 4]], 0.0)  # empty groups
+  top = float(jnp.abs(want).max())
+  np.testing.assert_allclose(np.asarray(out) / top, np.asarray(want) / top, atol=tol,
+                             err_msg=call)
