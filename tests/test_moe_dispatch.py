@@ -12,6 +12,7 @@ from k3jax.layers import grouped_matmul
 from k3jax.layers import moe
 from k3jax.layers import moe_dispatch
 from k3jax.routing import RouterConfig
+from pallas_kernels.gmm.config import GmmConfig
 
 TOL = {jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5)}
 
@@ -42,20 +43,26 @@ def _plan_reference(group, kept, groups, cap):
   return slot, order
 
 
-@pytest.mark.parametrize("positions", ["sort", "count"])
+@pytest.mark.parametrize("positions, align", [("sort", 1), ("count", 1), ("count", 8)])
 @pytest.mark.parametrize("cap", [None, 4, 9])
-def test_plan_matches_a_plain_loop(cap, positions):
+def test_plan_matches_a_plain_loop(cap, positions, align):
   group, kept = _assignments(0)
   groups = 5
   plan = moe_dispatch.plan_slots(jnp.asarray(group), jnp.asarray(kept), groups, cap,
-                                 positions=positions)
+                                 positions=positions, align=align)
   rank, order = _plan_reference(group, kept, groups, cap)
   n, k = group.shape
-  num_slots = n * k if cap is None else groups * cap
-  assert plan.num_slots == num_slots
+  up = lambda x: -(-x // align) * align
+  num_slots = up(n * k + groups * (align - 1)) if cap is None else groups * up(cap)
+  assert plan.num_slots == num_slots and plan.align == align
   sizes = np.array([len(o) for o in order])
   np.testing.assert_array_equal(np.asarray(plan.group_sizes), sizes)
-  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if cap is None else np.arange(groups) * cap
+  if cap is None:
+    padded = up(sizes)
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+  else:
+    starts = np.arange(groups) * up(cap)
+  np.testing.assert_array_equal(np.asarray(plan.group_starts), starts)
   want_slot = np.where(rank >= 0, starts[group] + np.maximum(rank, 0), num_slots)
   np.testing.assert_array_equal(np.asarray(plan.slot_nk), want_slot)
   want_assign = np.full(num_slots, n * k)
@@ -147,14 +154,23 @@ def _value_and_grads(layer, x, ct):
   return nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))(layer, x)
 
 
-@pytest.mark.parametrize("impl, router, cf", [
-    ("buffered", "topk", 0.8), ("buffered", "quantile", 1.25), ("ragged", "topk", 0.8),
-    ("ragged", "quantile", None)])
-def test_grouped_modes_equal_dense_reference_forward_and_gradients(impl, router, cf):
+# The Pallas grouped matmuls (interpret mode here) need widths that are multiples of 16.
+PALLAS = dict(grouped_backend="pallas", d_model=32, expert_hidden=16,
+              gmm_config=GmmConfig(block_m=16, block_n=16, block_k=16))
+
+
+@pytest.mark.parametrize("impl, router, cf, backend", [
+    ("buffered", "topk", 0.8, "auto"), ("buffered", "quantile", 1.25, "auto"),
+    ("ragged", "topk", 0.8, "auto"), ("ragged", "quantile", None, "auto"),
+    ("buffered", "topk", 0.8, "pallas"), ("ragged", "topk", 0.8, "pallas"),
+    ("ragged", "quantile", None, "pallas")])
+def test_grouped_modes_equal_dense_reference_forward_and_gradients(impl, router, cf, backend):
   # Plain top-k under a tight capacity both drops and reassigns assignments.
-  layer, dense = _layer_pair(impl, cf, router=router)
+  kw = PALLAS if backend == "pallas" else {}
+  layer, dense = _layer_pair(impl, cf, router=router, **kw)
   keys = jax.random.split(jax.random.key(4), 2)
-  x = jax.random.normal(keys[0], (2, 45, 24))  # 90 tokens: not a multiple of E
+  # 90 tokens: not a multiple of E
+  x = jax.random.normal(keys[0], (2, 45, layer.config.d_model))
   ct = jax.random.normal(keys[1], x.shape)
   (v, aux), (g, dx) = _value_and_grads(layer, x, ct)
   (v_ref, aux_ref), (g_ref, dx_ref) = _value_and_grads(dense, x, ct)
@@ -172,9 +188,11 @@ def test_grouped_modes_equal_dense_reference_forward_and_gradients(impl, router,
     assert np.abs(np.asarray(var.get_value())).max() > 0, path
 
 
-@pytest.mark.parametrize("impl, cf", [("buffered", 1.0), ("ragged", None)])
-def test_one_trace_per_shape(impl, cf):
-  layer, _ = _layer_pair(impl, cf)
+@pytest.mark.parametrize("impl, cf, backend", [("buffered", 1.0, "auto"), ("ragged", None, "auto"),
+                                               ("ragged", None, "pallas")])
+def test_one_trace_per_shape(impl, cf, backend):
+  layer, _ = _layer_pair(impl, cf, **(PALLAS if backend == "pallas" else {}))
+  d = layer.config.d_model
   traces = []
 
   @nnx.jit
@@ -183,9 +201,9 @@ def test_one_trace_per_shape(impl, cf):
     return layer(x, deterministic=True)[0]
 
   for seed in range(3):
-    apply(layer, jax.random.normal(jax.random.key(seed), (2, 16, 24)))
+    apply(layer, jax.random.normal(jax.random.key(seed), (2, 16, d)))
   assert len(traces) == 1
-  apply(layer, jax.random.normal(jax.random.key(9), (2, 24, 24)))
+  apply(layer, jax.random.normal(jax.random.key(9), (2, 24, d)))
   assert len(traces) == 2
 
 
@@ -205,12 +223,20 @@ def test_backend_choices_and_errors():
     _layer_pair("ragged", None, grouped_backend="einsum")
   with pytest.raises(ValueError, match="grouped_backend='fast'"):
     _layer_pair("ragged", None, grouped_backend="fast")
+  with pytest.raises(ValueError, match="expert_hidden=20 must be a multiple of 16"):
+    _layer_pair("ragged", None, grouped_backend="pallas", d_model=32)
+  with pytest.raises(ValueError, match="dispatched rows"):
+    grouped_matmul.grouped_swiglu(jnp.zeros((4, 16)), *(jnp.zeros((2, 16, 16)),) * 3,
+                                  group_sizes=jnp.ones(2, jnp.int32), capacity=None,
+                                  backend="pallas")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl, cf, backend", [("buffered", 1.25, "auto"),
                                                ("ragged", None, "xla"),
-                                               ("ragged", None, "tokamax")])
+                                               ("ragged", None, "tokamax"),
+                                               ("ragged", None, "pallas"),
+                                               ("buffered", 1.25, "pallas")])
 def test_grouped_modes_match_dense_at_scale_on_gpu(impl, cf, backend):
   if backend == "tokamax" and not grouped_matmul.tokamax_available():
     pytest.skip("tokamax is not installed")

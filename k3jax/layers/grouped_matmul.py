@@ -15,6 +15,12 @@ One function, three backends:
   one H200 run of `tests/test_moe_dispatch.py`'s GPU twin (see
   docs/benchmarks.md), so "auto" does not pick it.
 
+- "pallas": either layout through our own grouped matmuls
+  (`pallas_kernels.gmm`, Triton on the GPU, the interpreter elsewhere),
+  which gather their rows as they load them; the MoE layer runs it through
+  `routed_gmm`, not through `grouped_swiglu`, since it takes the token rows
+  and the plan rather than dispatched rows.
+
 "auto" is einsum for the capacity layout and xla for the ragged layout.
 
 Products take operands in the compute dtype and write the compute dtype
@@ -31,9 +37,9 @@ import jax.numpy as jnp
 
 from k3jax.layers.ffn import silu_mul, swiglu
 
-BACKENDS = ("auto", "einsum", "xla", "tokamax")
+BACKENDS = ("auto", "einsum", "xla", "tokamax", "pallas")
 # What the ragged (dropless) layout accepts.
-RAGGED_BACKENDS = ("auto", "xla", "tokamax")
+RAGGED_BACKENDS = ("auto", "xla", "tokamax", "pallas")
 
 
 def tokamax_available() -> bool:
@@ -49,7 +55,7 @@ def resolve_backend(backend: str, *, capacity: int | None) -> str:
     capacity: the layout's slots per group, None for the ragged layout.
 
   Returns:
-    "einsum", "xla" or "tokamax".
+    "einsum", "xla", "tokamax" or "pallas".
   """
   if backend not in BACKENDS:
     raise ValueError(f"grouped-matmul backend={backend!r}; allowed: {BACKENDS}")
@@ -91,6 +97,9 @@ def grouped_swiglu(rows_sd: jax.Array, wi_gate_gdh: jax.Array, wi_up_gdh: jax.Ar
     reads them.
   """
   backend = resolve_backend(backend, capacity=capacity)
+  if backend == "pallas":
+    raise ValueError("grouped_swiglu takes dispatched rows; the 'pallas' backend reads the "
+                     "token rows through the plan: call routed_gmm.routed_swiglu_gmm")
   num_groups, d, hidden = wi_gate_gdh.shape
   if backend == "einsum":
     if rows_sd.shape[0] != num_groups * capacity:

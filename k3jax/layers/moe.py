@@ -26,10 +26,12 @@ from flax import nnx
 from k3jax import routing
 from k3jax.layers import grouped_matmul
 from k3jax.layers import moe_dispatch
+from k3jax.layers import routed_gmm
 from k3jax.layers.ffn import swiglu
 from k3jax.layers.params import logical_param
 from k3jax.routing import RouterConfig
 from k3jax.routing import capacity as capacity_lib
+from pallas_kernels.gmm.config import GmmConfig
 
 MOE_IMPLS = ("ragged", "buffered", "dense")
 
@@ -57,7 +59,10 @@ class MoEConfig:
       (every expert on every token; the reference).
     grouped_backend: grouped-matmul backend, one of `grouped_matmul.BACKENDS`
       ("auto": einsum for "buffered", XLA's ragged_dot for "ragged";
-      "tokamax" is opt-in, see `grouped_matmul`).
+      "tokamax" is opt-in, see `grouped_matmul`; "pallas": our grouped
+      matmuls for either mode, `routed_gmm`).
+    gmm_config: tiles of the "pallas" backend (None: the heuristic,
+      `pallas_kernels.gmm.config.default_config`).
     dtype: compute dtype of the expert matmuls (accumulation is float32).
     param_dtype: parameter dtype.
   """
@@ -71,6 +76,7 @@ class MoEConfig:
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
   impl: str = "ragged"
   grouped_backend: str = "auto"
+  gmm_config: GmmConfig | None = None
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -96,9 +102,19 @@ class MoEConfig:
     if self.grouped_backend not in grouped_matmul.BACKENDS:
       raise ValueError(f"MoEConfig.grouped_backend={self.grouped_backend!r}; allowed: "
                        f"{grouped_matmul.BACKENDS}")
-    if self.impl == "buffered" and self.grouped_backend not in ("auto", "einsum"):
+    if self.impl == "buffered" and self.grouped_backend not in ("auto", "einsum", "pallas"):
       raise ValueError(f"MoEConfig.impl='buffered' runs its buffers through the batched "
-                       f"einsum; grouped_backend={self.grouped_backend!r} is for impl='ragged'")
+                       f"einsum or the 'pallas' grouped matmuls; grouped_backend="
+                       f"{self.grouped_backend!r} is for impl='ragged'")
+    if self.grouped_backend == "pallas":
+      for name in ("d_model", "expert_hidden"):
+        if getattr(self, name) % 16:
+          raise ValueError(f"MoEConfig.{name}={getattr(self, name)} must be a multiple of 16 "
+                           "for grouped_backend='pallas' (tensor-core tiles): pad it, or use "
+                           "grouped_backend='auto'")
+    if self.gmm_config is not None and not isinstance(self.gmm_config, GmmConfig):
+      raise ValueError(f"MoEConfig.gmm_config must be a GmmConfig or None, got "
+                       f"{self.gmm_config!r}")
     if self.impl == "ragged" and self.grouped_backend not in grouped_matmul.RAGGED_BACKENDS:
       raise ValueError("MoEConfig.impl='ragged' has no buffers for grouped_backend='einsum'; "
                        "use 'auto', 'xla' or 'tokamax', or impl='buffered'")
@@ -190,7 +206,8 @@ class MoE(nnx.Module):
     cap = (None if c.impl == "ragged" else
            capacity_lib.expert_capacity(n, c.num_experts, k, c.router.capacity_factor))
     return routed_swiglu(x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
-                         capacity=cap, backend=c.grouped_backend, dtype=c.dtype)
+                         capacity=cap, backend=c.grouped_backend, dtype=c.dtype,
+                         gmm_config=c.gmm_config)
 
   def _routed_dense(self, x_nd, idx_nk, w_nk):
     """Every expert on every token, combined by dense weights. [N, d] f32 (reference)."""
@@ -209,7 +226,8 @@ class MoE(nnx.Module):
 
 
 def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacity: int | None,
-                  backend: str = "auto", dtype=jnp.float32, positions: str = "auto"):
+                  backend: str = "auto", dtype=jnp.float32, positions: str = "auto",
+                  gmm_config: GmmConfig | None = None):
   """Routed SwiGLU experts: plan, dispatch, grouped matmuls, combine.
 
   Args:
@@ -222,11 +240,18 @@ def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacit
     backend: grouped-matmul backend (`grouped_matmul.BACKENDS`).
     dtype: compute dtype of the rows and products.
     positions: `moe_dispatch.plan_slots` rank method.
+    gmm_config: tiles of the "pallas" backend (None: the heuristic).
 
   Returns:
     [N, d] float32: sum_j w[n, j] * expert_{idx[n, j]}(x[n]).
   """
   num_experts = wi_gate_edh.shape[0]
+  if grouped_matmul.resolve_backend(backend, capacity=capacity) == "pallas":
+    cfg = routed_gmm.kernel_config(dtype, gmm_config)
+    plan = moe_dispatch.plan_slots(idx_nk, w_nk > 0, num_experts, capacity, positions=positions,
+                                   align=cfg.block_m)
+    return routed_gmm.routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan,
+                                        dtype=dtype, config=cfg)
   plan = moe_dispatch.plan_slots(idx_nk, w_nk > 0, num_experts, capacity, positions=positions)
   rows_sd = moe_dispatch.dispatch_rows(x_nd.astype(dtype), plan.source_s, plan.slot_nk)
   y_sd = grouped_matmul.grouped_swiglu(rows_sd, wi_gate_edh, wi_up_edh, wo_ehd,

@@ -9,6 +9,11 @@ a grouped layout with S rows:
 - ragged layout (`capacity=None`): slots sorted by group, group g holding
   `group_sizes[g]` consecutive rows; S = N k, rows past the last group empty.
 
+With `align=a`, every group starts on a multiple of a (the tile of the
+Pallas grouped matmuls, `pallas_kernels.gmm`): capacity c is rounded up to
+a multiple of a, and ragged groups are padded to one, so S grows to at most
+N k + G (a - 1) rows, rounded up to a multiple of a. Padding slots are empty.
+
 Within a group, assignments keep token order. `dispatch_rows` gathers token
 rows into slots; `combine_rows` gathers each token's k slot rows back and
 sums them with the combine weights. Both run as gathers in both directions
@@ -34,14 +39,19 @@ class SlotPlan(NamedTuple):
     source_s: [S] int32 token that fills slot s; N where the slot is empty.
     assign_s: [S] int32 flat assignment n k + j in slot s; N k where empty.
     group_sizes: [G] int32 slots filled per group.
-    capacity: slots per group (capacity layout) or None (ragged layout).
+    group_starts: [G] int32 first slot of each group (a multiple of `align`).
+    capacity: slots per group (capacity layout, before alignment) or None
+      (ragged layout).
+    align: the row multiple every group starts on.
   """
 
   slot_nk: jax.Array
   source_s: jax.Array
   assign_s: jax.Array
   group_sizes: jax.Array
+  group_starts: jax.Array
   capacity: int | None
+  align: int = 1
 
   @property
   def num_slots(self) -> int:
@@ -55,7 +65,8 @@ class SlotPlan(NamedTuple):
 
 
 def plan_slots(group_nk: jax.Array, kept_nk: jax.Array, num_groups: int,
-               capacity: int | None = None, *, positions: str = "auto") -> SlotPlan:
+               capacity: int | None = None, *, positions: str = "auto",
+               align: int = 1) -> SlotPlan:
   """Assigns every kept (token, choice) pair a slot of the grouped layout.
 
   Args:
@@ -67,6 +78,8 @@ def plan_slots(group_nk: jax.Array, kept_nk: jax.Array, num_groups: int,
     positions: how an assignment's rank within its group is found
       (`capacity.rank_within_key`: "sort", "count" or "auto"). The plan is
       the same either way.
+    align: every group's first slot is a multiple of it (see the module
+      docstring); 1 packs the groups.
 
   Returns:
     SlotPlan.
@@ -76,6 +89,8 @@ def plan_slots(group_nk: jax.Array, kept_nk: jax.Array, num_groups: int,
                      f"{group_nk.shape} and {kept_nk.shape}")
   if capacity is not None and not (isinstance(capacity, int) and capacity >= 1):
     raise ValueError(f"capacity={capacity!r}; must be an int >= 1 or None (ragged layout)")
+  if not (isinstance(align, int) and align >= 1):
+    raise ValueError(f"align={align!r}; must be an int >= 1")
   capacity_lib.check_positions(positions)
   n, k = group_nk.shape
   num_assign = n * k
@@ -83,22 +98,27 @@ def plan_slots(group_nk: jax.Array, kept_nk: jax.Array, num_groups: int,
   counts = jnp.bincount(group_a, length=num_groups + 1).astype(jnp.int32)
   rank_a = capacity_lib.rank_within_key(group_a, num_groups, positions=positions)
   real = group_a < num_groups
+  round_up = lambda x: (x + align - 1) // align * align
   if capacity is None:
-    num_slots = num_assign
+    num_slots = round_up(num_assign + num_groups * (align - 1))
     placed = real
-    starts = jnp.cumsum(counts) - counts  # first row of each group
-    slot_a = jnp.where(placed, starts[group_a] + rank_a, num_slots)
     group_sizes = counts[:num_groups]
+    padded = round_up(group_sizes)
+    starts = jnp.cumsum(padded) - padded  # first row of each group
+    slot_a = jnp.where(placed, starts[jnp.minimum(group_a, num_groups - 1)] + rank_a, num_slots)
   else:
-    num_slots = num_groups * capacity
+    stride = round_up(capacity)
+    num_slots = num_groups * stride
     placed = real & (rank_a < capacity)
-    slot_a = jnp.where(placed, group_a * capacity + rank_a, num_slots)
+    slot_a = jnp.where(placed, group_a * stride + rank_a, num_slots)
     group_sizes = jnp.minimum(counts[:num_groups], capacity)
+    starts = jnp.arange(num_groups, dtype=jnp.int32) * stride
   assign = jnp.arange(num_assign, dtype=jnp.int32)
   # Placed slots are distinct; unplaced assignments write out of range (dropped).
   assign_s = jnp.full((num_slots,), num_assign, jnp.int32).at[slot_a].set(assign, mode="drop")
   source_s = jnp.where(assign_s < num_assign, assign_s // k, n)
-  return SlotPlan(slot_a.reshape(n, k), source_s, assign_s, group_sizes, capacity)
+  return SlotPlan(slot_a.reshape(n, k), source_s, assign_s, group_sizes,
+                  starts.astype(jnp.int32), capacity, align)
 
 
 def _take_rows(x_rd: jax.Array, index_i: jax.Array) -> jax.Array:
