@@ -15,6 +15,13 @@ Table 1 ("layer"): forward and forward+backward ms of each `--impls` entry
 (`impl` or `impl:grouped_backend`) and of the dense SwiGLU, the ratio to the
 dense one, and the layer's roofline floor (its matmul FLOPs, capacity
 padding included, over the bf16 matmul rate measured in the same run).
+Table 3 ("grouped matmuls", --kernels): the Pallas grouped matmuls
+(`pallas_kernels.gmm`) alone on the layer's routed plan (dropless, tiles
+aligned to block_m): the forward gate/up product with its rows gathered, the
+dgrad product (transposed weights) and the weight gradient, each against a
+dense bf16 matmul of the same [N k, K] x [K, N] shape in the same run; rates
+count only real rows (padding excluded). `--gmm_config` sets the tiles of
+table 3 and of every "pallas" row of table 1 (e.g. block_n=128,num_warps=8).
 Table 2 ("parts", --parts): the router (scores, quantile thresholds, top-k
 and the capacity pass), the capacity pass alone (both position methods,
 `capacity.assign_with_capacity(positions=...)`), the slot plan, the
@@ -32,6 +39,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 
 import jax  # noqa: E402
@@ -40,10 +48,14 @@ from flax import nnx  # noqa: E402
 
 from k3jax import routing  # noqa: E402
 from k3jax.layers import moe  # noqa: E402
+from k3jax.layers import moe_dispatch  # noqa: E402
 from k3jax.layers.ffn import SwiGLU, swiglu  # noqa: E402
 from k3jax.routing import RouterConfig  # noqa: E402
 from k3jax.routing import capacity as capacity_lib  # noqa: E402
 from pallas_kernels import timing  # noqa: E402
+from pallas_kernels.gmm import api as gmm_api  # noqa: E402
+from pallas_kernels.gmm import config as gmm_config  # noqa: E402
+from pallas_kernels.gmm import layout as gmm_layout  # noqa: E402
 
 SHAPES = {
     # name: (B, T, d, E, k, expert hidden)
@@ -65,6 +77,10 @@ flags.DEFINE_bool("backward", True, "Also time forward+backward.")
 flags.DEFINE_integer("iters", 10, "Calls per pipelined round / sync timings.")
 flags.DEFINE_integer("rounds", 5, "Pipelined rounds (median).")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
+flags.DEFINE_bool("layer", True, "Time the layer against the dense SwiGLU (table 1).")
+flags.DEFINE_bool("kernels", False, "Also time the Pallas grouped matmuls alone (table 3).")
+flags.DEFINE_list("gmm_config", [], "GmmConfig fields for the 'pallas' backend, "
+                  "name=int (block_m, block_n, block_k, num_warps, num_stages).")
 flags.DEFINE_integer("rate_matmul", 8192, "Size n of the n^3 bf16 matmul that measures the rate.")
 
 
@@ -117,6 +133,15 @@ def _dense_fns(d, hidden, dtype, x_btd):
   return _fwd_bwd(f, (state, x_btd), jax.random.key(7)), (state, x_btd)
 
 
+def _gmm_config(dtype) -> gmm_config.GmmConfig:
+  """--gmm_config applied to the heuristic's tiles."""
+  fields = {}
+  for item in FLAGS.gmm_config:
+    name, _, value = item.partition("=")
+    fields[name] = int(value)
+  return dataclasses.replace(gmm_config.default_config(dtype), **fields)
+
+
 def _config(shape, impl_spec, dtype):
   _, _, d, e, k, h = shape
   impl, _, backend = impl_spec.partition(":")
@@ -126,6 +151,8 @@ def _config(shape, impl_spec, dtype):
             dtype=dtype, param_dtype=jnp.float32)
   if backend:
     kw["grouped_backend"] = backend
+  if backend == "pallas":
+    kw["gmm_config"] = _gmm_config(dtype)
   return moe.MoEConfig(**kw)
 
 
@@ -223,6 +250,47 @@ def parts_table(shape_name, dtype):
     _row([shape_name, label, f"{fwd:.3f}", f"{fb:.3f}", f"{sync:.3f}"])
 
 
+def kernel_table(shape_name, dtype):
+  """The grouped matmuls alone on the layer's dropless plan, against dense matmuls."""
+  b, t, d, e, k, h = SHAPES[shape_name]
+  n = b * t
+  cfg = _gmm_config(dtype)
+  interp = not gmm_config.on_gpu()
+  keys = jax.random.split(jax.random.key(5), 6)
+  x_nd = jax.random.normal(keys[0], (n, d), jnp.float32).astype(dtype)
+  scores = jax.nn.sigmoid(jax.random.normal(keys[1], (n, e), jnp.float32))
+  idx, w, _, _ = routing.route(scores, k=k, config=RouterConfig(name=FLAGS.router,
+                                                                capacity_factor=None))
+  plan = moe_dispatch.plan_slots(idx, w > 0, e, None, align=cfg.block_m)
+  tiles = gmm_layout.tile_map(plan.group_starts, plan.group_sizes, plan.num_slots, cfg.block_m)
+  rows = n * k
+  w_in = (jax.random.normal(keys[2], (e, d, 2 * h), jnp.float32) * d ** -0.5).astype(dtype)
+  gu = jax.random.normal(keys[3], (plan.num_slots, 2 * h), jnp.float32).astype(dtype)
+  dense_a = jax.random.normal(keys[4], (rows, d), jnp.float32).astype(dtype)
+  dense_g = jax.random.normal(keys[5], (rows, 2 * h), jnp.float32).astype(dtype)
+  dense_w = w_in[0]
+  cases = [
+      ("gmm fwd, rows gathered [S,d]x[d,2h]", 2 * rows * d * 2 * h,
+       jax.jit(lambda x, ww: gmm_api.gmm(x, ww, tiles, row_index=plan.source_s, config=cfg, interpret=interp)),
+       (x_nd, w_in), jax.jit(lambda a, ww: a @ ww), (dense_a, dense_w)),
+      ("gmm dgrad [S,2h]x[2h,d]", 2 * rows * d * 2 * h,
+       jax.jit(lambda g, ww: gmm_api.gmm(g, ww, tiles, transpose_rhs=True, config=cfg,
+                                          interpret=interp)),
+       (gu, w_in), jax.jit(lambda g, ww: g @ ww.T), (dense_g, dense_w)),
+      ("tgmm wgrad, rows gathered [d,S]x[S,2h]", 2 * rows * d * 2 * h,
+       jax.jit(lambda x, g: gmm_api.tgmm(x, g, tiles, lhs_index=plan.source_s, config=cfg,
+                                           interpret=interp)),
+       (x_nd, gu), jax.jit(lambda a, g: jnp.dot(a.T, g, preferred_element_type=jnp.float32)),
+       (dense_a, dense_g)),
+  ]
+  for label, flops, fn, args, dense_fn, dense_args in cases:
+    ms = _times(fn, *args)[0]
+    dense_ms = _times(dense_fn, *dense_args)[0]
+    rate, dense_rate = flops / ms / 1e9, flops / dense_ms / 1e9
+    _row([shape_name, label, f"{ms:.3f}", f"{rate:.0f}", f"{dense_ms:.3f}", f"{dense_rate:.0f}",
+          f"{rate / dense_rate:.2f}"])
+
+
 def main(argv):
   del argv
   dtype = jnp.dtype(FLAGS.dtype)
@@ -234,12 +302,20 @@ def main(argv):
         f"router {FLAGS.router} cf={FLAGS.capacity_factor}; bf16 matmul {FLAGS.rate_matmul}^3: "
         f"{tflops:.0f} TFLOP/s; pipelined median of {FLAGS.rounds} rounds x {FLAGS.iters}",
         flush=True)
-  print("\n## layer\n")
-  _row(["shape", "what", "fwd ms", "fwd+bwd ms", "ratio to dense (fwd / fwd+bwd)",
-        "matmul floor ms (fwd / fwd+bwd)", "sync ms (fwd / fwd+bwd)"])
-  print("|---" * 7 + "|")
-  for name in FLAGS.shapes:
-    layer_table(name, dtype, tflops)
+  if FLAGS.layer:
+    print("\n## layer\n")
+    _row(["shape", "what", "fwd ms", "fwd+bwd ms", "ratio to dense (fwd / fwd+bwd)",
+          "matmul floor ms (fwd / fwd+bwd)", "sync ms (fwd / fwd+bwd)"])
+    print("|---" * 7 + "|")
+    for name in FLAGS.shapes:
+      layer_table(name, dtype, tflops)
+  if FLAGS.kernels:
+    print(f"\n## grouped matmuls ({_gmm_config(dtype)})\n")
+    _row(["shape", "kernel", "ms", "TFLOP/s", "dense matmul ms", "dense TFLOP/s",
+          "rate / dense"])
+    print("|---" * 7 + "|")
+    for name in FLAGS.shapes:
+      kernel_table(name, dtype)
   if FLAGS.parts and _has_new_dispatch():
     print("\n## parts (buffered)\n")
     _row(["shape", "part", "fwd ms", "fwd+bwd ms", "fwd sync ms"])
