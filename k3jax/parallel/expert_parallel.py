@@ -49,6 +49,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from k3jax.layers import grouped_matmul
 from k3jax.layers import moe_dispatch
 from k3jax.parallel import mesh as mesh_lib
+from k3jax.routing import capacity as capacity_lib
 
 TOKEN_AXES = mesh_lib.AXES
 
@@ -74,14 +75,14 @@ def capacity(n_local: int, top_k: int, n_shards: int, capacity_factor: float | N
     return worst
   if not capacity_factor > 0:
     raise ValueError(f"capacity_factor={capacity_factor!r}; must be > 0 or None (lossless)")
-  return max(1, min(worst, math.ceil(capacity_factor * worst / n_shards)))
+  return capacity_lib.share(worst, n_shards, capacity_factor, at_most=worst)
 
 
 def local_capacity(rows: int, num_local: int, local_capacity_factor: float) -> int:
   """Rows per local-expert buffer when `rows` real rows are expected for `num_local` experts."""
   if not local_capacity_factor > 0:
     raise ValueError(f"local_capacity_factor={local_capacity_factor!r}; must be > 0 or None")
-  return max(1, min(rows, math.ceil(local_capacity_factor * rows / num_local)))
+  return capacity_lib.share(rows, num_local, local_capacity_factor, at_most=rows)
 
 
 def routed_experts(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array, wi_gate_edh: jax.Array,

@@ -5,6 +5,17 @@ import jax
 import jax.numpy as jnp
 
 
+def share(total: int, parts: int, factor: float, *, at_most: int) -> int:
+  """ceil(factor * total / parts), clipped to [1, at_most]: the one capacity formula.
+
+  `total` items spread over `parts` buffers, each sized `factor` times an even
+  share. Every buffer size in the package comes from here: an expert's
+  capacity (`expert_capacity`), the quantile router's balanced count, and
+  the expert-parallel slots per device pair and per local expert.
+  """
+  return max(1, min(at_most, math.ceil(factor * total / parts)))
+
+
 def expert_capacity(num_tokens: int, num_experts: int, k: int,
                     capacity_factor: float | None) -> int | None:
   """Assignments one expert may keep per batch: ceil(cf * T * k / E), at most T.
@@ -13,7 +24,7 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int,
   """
   if capacity_factor is None:
     return None
-  return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * k / num_experts)))
+  return share(num_tokens * k, num_experts, capacity_factor, at_most=num_tokens)
 
 
 POSITIONS = ("auto", "sort", "count")

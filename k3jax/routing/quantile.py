@@ -1,9 +1,9 @@
 """Quantile routers: same-batch thresholds, and the lagged quantile bias."""
-import math
 
 import jax
 import jax.numpy as jnp
 
+from k3jax.routing import capacity as capacity_lib
 from k3jax.routing import quantiles
 from k3jax.routing import selection
 from k3jax.routing import state as state_lib
@@ -17,7 +17,7 @@ _TIE_BREAK = 1e-6
 
 def balanced_count(num_tokens: int, num_experts: int, k: int) -> int:
   """Assignments per expert under perfect balance, ceil(T * k / E), in [1, T]."""
-  return max(1, min(num_tokens, math.ceil(num_tokens * k / num_experts)))
+  return capacity_lib.expert_capacity(num_tokens, num_experts, k, 1.0)
 
 
 def route_quantile(scores_te: jax.Array, *, k: int, config: RouterConfig, state=None):
