@@ -251,6 +251,16 @@ def test_gpu_cudnn_attention_matches_xla():
   print("auto-selected attention implementation:", layers[1].implementation)
 
 
+def test_grouped_backend_reaches_the_mode_that_takes_it():
+  cfg = _config(router=RouterConfig())
+  build = lambda **kw: nnx.eval_shape(
+      lambda: lm.HybridLM(dataclasses.replace(cfg, **kw), rngs=nnx.Rngs(0))).layers[1].ffn.config
+  assert build(moe_grouped_backend="pallas").grouped_backend == "pallas"
+  assert build(moe_grouped_backend="pallas", moe_impl="buffered").grouped_backend == "pallas"
+  # XLA's ragged_dot has no buffered form: buffers keep the einsum.
+  assert build(moe_grouped_backend="xla", moe_impl="buffered").grouped_backend == "auto"
+
+
 def test_moe_impl_override_changes_only_the_expert_path():
   cfg = _config(router=RouterConfig())
   default = nnx.eval_shape(lambda: lm.HybridLM(cfg, rngs=nnx.Rngs(0)))

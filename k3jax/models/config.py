@@ -80,7 +80,9 @@ class ModelConfig:
   # tokens sorted by expert), "dense" (reference).
   moe_impl: str = "ragged"
   # Grouped-matmul backend of the ragged mode: "auto" (= "xla", XLA's
-  # ragged_dot) or "tokamax" (tokamax's kernel; opt-in, see grouped_matmul).
+  # ragged_dot), "tokamax" (tokamax's kernel; opt-in, see grouped_matmul) or
+  # "pallas" (the project's grouped matmuls, `pallas_kernels.gmm`; the one
+  # backend that also serves "buffered").
   moe_grouped_backend: str = "auto"
   # Residual strategy: "prenorm", "block_attnres" or "full_attnres".
   residual: str = "prenorm"

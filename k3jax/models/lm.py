@@ -56,8 +56,11 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | N
   if not config.is_moe_layer(layer):
     return DenseFFN(config.d_model, config.dense_hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
   impl = moe_impl or config.moe_impl
-  # The grouped backend choice belongs to the ragged mode; buffers take the einsum.
-  backend = config.moe_grouped_backend if impl == "ragged" else "auto"
+  # The grouped backend choice belongs to the ragged mode, except "pallas",
+  # which serves both; buffers otherwise take the einsum.
+  backend = config.moe_grouped_backend
+  if impl != "ragged" and backend != "pallas":
+    backend = "auto"
   moe_config = MoEConfig(
       d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
       expert_hidden=config.expert_hidden, num_shared_experts=config.num_shared_experts,
