@@ -67,10 +67,11 @@ def test_gmm_matches_reference(gathered, transpose_rhs):
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(kw["row_index"]) >= source_rows], 0)
 
 
-@pytest.mark.parametrize("lhs_gathered, rhs_scaled", [(True, True), (False, False)])
-def test_tgmm_matches_reference(lhs_gathered, rhs_scaled):
+@pytest.mark.parametrize("lhs_gathered, rhs_scaled, block_m, wgrad_rows", [
+    (True, True, 16, 64), (False, False, 16, 64), (True, True, 32, 16)])
+def test_tgmm_matches_reference(lhs_gathered, rhs_scaled, block_m, wgrad_rows):
   rng = np.random.default_rng(1)
-  tiles, starts = _layout(SIZES, 16)
+  tiles, starts = _layout(SIZES, block_m)
   m, k, n, source_rows = tiles.num_rows, 32, 48, 70
   kw = {}
   if lhs_gathered:
@@ -83,7 +84,8 @@ def test_tgmm_matches_reference(lhs_gathered, rhs_scaled):
   if rhs_scaled:
     kw.update(rhs_index=_row_index(rng, SIZES, starts, m, m),
               rhs_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
-  out = api.tgmm(lhs, rhs, tiles, config=SMALL, interpret=True, **kw)
+  cfg = GmmConfig(block_m=block_m, block_n=16, block_k=16, wgrad_rows=wgrad_rows)
+  out = api.tgmm(lhs, rhs, tiles, config=cfg, interpret=True, **kw)
   want = reference.tgmm_reference(lhs, rhs, tiles, **kw)
   assert out.shape == (len(SIZES), k, n) and out.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-4, rtol=1e-5)
@@ -96,6 +98,9 @@ def test_config_and_argument_errors():
   w = jnp.zeros((2, 32, 32))
   with pytest.raises(ValueError, match="power of two"):
     GmmConfig(block_n=96)
+  with pytest.raises(ValueError, match="wgrad_rows"):
+    GmmConfig(wgrad_rows=48)
+  assert GmmConfig(block_m=32, wgrad_rows=64).wgrad_step == 32
   with pytest.raises(ValueError, match="multiple of 16"):
     default_config().fit(40, 32)
   assert default_config().fit(48, 96).block_k == 16 and default_config().fit(48, 96).block_n == 32
@@ -137,9 +142,13 @@ LAYER_CALLS = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("call", list(LAYER_CALLS))
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gpu_kernel_calls_match_reference(call, dtype):
-  """Each operand form the layer uses, on a routed layout of realistic size."""
+@pytest.mark.parametrize("dtype, out_dtype", [(jnp.bfloat16, jnp.float32),
+                                              (jnp.bfloat16, jnp.bfloat16),
+                                              (jnp.float32, jnp.float32)])
+def test_gpu_kernel_calls_match_reference(call, dtype, out_dtype):
+  """Each operand form the layer uses, on a routed layout of realistic size, with
+  float32 results and (products) results in the operands' 16-bit dtype, as the layer
+  writes them."""
   kind, lhs_index, lhs_scale, rhs_index, rhs_scale, transpose = LAYER_CALLS[call]
   rng = np.random.default_rng(3)
   cfg = default_config(dtype)
@@ -157,9 +166,11 @@ def test_gpu_kernel_calls_match_reference(call, dtype):
       kw["row_scale"] = scale()
     x = normal(source_rows if lhs_index else m, k)
     w = normal(*((len(sizes), n, k) if transpose else (len(sizes), k, n))) * k ** -0.5
-    out = api.gmm(x, w.astype(dtype), tiles, out_dtype=jnp.float32, **kw)
+    out = api.gmm(x, w.astype(dtype), tiles, out_dtype=out_dtype, **kw)
     want = reference.gmm_reference(x, w.astype(dtype), tiles, **kw)
   else:
+    if out_dtype != jnp.float32:
+      pytest.skip("weight gradients are float32")
     kw = {}
     if lhs_index:
       kw["lhs_index"] = _row_index(rng, sizes, starts, m, source_rows)
@@ -175,5 +186,5 @@ def test_gpu_kernel_calls_match_reference(call, dtype):
     want = reference.tgmm_reference(x, y, tiles, **kw)
     np.testing.assert_array_equal(np.asarray(out)[[0, 4]], 0.0)  # empty groups
   top = float(jnp.abs(want).max())
-  np.testing.assert_allclose(np.asarray(out) / top, np.asarray(want) / top, atol=tol,
-                             err_msg=call)
+  np.testing.assert_allclose(np.asarray(out, np.float32) / top, np.asarray(want) / top,
+                             atol=tol, err_msg=call)

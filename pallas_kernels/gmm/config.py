@@ -25,6 +25,11 @@ class GmmConfig:
       gathered row tile is read from memory once and reused from L2 by its
       N / block_n column tiles (1: all columns of one row tile in turn).
     num_warps, num_stages: Triton launch options (GPU only).
+    wgrad_rows: rows per step of `tgmm`'s contraction (at most block_m,
+      which larger values take);
+      fewer rows per step leave shared memory for deeper pipelining, which
+      the gathered operand needs (its row indices take a pipeline stage).
+    wgrad_stages, wgrad_warps: Triton pipeline stages and warps of `tgmm`.
   """
 
   block_m: int = 128
@@ -33,6 +38,9 @@ class GmmConfig:
   group_m: int = 8
   num_warps: int = 8
   num_stages: int = 3
+  wgrad_rows: int = 64
+  wgrad_stages: int = 5
+  wgrad_warps: int = 4
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -40,12 +48,23 @@ class GmmConfig:
       if not _is_pow2(value) or value < 16:
         raise ValueError(f"GmmConfig.{name}={value!r}; must be a power of two >= 16 "
                          "(Triton tiles are powers of two; tensor cores take 16)")
+    if not _is_pow2(self.wgrad_rows) or self.wgrad_rows < 16:
+      raise ValueError(f"GmmConfig.wgrad_rows={self.wgrad_rows!r}; must be a power of two "
+                       ">= 16 (tensor cores take 16-deep products)")
+    if not (isinstance(self.wgrad_stages, int) and self.wgrad_stages >= 1):
+      raise ValueError(f"GmmConfig.wgrad_stages={self.wgrad_stages!r}; must be an int >= 1")
     if not (isinstance(self.group_m, int) and self.group_m >= 1):
       raise ValueError(f"GmmConfig.group_m={self.group_m!r}; must be an int >= 1")
-    if not _is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(f"GmmConfig.num_warps={self.num_warps!r}; must be 1, 2, 4, 8 or 16")
+    for name in ("num_warps", "wgrad_warps"):
+      if not _is_pow2(getattr(self, name)) or getattr(self, name) > 16:
+        raise ValueError(f"GmmConfig.{name}={getattr(self, name)!r}; must be 1, 2, 4, 8 or 16")
     if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
       raise ValueError(f"GmmConfig.num_stages={self.num_stages!r}; must be an int >= 1")
+
+  @property
+  def wgrad_step(self) -> int:
+    """Rows per step of `tgmm`: wgrad_rows, at most block_m."""
+    return min(self.wgrad_rows, self.block_m)
 
   def fit(self, k: int, n: int) -> "GmmConfig":
     """This config with block_k and block_n shrunk to divide K and N.
@@ -62,16 +81,18 @@ class GmmConfig:
 
 
 def default_config(dtype=jnp.bfloat16) -> GmmConfig:
-  """The heuristic: 128 x 128 result tiles, 64-deep slices of 16-bit operands,
-  8 warps and 3 pipeline stages; float32 operands take twice the shared
-  memory, so 64-wide result tiles, 32-deep slices and 2 stages (the weight
-  gradient's 128-row steps need 392 KB at 128 x 128 and 3 stages, past the
-  H200's 227 KB). Compiled for sm_90a, 8 warps hold the [128, 128] float32
-  accumulator and the gathered rows' addresses without spilling (4 warps
-  spill in both kernels; 256-wide tiles spill at 8), and every product is a
-  wgmma."""
+  """The heuristic, from the tile sweep in docs/benchmarks.md (one H200, bf16).
+
+  Products (`gmm`): 128 x 128 result tiles, 64-deep slices, 8 warps, 3
+  stages, launch groups of 8 row tiles (256-wide tiles and 4 stages were no
+  faster forward). Weight gradients (`tgmm`): 64-row steps, 5 stages, 4
+  warps: the gathered operand's row indices take a pipeline stage of their
+  own, and with 3 stages its loads did not overlap the products (0.42 of the
+  dense rate at the gpu_1b shape against 0.74 with these). float32 operands
+  take twice the shared memory: 64-wide tiles, 32-deep slices, 2 stages.
+  """
   if jnp.dtype(dtype).itemsize >= 4:
-    return GmmConfig(block_n=64, block_k=32, num_stages=2)
+    return GmmConfig(block_n=64, block_k=32, num_stages=2, wgrad_stages=2, wgrad_warps=8)
   return GmmConfig()
 
 
