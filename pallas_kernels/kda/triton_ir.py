@@ -143,6 +143,22 @@ def sass_counts(sass: str) -> collections.Counter:
   return collections.Counter(m.group(1) for m in map(_SASS_OP.match, sass.splitlines()) if m)
 
 
+def _ttir_passes(path: str, options: dict) -> str:
+  """The Triton-IR module at `path` after the CUDA backend's `make_ttir` passes."""
+  from triton._C.libtriton import ir as tir  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  from triton.backends.nvidia.compiler import CUDABackend  # pylint: disable=g-import-not-at-top
+
+  backend = CUDABackend(GPUTarget("cuda", 90, 32))
+  context = tir.context()
+  tir.load_dialects(context)
+  backend.load_dialects(context)
+  module = tir.parse_mlir_module(path, context)
+  module.context = context
+  backend.make_ttir(module, {}, backend.parse_options(options), 90)
+  return str(module)
+
+
 def compile_kernel(entry: dict, attribute: bool = False) -> str:
   """Compiles one captured kernel for sm_90a; returns a one-line report.
 
@@ -153,10 +169,15 @@ def compile_kernel(entry: dict, attribute: bool = False) -> str:
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
 
   tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-  kernel = triton.compile(entry["file"], target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=entry["num_warps"],
-                                       num_stages=entry["num_stages"]))
+  options = dict(num_warps=entry["num_warps"], num_stages=entry["num_stages"])
   base = entry["file"].rsplit(".", 1)[0]
+  # triton.compile skips the Triton-IR passes for an IR file; XLA runs them
+  # (among them the fold of `acc + dot(a, b, 0)` into dot(a, b, acc)), so
+  # run them first, or the SASS shows an accumulator pass that XLA's has not.
+  optimized = base + ".opt.ttir"
+  with open(optimized, "w") as f:
+    f.write(_ttir_passes(entry["file"], options))
+  kernel = triton.compile(optimized, target=GPUTarget("cuda", 90, 32), options=options)
   with open(base + ".ptx", "w") as f:
     f.write(kernel.asm["ptx"])
   with open(base + ".cubin", "wb") as f:
