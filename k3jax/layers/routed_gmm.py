@@ -7,7 +7,7 @@ writes a dispatched copy of the tokens (`pallas_kernels.gmm`):
             y       = gmm(silu(gate) * up, W_out)                [S, d]
             out[n]  = sum_j w[n, j] y[slot[n, j]]                (XLA gather, one pass)
   backward  dh      = w_s * gmm(g, W_out^T, rows g[token])       (combine's VJP fused)
-            dW_out  = tgmm(h, w_s g[token])
+            dW_out  = tgmm(w_s h, g[token])
             dx_s    = gmm(d gate_up, [W_gate W_up]^T);  dx[n] = sum_j dx_s[slot[n, j]]
             dW_in   = tgmm(x[source], d gate_up)
 
@@ -135,7 +135,11 @@ def _experts_bwd(static, saved, g_nd):
   token_s = index.assign_s // k
   dw_nk = jnp.einsum("nkd,nd->nk", _take_rows(y, index.slot_nk).astype(jnp.float32), g_nd)
   dh = gmm_api.gmm(gc, wo, tiles, row_index=token_s, row_scale=w_s, transpose_rhs=True, **kw)
-  d_wo = gmm_api.tgmm(_gate_up(gu, dt), gc, tiles, rhs_index=token_s, rhs_scale=w_s, **kw)
+  # The combine weight scales the activations here (fused into their
+  # recomputation) rather than the gathered rows inside the kernel, which
+  # would take them through registers.
+  h_scaled = (_gate_up(gu, dt).astype(jnp.float32) * w_s[:, None]).astype(dt)
+  d_wo = gmm_api.tgmm(h_scaled, gc, tiles, rhs_index=token_s, **kw)
   _, gate_up_vjp = jax.vjp(lambda a: _gate_up(a, dt), gu)
   (dgu,) = gate_up_vjp(dh)
   dx_s = gmm_api.gmm(dgu, w_in, tiles, transpose_rhs=True, **kw)
