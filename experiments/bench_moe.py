@@ -80,7 +80,7 @@ flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_bool("layer", True, "Time the layer against the dense SwiGLU (table 1).")
 flags.DEFINE_bool("kernels", False, "Also time the Pallas grouped matmuls alone (table 3).")
 flags.DEFINE_list("gmm_config", [], "GmmConfig fields for the 'pallas' backend, "
-                  "name=int (block_m, block_n, block_k, num_warps, num_stages).")
+                  "name=int (any int field of GmmConfig, e.g. block_n=256,wgrad_stages=4).")
 flags.DEFINE_integer("rate_matmul", 8192, "Size n of the n^3 bf16 matmul that measures the rate.")
 
 
