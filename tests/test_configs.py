@@ -171,3 +171,11 @@ def test_missing_key_raises():
 def test_unsafe_or_invalid_values_raise(changes, message):
   with pytest.raises(ValueError, match=message):
     validate(_cfg(**changes))
+
+
+def test_trainer_router_defaults_are_router_config_defaults():
+  """The trainer's `model.router` section (0 and -1 encode None) builds RouterConfig()."""
+  from k3jax.routing.config import RouterConfig
+  from k3jax.train.config_schema import model_config_from
+  from k3jax.train.defaults import model_config
+  assert model_config_from(model_config()).router == RouterConfig()

@@ -33,7 +33,7 @@ class RouterConfig:
   """
 
   name: str = "quantile"
-  capacity_factor: float | None = 1.0
+  capacity_factor: float | None = 1.25
   quantile_impl: str = "exact"
   num_bins: int = 1000
   bias_update_rate: float = 1e-3
