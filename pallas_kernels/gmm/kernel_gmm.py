@@ -76,7 +76,10 @@ def _kernel(*refs, has_index, has_scale, transpose_rhs, num_k, num_m, num_n, cfg
   steps = jnp.where(group >= 0, jnp.int32(num_k), jnp.int32(0))
   acc = lax.fori_loop(jnp.int32(0), steps, step, jnp.zeros((bm, bn), _F32))
   if has_index:
-    acc = jnp.where(real[:, None], acc, 0.0)
+    # Zero rows for empty slots as a product with a 0/1 row factor: the rows
+    # read row 0 (finite), so this equals a select, which on the H200 gave
+    # wrong 16-bit results without a row scale after it (docs/benchmarks.md).
+    acc = acc * real.astype(_F32)[:, None]
   if has_scale:
     acc = acc * scale_ref[...].astype(_F32)[:, None]
   out_ref[...] = acc.astype(out_ref.dtype)
