@@ -78,7 +78,8 @@ def _kernel(*refs, has_index, has_scale, transpose_rhs, num_k, num_m, num_n, cfg
   if has_index:
     # Zero rows for empty slots as a product with a 0/1 row factor: the rows
     # read row 0 (finite), so this equals a select, which on the H200 gave
-    # wrong 16-bit results without a row scale after it (docs/benchmarks.md).
+    # wrong 16-bit results without a row scale after it (docs/benchmarks.md,
+    # "The 'pallas' backend").
     acc = acc * real.astype(_F32)[:, None]
   if has_scale:
     acc = acc * scale_ref[...].astype(_F32)[:, None]
