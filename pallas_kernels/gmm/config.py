@@ -24,12 +24,12 @@ class GmmConfig:
       tile of `group_m` consecutive row tiles before the next rows, so a
       gathered row tile is read from memory once and reused from L2 by its
       N / block_n column tiles (1: all columns of one row tile in turn).
-    num_warps, num_stages: Triton launch options (GPU only).
-    wgrad_rows: rows per step of `tgmm`'s contraction (at most block_m,
-      which larger values take);
-      fewer rows per step leave shared memory for deeper pipelining, which
-      the gathered operand needs (its row indices take a pipeline stage).
-    wgrad_stages, wgrad_warps: Triton pipeline stages and warps of `tgmm`.
+    num_warps, num_stages: Triton launch options of `gmm` (GPU only).
+    wgrad_rows: rows per step of `tgmm`'s contraction (values above block_m
+      take block_m). Fewer rows per step leave shared memory for deeper
+      pipelining, which a gathered operand needs: its row indices take a
+      pipeline stage of their own.
+    wgrad_stages, wgrad_warps: Triton launch options of `tgmm`.
   """
 
   block_m: int = 128
