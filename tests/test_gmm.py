@@ -29,6 +29,16 @@ def _row_index(rng, sizes, starts, num_rows, source_rows):
   return jnp.asarray(index, jnp.int32)
 
 
+def _operand(rng, gathered, starts, num_rows, width, source_rows):
+  """(x, row index, row scale): float32 rows read through a random index and scaled
+  when `gathered` (x has `source_rows` rows), else the layout's own rows (None, None)."""
+  if not gathered:
+    return jnp.asarray(rng.standard_normal((num_rows, width)), jnp.float32), None, None
+  x = jnp.asarray(rng.standard_normal((source_rows, width)), jnp.float32)
+  index = _row_index(rng, SIZES, starts, num_rows, source_rows)
+  return x, index, jnp.asarray(rng.standard_normal(num_rows), jnp.float32)
+
+
 # Uneven groups, an empty first and a middle one, one group of several tiles.
 SIZES = [0, 20, 0, 53, 5, 16]
 
@@ -52,12 +62,9 @@ def test_gmm_matches_reference(gathered, transpose_rhs):
   rhs_shape = (g, n, k) if transpose_rhs else (g, k, n)
   rhs = jnp.asarray(rng.standard_normal(rhs_shape), jnp.float32)
   kw = dict(transpose_rhs=transpose_rhs)
+  lhs, index, scale = _operand(rng, gathered, starts, m, k, source_rows)
   if gathered:
-    lhs = jnp.asarray(rng.standard_normal((source_rows, k)), jnp.float32)
-    kw.update(row_index=_row_index(rng, SIZES, starts, m, source_rows),
-              row_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
-  else:
-    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    kw.update(row_index=index, row_scale=scale)
   out = api.gmm(lhs, rhs, tiles, config=SMALL, interpret=True, **kw)
   want = reference.gmm_reference(lhs, rhs, tiles, **kw)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
@@ -74,12 +81,9 @@ def test_tgmm_matches_reference(lhs_gathered, rhs_scaled, block_m, wgrad_rows):
   tiles, starts = _layout(SIZES, block_m)
   m, k, n, source_rows = tiles.num_rows, 32, 48, 70
   kw = {}
+  lhs, index, scale = _operand(rng, lhs_gathered, starts, m, k, source_rows)
   if lhs_gathered:
-    lhs = jnp.asarray(rng.standard_normal((source_rows, k)), jnp.float32)
-    kw.update(lhs_index=_row_index(rng, SIZES, starts, m, source_rows),
-              lhs_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
-  else:
-    lhs = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    kw.update(lhs_index=index, lhs_scale=scale)
   rhs = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
   if rhs_scaled:
     kw.update(rhs_index=_row_index(rng, SIZES, starts, m, m),
