@@ -105,11 +105,12 @@ def _forward(x_nd, w_nk, wi_gate, wi_up, wo, index: _Index, static: _Static):
   tiles = _tiles(index, static)
   xc = x_nd.astype(dt)
   w_in = jnp.concatenate([wi_gate, wi_up], axis=-1).astype(dt)
+  w_out = wo.astype(dt)
   gu = gmm_api.gmm(xc, w_in, tiles, row_index=index.source_s, **kw)
-  y = gmm_api.gmm(_gate_up(gu, dt), wo.astype(dt), tiles, **kw)
+  y = gmm_api.gmm(_gate_up(gu, dt), w_out, tiles, **kw)
   rows_nkd = _take_rows(y, index.slot_nk).astype(jnp.float32)
   out = jnp.einsum("nkd,nk->nd", rows_nkd, w_nk)
-  return out, (xc, w_nk, w_in, wo.astype(dt), gu, y)
+  return out, (xc, w_nk, w_in, w_out, gu, y)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
