@@ -22,12 +22,15 @@ dgrad product (transposed weights) and the weight gradient, each against a
 dense bf16 matmul of the same [N k, K] x [K, N] shape in the same run; rates
 count only real rows (padding excluded). `--gmm_config` sets the tiles of
 table 3 and of every "pallas" row of table 1 (e.g. block_n=128,num_warps=8).
-Table 2 ("parts", --parts): the router (scores, quantile thresholds, top-k
-and the capacity pass), the capacity pass alone (both position methods,
-`capacity.assign_with_capacity(positions=...)`), the slot plan, the
-dispatch gather, the grouped expert matmuls, the combine, and the shared
-expert, each jitted on its own, so their sum is an upper bound of the
-layer's. Timers: "pipelined" (calls back to back, GPU time per call) and
+Table 2 ("parts", --parts): the router's pieces (scores, the quantile
+thresholds of each `quantile_impl`, the candidates' top-k), the whole
+router in capacity and dropless mode with exact and radix thresholds, the
+dropless slot plan aligned to the kernels' tile and its tile map, then the
+buffered layer's parts: router, the capacity pass alone (both position
+methods, `capacity.assign_with_capacity(positions=...)`), slot plan,
+dispatch gather, grouped expert matmuls, combine, the dropless routed
+experts through the "pallas" kernels, and the shared expert. Each part is
+jitted on its own, so their sum is an upper bound of the layer's. Timers: "pipelined" (calls back to back, GPU time per call) and
 "sync" (each call waited for). Forward+backward = forward and the VJP of a
 fixed random cotangent. Benchmarks print tables; they are not tests.
 """
@@ -49,9 +52,11 @@ from flax import nnx  # noqa: E402
 from k3jax import routing  # noqa: E402
 from k3jax.layers import moe  # noqa: E402
 from k3jax.layers import moe_dispatch  # noqa: E402
+from k3jax.layers import routed_gmm  # noqa: E402
 from k3jax.layers.ffn import SwiGLU, swiglu  # noqa: E402
 from k3jax.routing import RouterConfig  # noqa: E402
 from k3jax.routing import capacity as capacity_lib  # noqa: E402
+from k3jax.routing import quantiles  # noqa: E402
 from pallas_kernels import timing  # noqa: E402
 from pallas_kernels.gmm import api as gmm_api  # noqa: E402
 from pallas_kernels.gmm import config as gmm_config  # noqa: E402
@@ -209,21 +214,53 @@ def parts_table(shape_name, dtype):
   kernel = layer.router_kernel[...]
   cap = capacity_lib.expert_capacity(n, e, k, config.router.capacity_factor)
 
-  def router(x_nd, kernel):
-    scores = jax.nn.sigmoid(jnp.dot(x_nd.astype(jnp.float32), kernel))
-    idx, w, _, _ = routing.route(scores, k=k, config=config.router)
-    return idx, w
+  def router_with(router_config):
+    def router(x_nd, kernel):
+      scores = jax.nn.sigmoid(jnp.dot(x_nd.astype(jnp.float32), kernel))
+      idx, w, _, _ = routing.route(scores, k=k, config=router_config)
+      return idx, w
+    return router
 
+  router = router_with(config.router)
   idx, w = jax.jit(router)(x_nd, kernel)
   scores = jax.nn.sigmoid(jnp.dot(x_nd.astype(jnp.float32), kernel))
   extra = k if config.router.overflow_choices is None else config.router.overflow_choices
   cand = jax.lax.top_k(scores, min(e, k + extra))[1]
+  count = capacity_lib.expert_capacity(n, e, k, 1.0)
+  rc = lambda **kw: dataclasses.replace(config.router, **kw)
+  block_m = _gmm_config(dtype).block_m
+  idx_free, w_free = jax.jit(router_with(rc(capacity_factor=None)))(x_nd, kernel)
+  plan_free = moe_dispatch.plan_slots(idx_free, w_free > 0, e, None, align=block_m)
   plan = moe_dispatch.plan_slots(idx, w > 0, e, cap)
   rows = moe_dispatch.dispatch_rows(x_nd, plan.source_s, plan.slot_nk)
   wg, wu, wo = (layer.wi_gate[...], layer.wi_up[...], layer.wo[...])
   y_sd = grouped_matmul.grouped_swiglu(rows, wg, wu, wo, group_sizes=plan.group_sizes,
                                        capacity=cap, dtype=dtype)
-  parts = [
+  router_parts = [
+      ("router scores, sigmoid(x W_r)", lambda x, r: jax.nn.sigmoid(
+          jnp.dot(x.astype(jnp.float32), r)), (x_nd, kernel), False),
+  ] + [
+      (f"quantile thresholds ({impl})", lambda s, impl=impl: quantiles.column_threshold(
+          s, count, impl=impl, num_bins=config.router.num_bins), (scores,), False)
+      for impl in routing.QUANTILE_IMPLS
+  ] + [
+      (f"candidates top_k({cand.shape[1]} of {e})",
+       lambda s: jax.lax.top_k(s, cand.shape[1])[1], (scores,), False),
+  ] + [
+      (f"router, {mode}, thresholds {impl}", router_with(rc(quantile_impl=impl, **kw)),
+       (x_nd, kernel), False)
+      for impl in ("exact", "radix")
+      for mode, kw in (("capacity", {}), ("dropless", dict(capacity_factor=None)))
+  ] + [
+      (f"slot plan, dropless, align {block_m} ({pos})", lambda i, w, pos=pos:
+       moe_dispatch.plan_slots(i, w > 0, e, None, positions=pos, align=block_m),
+       (idx_free, w_free), False)
+      for pos in ("count", "sort")
+  ] + [
+      ("tile map", lambda p: gmm_layout.tile_map(p.group_starts, p.group_sizes, p.num_slots,
+                                                 block_m), (plan_free,), False),
+  ]
+  parts = router_parts + [
       ("router (scores, thresholds, top-k, capacity)", router, (x_nd, kernel), False),
       ("capacity pass alone (count)", lambda c: capacity_lib.assign_with_capacity(
           c, k=k, num_experts=e, capacity=cap, positions="count"), (cand,), False),
@@ -240,6 +277,10 @@ def parts_table(shape_name, dtype):
        (rows, wg, wu, wo), True),
       ("combine", lambda y, w: moe_dispatch.combine_rows(y, w, plan.slot_nk, plan.assign_s),
        (y_sd, w), True),
+      ("routed experts, dropless, pallas (plan given)", lambda x, w, a, bb, c: (
+          routed_gmm.routed_swiglu_gmm(x, w, a, bb, c, plan_free, dtype=dtype,
+                                       config=_gmm_config(dtype))),
+       (x_nd, w_free, wg, wu, wo), True),
       ("shared expert", lambda x, a, bb, c: swiglu(x, a, bb, c, dtype),
        (x_nd, layer.shared_gate[...], layer.shared_up[...], layer.shared_out[...]), True),
   ]

@@ -78,6 +78,28 @@ def test_histogram_threshold_within_one_bin_of_exact(num_tokens, num_experts, co
   assert np.all(np.abs(np.asarray(approx - exact)) <= np.asarray(width) * (1 + 1e-4))
 
 
+@pytest.mark.parametrize("num_tokens, num_experts, count, values", [
+    (4096, 16, 512, "sigmoid"), (1000, 7, 1, "normal"), (513, 5, 513, "normal"),
+    (2048, 33, 300, "ties"), (64, 3, 17, "signed_zeros")])
+def test_radix_threshold_equals_exact(num_tokens, num_experts, count, values):
+  """The radix select returns the top_k threshold bit for bit: sigmoid scores,
+  signed values (the lagged router's s - alpha), heavy ties, count 1 and T."""
+  v = jax.random.normal(jax.random.key(count), (num_tokens, num_experts)) * 3.0
+  if values == "sigmoid":
+    v = jax.nn.sigmoid(v)
+  elif values == "ties":
+    v = jnp.round(v)
+  elif values == "signed_zeros":
+    v = jnp.where(jnp.abs(v) >= 2, v, jnp.where(v > 0, 0.0, -0.0))
+  exact = jax.jit(quantiles.column_threshold_exact, static_argnums=1)(v, count)
+  radix = jax.jit(quantiles.column_threshold_radix, static_argnums=1)(v, count)
+  np.testing.assert_array_equal(np.asarray(radix), np.asarray(exact))
+  # and it is a real order statistic: at least `count` values at or above it, fewer above.
+  vn = np.asarray(v)
+  assert np.all((vn >= np.asarray(radix)[None]).sum(0) >= count)
+  assert np.all((vn > np.asarray(radix)[None]).sum(0) < count)
+
+
 # ---------------------------------------------------------------- capacity
 
 def _greedy_reference(cand, k, num_experts, cap):
@@ -126,7 +148,7 @@ def _max_vio_over_batches(config, steps, first_seed=0):
   return out
 
 
-@pytest.mark.parametrize("impl", ["exact", "histogram"])
+@pytest.mark.parametrize("impl", ["exact", "radix", "histogram"])
 def test_quantile_balances_skewed_batches(impl):
   vios = _max_vio_over_batches(_cfg("quantile", capacity_factor=1.0, quantile_impl=impl), 2)
   plain = _max_vio_over_batches(_cfg("topk", capacity_factor=None), 1)

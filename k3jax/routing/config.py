@@ -9,7 +9,7 @@ ROUTER_NAMES = (
     "expert_choice",
     "topk",
 )
-QUANTILE_IMPLS = ("exact", "histogram")
+QUANTILE_IMPLS = ("exact", "radix", "histogram")
 STATEFUL_ROUTERS = ("quantile_lagged", "bias_sign")
 
 
@@ -23,8 +23,10 @@ class RouterConfig:
       ceil(capacity_factor * T * k / E) assignments per batch; overflow moves to
       the token's next choice with room, else it is dropped. None means
       dropless (no capacity). expert_choice needs a number.
-    quantile_impl: "exact" (top_k per expert) or "histogram" (fixed bins per
-      expert over its value range; cheaper for large E).
+    quantile_impl: "exact" (top_k per expert), "radix" (the same thresholds
+      by a radix select over the float bits: four histogram passes, no
+      sort) or "histogram" (fixed bins per expert over its value range;
+      approximate).
     num_bins: bins per expert for the histogram quantiles.
     bias_update_rate: the step u of bias_sign, b_e += u * sign(mean - load_e).
     aux_loss_coef: alpha of the Switch/GShard loss alpha * E * sum_e f_e P_e.
