@@ -11,6 +11,7 @@ from k3jax import routing
 from k3jax.routing import capacity as capacity_lib
 from k3jax.routing import probe
 from k3jax.routing import quantiles
+from k3jax.routing import selection
 from k3jax.routing import synthetic
 
 ALL = ("quantile", "quantile_lagged", "bias_sign", "aux_loss", "expert_choice", "topk")
@@ -98,6 +99,24 @@ def test_radix_threshold_equals_exact(num_tokens, num_experts, count, values):
   vn = np.asarray(v)
   assert np.all((vn >= np.asarray(radix)[None]).sum(0) >= count)
   assert np.all((vn > np.asarray(radix)[None]).sum(0) < count)
+
+
+@pytest.mark.parametrize("num_experts, m", [(1, 1), (8, 8), (16, 4), (32, 3), (33, 5), (64, 9)])
+@pytest.mark.parametrize("values", ["normal", "ties", "signed_zeros"])
+def test_top_k_equals_lax_top_k(num_experts, m, values):
+  """selection.top_k (pairwise ranks for few experts) returns lax.top_k's values and
+  ids, tie order and -0.0 < 0.0 included."""
+  v = jax.random.normal(jax.random.key(num_experts * m), (257, num_experts))
+  if values == "ties":
+    v = jnp.round(v * 2)
+  elif values == "signed_zeros":
+    v = jnp.where(jnp.abs(v) >= 1, v, jnp.where(v > 0, 0.0, -0.0))
+  want_v, want_i = jax.lax.top_k(v, m)
+  got_v, got_i = jax.jit(selection.top_k, static_argnums=1)(v, m)
+  np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+  np.testing.assert_array_equal(np.signbit(got_v), np.signbit(want_v))
+  np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+  assert got_i.dtype == jnp.int32
 
 
 # ---------------------------------------------------------------- capacity

@@ -29,8 +29,10 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int,
 
 POSITIONS = ("auto", "sort", "count")
 # With at most this many keys a one-hot running count ([A, keys + 1] int32) is
-# cheaper than a sort of the A items.
-_COUNT_MAX_KEYS = 64
+# cheaper than a sort of the A items. On the H200 at 256 keys the count took
+# 0.32 ms against the sort's 1.34 (capacity pass, 16 ranks of 32768 tokens)
+# and 0.14 against 0.20 (slot plan, 262144 assignments).
+_COUNT_MAX_KEYS = 256
 
 
 def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
@@ -56,7 +58,7 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
     positions: how a token's place among the same rank's tokens wanting the
       same expert is found: "sort" (a stable sort of the candidates), "count"
       (a one-hot running count, cheaper for few experts) or "auto" ("count"
-      up to 64 experts). The result is the same either way.
+      up to 256 experts). The result is the same either way.
 
   Returns:
     indices_tk: [T, k] int32. Dropped slots hold the token's original choice
@@ -105,7 +107,7 @@ def rank_within_key(key_a: jax.Array, num_keys: int, *, positions: str = "auto")
     num_keys: the largest real key + 1.
     positions: "sort" (a stable sort groups equal keys in item order),
       "count" (a one-hot running count, cheaper for few keys) or "auto"
-      ("count" up to 64 keys). The result is the same either way.
+      ("count" up to 256 keys). The result is the same either way.
   """
   check_positions(positions)
   if positions == "auto":

@@ -36,7 +36,7 @@ class RouterConfig:
 
   name: str = "quantile"
   capacity_factor: float | None = 1.25
-  quantile_impl: str = "exact"
+  quantile_impl: str = "radix"
   num_bins: int = 1000
   bias_update_rate: float = 1e-3
   aux_loss_coef: float = 1e-2

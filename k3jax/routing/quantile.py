@@ -78,7 +78,7 @@ def lagged_bias_update(scores_te: jax.Array, bias_e: jax.Array, *, k: int,
   bias_e = jax.lax.stop_gradient(bias_e).astype(jnp.float32)
   if k >= num_experts:  # every expert is always chosen; the bias is moot
     return jnp.zeros_like(bias_e)
-  top_tk1, _ = jax.lax.top_k(s_te + bias_e[None, :], k + 1)
+  top_tk1, _ = selection.top_k(s_te + bias_e[None, :], k + 1)
   alpha_t = top_tk1[:, k]
   count = balanced_count(num_tokens, num_experts, k)
   neg_b = quantiles.column_threshold(

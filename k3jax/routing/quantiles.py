@@ -24,15 +24,16 @@ def column_threshold_exact(v_te: jax.Array, count: int) -> jax.Array:
   return top_ec[:, -1]
 
 
-def _ordered_keys(v_te: jax.Array) -> jax.Array:
-  """uint32 keys whose unsigned order is the float32 order of v (-0.0 just below 0.0)."""
+def ordered_keys(v_te: jax.Array) -> jax.Array:
+  """uint32 keys whose unsigned order is float32's total order (-0.0 just below 0.0),
+  the order `lax.top_k` and `lax.sort` use."""
   bits = jax.lax.bitcast_convert_type(v_te.astype(jnp.float32), jnp.uint32)
   negative = (bits >> 31) == 1
   return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
 
 
 def _float_of_keys(key: jax.Array) -> jax.Array:
-  """Inverse of `_ordered_keys`."""
+  """Inverse of `ordered_keys`."""
   was_positive = (key >> 31) == 1
   bits = jnp.where(was_positive, key & jnp.uint32((1 << 31) - 1), ~key)
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
@@ -57,7 +58,7 @@ def column_threshold_radix(v_te: jax.Array, count: int) -> jax.Array:
   """
   _check(v_te, count)
   num_tokens, num_experts = v_te.shape
-  key_te = _ordered_keys(v_te)
+  key_te = ordered_keys(v_te)
   radix = 1 << _RADIX_BITS
   prefix_e = jnp.zeros((num_experts,), jnp.uint32)   # digits found so far, in place
   above_e = jnp.zeros((num_experts,), jnp.int32)     # values of the column above the prefix

@@ -3,8 +3,44 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.routing import capacity as capacity_lib
+from k3jax.routing import quantiles
 from k3jax.routing import stats as stats_lib
 from k3jax.routing.config import RouterConfig
+
+
+# Up to this many experts a token's top-m comes from an [E, E] comparison per
+# token (one fused pass) instead of `lax.top_k` (0.11 ms on the H200 for the
+# top 4 of 16 at 32768 tokens).
+_COMPARE_MAX_EXPERTS = 32
+
+
+def top_k(v_te: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+  """`jax.lax.top_k(v_te, m)` along the expert axis: the same values, ids and tie order.
+
+  For few experts each value's rank in its row is counted from pairwise
+  comparisons in float32's total order (-0.0 below 0.0; ties to the lower
+  id), as `lax.top_k` ranks, and the ids of ranks 0..m-1 are read off;
+  otherwise `lax.top_k`.
+
+  Args:
+    v_te: [T, E] float32 values (no NaN).
+    m: static int in [1, E].
+
+  Returns:
+    values_tm [T, m] (v's dtype), ids_tm [T, m] int32, in descending order.
+  """
+  num_experts = v_te.shape[1]
+  if num_experts > _COMPARE_MAX_EXPERTS:
+    values, ids = jax.lax.top_k(v_te, m)
+    return values, ids.astype(jnp.int32)
+  e = jnp.arange(num_experts, dtype=jnp.int32)
+  key_te = quantiles.ordered_keys(v_te)
+  other, this = key_te[:, None, :], key_te[:, :, None]    # [T, e, e']
+  beats = (other > this) | ((other == this) & (e[None, None, :] < e[None, :, None]))
+  rank_te = jnp.sum(beats.astype(jnp.int32), axis=-1)
+  at_rank = rank_te[:, None, :] == jnp.arange(m, dtype=jnp.int32)[None, :, None]  # [T, m, e]
+  ids_tm = jnp.sum(jnp.where(at_rank, e[None, None, :], 0), axis=-1)
+  return jnp.take_along_axis(v_te, ids_tm, axis=1), ids_tm
 
 
 def combine_weights(scores_te: jax.Array, indices_tk: jax.Array,
@@ -45,7 +81,7 @@ def select_rank_assign(scores_te: jax.Array, select_te: jax.Array, *, k: int,
   cap = capacity_lib.expert_capacity(num_tokens, num_experts, k, config.capacity_factor)
   extra = k if config.overflow_choices is None else config.overflow_choices
   num_cand = k if cap is None else min(num_experts, k + extra)
-  _, cand_tm = jax.lax.top_k(jax.lax.stop_gradient(select_te), num_cand)
+  _, cand_tm = top_k(jax.lax.stop_gradient(select_te), num_cand)
   indices_tk, kept_tk = capacity_lib.assign_with_capacity(
       cand_tm, k=k, num_experts=num_experts, capacity=cap)
   weights_tk = combine_weights(scores_te, indices_tk, kept_tk)

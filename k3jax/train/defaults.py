@@ -43,7 +43,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.router = ml_collections.ConfigDict()
   c.router.name = "quantile"        # quantile | quantile_lagged | bias_sign | aux_loss | expert_choice | topk
   c.router.capacity_factor = 1.25   # expert capacity = ceil(cf * tokens * k / E); 0 = dropless
-  c.router.quantile_impl = "exact"  # "exact", "radix" (same thresholds, no sort) or "histogram"
+  c.router.quantile_impl = "radix"  # "radix" or "exact" (top_k; the same thresholds), or "histogram"
   c.router.num_bins = 1000          # histogram bins per expert
   c.router.bias_update_rate = 1e-3  # bias_sign step u
   c.router.aux_loss_coef = 1e-2     # aux_loss alpha

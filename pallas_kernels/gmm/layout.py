@@ -60,8 +60,10 @@ def tile_map(group_start: jax.Array, group_size: jax.Array, num_rows: int,
   count_t = ((group_size + block_m - 1) // block_m).astype(jnp.int32)
   tiles = jnp.arange(num_rows // block_m, dtype=jnp.int32)
   # The last group starting at or before each tile; empty groups share their
-  # successor's start and lose to it.
-  owner = jnp.searchsorted(start_t, tiles, side="right").astype(jnp.int32) - 1
+  # successor's start and lose to it. One [tiles, G] comparison: the default
+  # binary search is a loop of small launches, 0.19 ms on the H200 at 528 tiles.
+  owner = jnp.searchsorted(start_t, tiles, side="right",
+                           method="compare_all").astype(jnp.int32) - 1
   owner_c = jnp.clip(owner, 0, start_t.shape[0] - 1)
   inside = (owner >= 0) & (tiles < start_t[owner_c] + count_t[owner_c])
   return TileMap(jnp.where(inside, owner_c, -1), start_t, count_t, block_m)
