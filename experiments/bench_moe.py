@@ -277,10 +277,13 @@ def parts_table(shape_name, dtype):
        (rows, wg, wu, wo), True),
       ("combine", lambda y, w: moe_dispatch.combine_rows(y, w, plan.slot_nk, plan.assign_s),
        (y_sd, w), True),
-      ("routed experts, dropless, pallas (plan given)", lambda x, w, a, bb, c: (
-          routed_gmm.routed_swiglu_gmm(x, w, a, bb, c, plan_free, dtype=dtype,
-                                       config=_gmm_config(dtype))),
-       (x_nd, w_free, wg, wu, wo), True),
+  ] + [
+      (f"routed experts, dropless, pallas (plan given){label}",
+       lambda x, w, a, bb, c, f=fuse: routed_gmm.routed_swiglu_gmm(
+           x, w, a, bb, c, plan_free, dtype=dtype, config=_gmm_config(dtype), fuse_swiglu=f),
+       (x_nd, w_free, wg, wu, wo), True)
+      for fuse, label in ((True, ""), (False, ", SwiGLU unfused"))
+  ] + [
       ("shared expert", lambda x, a, bb, c: swiglu(x, a, bb, c, dtype),
        (x_nd, layer.shared_gate[...], layer.shared_up[...], layer.shared_out[...]), True),
   ]

@@ -192,3 +192,74 @@ def test_gpu_kernel_calls_match_reference(call, dtype, out_dtype):
   top = float(jnp.abs(want).max())
   np.testing.assert_allclose(np.asarray(out, np.float32) / top, np.asarray(want) / top,
                              atol=tol, err_msg=call)
+
+
+def _swiglu_case(rng, dtype, sizes, cfg, k, n, source_rows, gathered):
+  """A routed layout with [gate | up] rows (zero on padding and empty slots, as the
+  forward writes them), cotangent rows, weights and the dgrad's index and scale."""
+  tiles, starts = _layout(sizes, cfg.block_m)
+  m = tiles.num_rows
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+  owned = np.zeros(m, bool)
+  for start, size in zip(starts, sizes):
+    owned[start:start + size] = True
+  gate_up = jnp.where(jnp.asarray(owned)[:, None], normal(m, 2 * n) * 2, 0).astype(dtype)
+  kw = {}
+  if gathered:
+    kw = dict(row_index=_row_index(rng, sizes, starts, m, source_rows),
+              row_scale=jnp.asarray(rng.uniform(0.5, 1.5, m), jnp.float32))
+  g = normal(source_rows if gathered else m, k)
+  w = normal(len(sizes), n, k) * k ** -0.5       # [G, N, K]: the output projection
+  return tiles, gate_up, g, w.astype(dtype), kw
+
+
+def _check_swiglu_kernels(dtype, sizes, cfg, k, n, source_rows, gathered, tol, interpret):
+  rng = np.random.default_rng(4)
+  tiles, gate_up, g, w, kw = _swiglu_case(rng, dtype, sizes, cfg, k, n, source_rows, gathered)
+  # Forward: gmm over silu(gate) * up, fused in the load, against the written activations.
+  w_out = w                                       # [G, N, K]: h (width N) -> K
+  y = api.gmm(gate_up, w_out, tiles, lhs_swiglu=True, out_dtype=jnp.float32, config=cfg,
+              interpret=interpret)
+  y_want = reference.gmm_reference(reference.silu_mul_rows(gate_up, dtype), w_out, tiles)
+  d_gate_up, h_scaled = api.gmm_swiglu_grad(g, w, gate_up, tiles, config=cfg,
+                                            interpret=interpret, **kw)
+  d_want, h_want = reference.swiglu_grad_reference(g, w, gate_up, tiles, **kw)
+  assert d_gate_up.shape == gate_up.shape and d_gate_up.dtype == gate_up.dtype
+  assert h_scaled.shape == (tiles.num_rows, gate_up.shape[1] // 2)
+  for name, got, want in (("y", y, y_want), ("d_gate_up", d_gate_up, d_want),
+                          ("h_scaled", h_scaled, h_want)):
+    top = float(jnp.abs(want).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32) / top, np.asarray(want) / top,
+                               atol=tol, err_msg=name)
+  # Padding rows and empty slots: zero in every result.
+  pad = np.asarray(reference.row_groups(tiles)) < 0
+  if gathered:
+    pad |= np.asarray(kw["row_index"]) >= source_rows
+  for got in (y, d_gate_up, h_scaled):
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[pad], 0.0)
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+def test_swiglu_fused_gmm_and_grad_match_reference(gathered):
+  _check_swiglu_kernels(jnp.float32, SIZES, SMALL, 48, 32, 70, gathered, 1e-5, interpret=True)
+
+
+def test_swiglu_fused_argument_errors():
+  tiles, _ = _layout([16, 16], 16)
+  m = tiles.num_rows
+  w = jnp.zeros((2, 32, 48))
+  with pytest.raises(ValueError, match="odd width"):
+    api.gmm(jnp.zeros((m, 33)), w, tiles, lhs_swiglu=True, config=SMALL, interpret=True)
+  with pytest.raises(ValueError, match=r"gate_up must be \[M, 2N\]"):
+    api.gmm_swiglu_grad(jnp.zeros((m, 48)), w, jnp.zeros((m, 32)), tiles, config=SMALL,
+                        interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_gpu_swiglu_fused_gmm_and_grad_match_reference(dtype, tol, gathered):
+  """The two SwiGLU fusions on the Triton kernels, at the layer's tiles and a routed
+  layout of realistic size (empty, ragged and many-tile groups)."""
+  _check_swiglu_kernels(dtype, [0, 300, 1, 700, 0, 129, 2000, 64], default_config(dtype),
+                        384, 256, 3000, gathered, tol, interpret=False)

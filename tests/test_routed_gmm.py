@@ -24,7 +24,7 @@ def _dense_reference(idx_nk, num_experts):
   return ref
 
 
-def _check(n, d, e, k, h, dtype, cfg, tol, interpret):
+def _check(n, d, e, k, h, dtype, cfg, tol, interpret, fuse_swiglu=True):
   keys = jax.random.split(jax.random.key(0), 7)
   scores = jax.nn.sigmoid(jax.random.normal(keys[0], (n, e)))
   router = RouterConfig(name="quantile", capacity_factor=None)  # dropless: all placed
@@ -41,7 +41,8 @@ def _check(n, d, e, k, h, dtype, cfg, tol, interpret):
     return out, vjp(ct)
 
   kernels = lambda *a: routed_gmm.routed_swiglu_gmm(*a, plan, dtype=dtype, config=cfg,
-                                                    interpret=interpret)
+                                                    interpret=interpret,
+                                                    fuse_swiglu=fuse_swiglu)
   out, grads = jax.jit(lambda: value_and_vjp(kernels))()
   out_ref, grads_ref = jax.jit(lambda: value_and_vjp(_dense_reference(idx, e)))()
   for name, got, want in zip(("out", "dx", "dw", "dwi_gate", "dwi_up", "dwo"),
@@ -51,13 +52,16 @@ def _check(n, d, e, k, h, dtype, cfg, tol, interpret):
                                atol=tol, err_msg=name)
 
 
-def test_routed_swiglu_gmm_matches_dense_reference():
+@pytest.mark.parametrize("fuse_swiglu", [True, False])
+def test_routed_swiglu_gmm_matches_dense_reference(fuse_swiglu):
   cfg = GmmConfig(block_m=16, block_n=16, block_k=16)
-  _check(96, 32, 4, 2, 16, jnp.float32, cfg, 1e-4, interpret=True)
+  _check(96, 32, 4, 2, 16, jnp.float32, cfg, 1e-4, interpret=True, fuse_swiglu=fuse_swiglu)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fuse_swiglu", [True, False])
 @pytest.mark.parametrize("dtype, tol", [(jnp.bfloat16, 2e-2), (jnp.float32, 1e-4)])
-def test_routed_swiglu_gmm_matches_dense_reference_on_gpu(dtype, tol):
+def test_routed_swiglu_gmm_matches_dense_reference_on_gpu(dtype, tol, fuse_swiglu):
   from pallas_kernels.gmm.config import default_config
-  _check(4096, 256, 16, 2, 128, dtype, default_config(dtype), tol, interpret=False)
+  _check(4096, 256, 16, 2, 128, dtype, default_config(dtype), tol, interpret=False,
+         fuse_swiglu=fuse_swiglu)

@@ -4,12 +4,17 @@ The layer's expert work in five kernels, forward and backward, none of which
 writes a dispatched copy of the tokens (`pallas_kernels.gmm`):
 
   forward   gate_up = gmm(x, [W_gate W_up], rows x[source])     [S, 2h]
-            y       = gmm(silu(gate) * up, W_out)                [S, d]
+            y       = gmm(silu(gate) * up, W_out)                [S, d]  (SwiGLU in the load)
             out[n]  = sum_j w[n, j] y[slot[n, j]]                (XLA gather, one pass)
-  backward  dh      = w_s * gmm(g, W_out^T, rows g[token])       (combine's VJP fused)
+  backward  d gate_up, w_s h = SwiGLU VJP of                     (in the epilogue)
+              dh    = w_s * gmm(g, W_out^T, rows g[token])       (combine's VJP fused)
             dW_out  = tgmm(w_s h, g[token])
             dx_s    = gmm(d gate_up, [W_gate W_up]^T);  dx[n] = sum_j dx_s[slot[n, j]]
             dW_in   = tgmm(x[source], d gate_up)
+
+Neither the hidden activations h nor dh is ever written: the SwiGLU and
+its VJP run inside the products (`fuse_swiglu=False` runs them as XLA
+elementwise passes instead, for comparison).
 
 S is the slot layout of a `moe_dispatch.SlotPlan` built with `align` =
 the kernels' block_m, capacity or ragged: the same kernels serve both modes.
@@ -49,6 +54,7 @@ class _Static:
   config: gmm_config.GmmConfig
   interpret: bool
   grad_dtypes: tuple  # of x, wi_gate, wi_up, wo: the cotangents' dtypes
+  fuse_swiglu: bool = True
 
 
 def kernel_config(dtype, config: gmm_config.GmmConfig | None = None) -> gmm_config.GmmConfig:
@@ -58,7 +64,7 @@ def kernel_config(dtype, config: gmm_config.GmmConfig | None = None) -> gmm_conf
 
 def routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan: SlotPlan, *, dtype,
                       config: gmm_config.GmmConfig | None = None,
-                      interpret: bool | None = None):
+                      interpret: bool | None = None, fuse_swiglu: bool = True):
   """sum_j w[n, j] * expert_{plan's group}(x[n]) through the grouped-matmul kernels.
 
   Args:
@@ -69,6 +75,8 @@ def routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan: SlotPlan
     dtype: compute dtype of the rows and products.
     config: kernel tiles (default: `gmm_config.default_config(dtype)`).
     interpret: run the kernels in the Pallas interpreter (default: off the GPU).
+    fuse_swiglu: the SwiGLU and its VJP inside the products (the default), or
+      as separate elementwise passes.
 
   Returns:
     [N, d] float32.
@@ -82,7 +90,8 @@ def routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan: SlotPlan
                  tiles.group_tile_start, tiles.group_tile_count)
   interpret = (not gmm_config.on_gpu()) if interpret is None else interpret
   static = _Static(jnp.dtype(dtype), cfg, interpret,
-                   tuple(jnp.dtype(a.dtype) for a in (x_nd, wi_gate_edh, wi_up_edh, wo_ehd)))
+                   tuple(jnp.dtype(a.dtype) for a in (x_nd, wi_gate_edh, wi_up_edh, wo_ehd)),
+                   bool(fuse_swiglu))
   return _experts(x_nd, w_nk.astype(jnp.float32), wi_gate_edh, wi_up_edh, wo_ehd, index, static)
 
 
@@ -107,7 +116,10 @@ def _forward(x_nd, w_nk, wi_gate, wi_up, wo, index: _Index, static: _Static):
   w_in = jnp.concatenate([wi_gate, wi_up], axis=-1).astype(dt)
   w_out = wo.astype(dt)
   gu = gmm_api.gmm(xc, w_in, tiles, row_index=index.source_s, **kw)
-  y = gmm_api.gmm(_gate_up(gu, dt), w_out, tiles, **kw)
+  if static.fuse_swiglu:
+    y = gmm_api.gmm(gu, w_out, tiles, lhs_swiglu=True, **kw)
+  else:
+    y = gmm_api.gmm(_gate_up(gu, dt), w_out, tiles, **kw)
   rows_nkd = _take_rows(y, index.slot_nk).astype(jnp.float32)
   out = jnp.einsum("nkd,nk->nd", rows_nkd, w_nk)
   return out, (xc, w_nk, w_in, w_out, gu, y)
@@ -135,14 +147,18 @@ def _experts_bwd(static, saved, g_nd):
   w_s = jnp.take(w_nk.reshape(-1), index.assign_s, mode="fill", fill_value=0)
   token_s = index.assign_s // k
   dw_nk = jnp.einsum("nkd,nd->nk", _take_rows(y, index.slot_nk).astype(jnp.float32), g_nd)
-  dh = gmm_api.gmm(gc, wo, tiles, row_index=token_s, row_scale=w_s, transpose_rhs=True, **kw)
-  # The combine weight scales the activations here (fused into their
-  # recomputation) rather than the gathered rows inside the kernel, which
-  # would take them through registers.
-  h_scaled = (_gate_up(gu, dt).astype(jnp.float32) * w_s[:, None]).astype(dt)
+  # The combine weight scales the activations (with their recomputation)
+  # rather than the gathered rows inside tgmm, which would take them through
+  # registers.
+  if static.fuse_swiglu:
+    dgu, h_scaled = gmm_api.gmm_swiglu_grad(gc, wo, gu, tiles, row_index=token_s,
+                                            row_scale=w_s, **kw)
+  else:
+    dh = gmm_api.gmm(gc, wo, tiles, row_index=token_s, row_scale=w_s, transpose_rhs=True, **kw)
+    h_scaled = (_gate_up(gu, dt).astype(jnp.float32) * w_s[:, None]).astype(dt)
+    _, gate_up_vjp = jax.vjp(lambda a: _gate_up(a, dt), gu)
+    (dgu,) = gate_up_vjp(dh)
   d_wo = gmm_api.tgmm(h_scaled, gc, tiles, rhs_index=token_s, **kw)
-  _, gate_up_vjp = jax.vjp(lambda a: _gate_up(a, dt), gu)
-  (dgu,) = gate_up_vjp(dh)
   dx_s = gmm_api.gmm(dgu, w_in, tiles, transpose_rhs=True, **kw)
   dx = jnp.sum(_take_rows(dx_s, index.slot_nk).astype(jnp.float32), axis=1)
   d_win = gmm_api.tgmm(xc, dgu, tiles, lhs_index=index.source_s, **kw)

@@ -1,6 +1,7 @@
 """Plain-jnp references of the grouped matmuls, for tests: row by row, in float32."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gmm.layout import TileMap
@@ -42,3 +43,25 @@ def tgmm_reference(lhs, rhs, tiles: TileMap, *, lhs_index=None, lhs_scale=None,
   group = row_groups(tiles)
   onehot = (group[:, None] == jnp.arange(tiles.num_groups)[None, :]).astype(jnp.float32)
   return jnp.einsum("mg,mk,mn->gkn", onehot, a, b, precision="highest")
+
+
+def silu_mul_rows(gate_up, dtype):
+  """silu(gate) * up of [.., 2K] rows [gate | up], in float32, rounded to dtype, f32."""
+  half = gate_up.shape[-1] // 2
+  g, u = gate_up[..., :half].astype(jnp.float32), gate_up[..., half:].astype(jnp.float32)
+  return (g * jax.nn.sigmoid(g) * u).astype(dtype).astype(jnp.float32)
+
+
+def swiglu_grad_reference(g, rhs, gate_up, tiles: TileMap, *, row_index=None, row_scale=None,
+                          transpose_rhs=True):
+  """(d_gate_up [M, 2N], h_scaled [M, N]) f32, as `api.gmm_swiglu_grad` defines them."""
+  dh = gmm_reference(g, rhs, tiles, row_index=row_index, row_scale=row_scale,
+                     transpose_rhs=transpose_rhs)
+  half = gate_up.shape[-1] // 2
+  gate, up = gate_up[:, :half].astype(jnp.float32), gate_up[:, half:].astype(jnp.float32)
+  sig = jax.nn.sigmoid(gate)
+  d_gate_up = jnp.concatenate([dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig], -1)
+  h = silu_mul_rows(gate_up, gate_up.dtype)
+  if row_scale is not None:
+    h = h * row_scale.astype(jnp.float32)[:, None]
+  return d_gate_up, h
