@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA) token mixer.
 
-Per head h (DESIGN.md, "Model"):
+Per head h (docs/design.md, "Model"):
     q, k, v = silu(causal_depthwise_conv(x W_{q,k,v}))
     q, k    = l2_norm(q), l2_norm(k)
     g       = gate(x W_fa W_fb + b_f)      [B, T, H, K] float32 log-decay

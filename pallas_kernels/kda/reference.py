@@ -1,6 +1,6 @@
 """Pure-JAX references for chunked KDA / Gated DeltaNet.
 
-Two forms of the same recurrence (DESIGN.md, "The math"):
+Two forms of the same recurrence (docs/design.md, "The math"):
 
 * `naive_recurrent_kda`: the token-by-token loop, the source of truth.
 * `chunk_kda_xla`: the chunked (WY) form, in plain jnp, differentiable by
