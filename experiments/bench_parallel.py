@@ -32,8 +32,8 @@ from flax import nnx
 
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
-from k3jax.parallel import training
-from k3jax.parallel.mesh import MeshConfig, make_mesh
+from k3jax.sharding.mesh import MeshConfig, make_mesh
+from k3jax.train import sharded_state
 from k3jax.train.step import make_train_step
 
 FLAGS = flags.FLAGS
@@ -99,7 +99,7 @@ def _run(mesh_shape, config):
            "mask": np.ones((b, t), np.float32)}
   tx = optax.adamw(1e-4)
   cf = FLAGS.capacity_factor if FLAGS.capacity_factor > 0 else None
-  graphdef, state = training.create_sharded_train_state(
+  graphdef, state = sharded_state.create_sharded_train_state(
       lambda rngs: HybridLM(config, rngs=rngs, moe_impl=FLAGS.moe_impl), tx, 0, mesh,
       capacity_factor=cf)
   step = make_train_step(graphdef, tx, optax.constant_schedule(1e-4))
@@ -111,7 +111,7 @@ def _run(mesh_shape, config):
     return jnp.mean(logits)
 
   with jax.set_mesh(mesh):
-    batch = training.shard_batch(batch, mesh)
+    batch = sharded_state.shard_batch(batch, mesh)
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
     jax.block_until_ready(metrics)

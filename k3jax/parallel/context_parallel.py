@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.parallel import mesh as mesh_lib
+from k3jax.sharding import mesh as mesh_lib
 from pallas_kernels.kda import api as kda_api
 from pallas_kernels.kda import input_options
 from pallas_kernels.kda import spec as kda_spec

@@ -22,7 +22,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from k3jax.parallel import mesh as mesh_lib
+from k3jax.sharding import mesh as mesh_lib
 
 Rules = tuple[tuple[str, Any], ...]
 

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.parallel import layers
-from k3jax.parallel import rules as rules_lib
+from k3jax.sharding import rules as rules_lib
 from k3jax.train.state import TrainState
 
 

@@ -13,19 +13,23 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 try:
   from tqdm.auto import tqdm
-except ImportError:  # a bare accelerator image may lack tqdm; metrics still reach the log files
+except ImportError:  # optional: a bare accelerator image may lack tqdm; metrics still reach the log files
   tqdm = None
 
 from k3jax.data import BatchIterator, make_dataset
-from k3jax.parallel import rules as rules_lib
-from k3jax.parallel import training
+from k3jax.models import lm
+from k3jax.sharding import rules as rules_lib
 from k3jax.train import report
 from k3jax.train import run_config
+from k3jax.train import sharded_state
 from k3jax.train import workdir_lock
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
 from k3jax.train.cli_errors import InputError
@@ -61,14 +65,13 @@ def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int):
   Runs with the same model structure and optimizer settings (a resumed run, a
   sweep in a notebook) reuse the compiled steps instead of compiling again.
   """
-  import ml_collections  # the optimizer reads attributes, so rebuild a ConfigDict
+  # The optimizer reads attributes, so rebuild a ConfigDict.
   optim_cfg = ml_collections.ConfigDict(json.loads(optim_json))
   tx, schedule = make_optimizer(optim_cfg, num_steps)
   return tx, make_train_step(graphdef, tx, schedule), make_eval_step(graphdef)
 
 
 def _default_model(model_cfg, seq_len: int) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
-  from k3jax.models import lm  # the model package pulls in the kernels; import on use
   fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
   return (lambda rngs: lm.HybridLM(model_cfg, rngs=rngs)), fpt
 
@@ -143,7 +146,6 @@ def _lock_all_processes(lock: workdir_lock.WorkdirLock | None, workdir: str, npr
     except workdir_lock.WorkdirLockedError as e:
       error = e
   if nproc > 1:
-    from jax.experimental import multihost_utils
     locked = bool(np.all(multihost_utils.process_allgather(np.array(error is None))))
     if not locked and error is None:
       raise workdir_lock.WorkdirLockedError(f"process 0 could not take the lock of {workdir}; its "
@@ -255,7 +257,7 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
   mesh = pconf.make_mesh(devices)
 
   def put(batch):
-    return training.shard_batch(batch, mesh, pconf.rules)
+    return sharded_state.shard_batch(batch, mesh, pconf.rules)
 
   @contextlib.contextmanager
   def on_mesh():
@@ -268,7 +270,7 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
   if sharded or _splits_kernel_calls(config, sizes):
-    model_fn = training.parallel_model_fn(model_fn, capacity_factor=pconf.capacity_factor)
+    model_fn = sharded_state.parallel_model_fn(model_fn, capacity_factor=pconf.capacity_factor)
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
@@ -282,7 +284,7 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
   if resuming:
     # Straight onto this mesh's shardings, whatever mesh wrote it; no initialisation.
     template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract_state, training.full_shardings(shardings, abstract_state))
+                            abstract_state, sharded_state.full_shardings(shardings, abstract_state))
     try:
       restored = ckpt.restore_intact(template)
       if restored is not None and restored.step > config.num_steps:
@@ -311,11 +313,11 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
   elif not sharded:  # batch-only mesh: the plain one-device initialisation, replicated
     state = create_train_state(model_fn, tx, config.seed, sharding=NamedSharding(mesh, P()))[1]
   elif sizes["fsdp"] > 1:  # ZeRO-3: initialised in its sharded layout, never as a full replica
-    state = training.create_sharded_train_state(model_fn, tx, config.seed, mesh, pconf.rules)[1]
+    state = sharded_state.create_sharded_train_state(model_fn, tx, config.seed, mesh, pconf.rules)[1]
   else:
     # No fsdp: each device holds a full replica of all but the experts anyway, so the
     # eager one-device initialisation (no init program to compile) is placed instead.
-    state = training.place(create_train_state(model_fn, tx, config.seed)[1], shardings)
+    state = sharded_state.place(create_train_state(model_fn, tx, config.seed)[1], shardings)
   num_params = param_count(state.params)
   start = int(state.step)
   if int(data_it.position) != start:
@@ -400,7 +402,6 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
   def stop_requested() -> bool:
     flag = guard.received is not None
     if nproc > 1:
-      from jax.experimental import multihost_utils
       flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
     return flag
 
@@ -459,7 +460,6 @@ def _set_aside(ckpt: Checkpointer, steps: list[int], nproc: int) -> None:
   save those steps again and a later resume does not try them first."""
   moved = ckpt.set_aside(steps)
   if nproc > 1:
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("k3jax_set_aside_checkpoints")
   ckpt.reload()
   for path in moved:
