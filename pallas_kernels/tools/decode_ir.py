@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import decode
-from pallas_kernels.kda import triton_ir
+from pallas_kernels.tools import triton_ir
 
 
 def lower_decode_kernel(out_dir: str, *, batch: int, heads: int, dk: int, dv: int, t_new: int,

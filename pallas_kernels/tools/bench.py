@@ -1,6 +1,6 @@
 """Benchmark helpers for the KDA kernels: inputs, timing, roofline, stages.
 
-Used by `experiments/bench_kernels.py` and `experiments/tune_kda.py`; no
+Used by `experiments/bench/bench_kernels.py` and `experiments/bench/tune_kda.py`; no
 timing happens at import.
 """
 from __future__ import annotations
@@ -363,7 +363,7 @@ def stage_table(rows: list[tuple[str, dict | str]]) -> str:
 
 
 def cumsum_passes(b, t, f, *, chunk_size, lower_bound, cfg, block_f):
-  """The gate-cumsum passes `experiments/bench_cumsum.py` times, on one [B, T, F] gate.
+  """The gate-cumsum passes `experiments/bench/bench_cumsum.py` times, on one [B, T, F] gate.
 
   Returns:
     {name: (jitted fn, args, bytes read + written)}: xla_copy (the floor),

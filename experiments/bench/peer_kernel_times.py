@@ -6,7 +6,7 @@ the same shape, from the PyTorch profiler over `--calls` timed calls (after
 time. Needs torch and fla (GPU machine only; see docs/benchmarks.md for the
 wheels):
 
-  python experiments/peer_kernel_times.py --shape=16x2048x16x128 --modes=safe
+  python experiments/bench/peer_kernel_times.py --shape=16x2048x16x128 --modes=safe
 
 Times are CUDA kernel times averaged per call (ms); "share" is the kernel's
 part of the pass's summed kernel time. Kernel names are fla's.

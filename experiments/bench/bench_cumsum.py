@@ -6,7 +6,7 @@ TB/s of bytes read and written, and its ratio to an XLA elementwise pass over
 the same array (read once, written once: the floor for a pass that must read
 g and write G).
 
-Passes (`pallas_kernels.kda.bench.cumsum_passes`):
+Passes (`pallas_kernels.tools.bench.cumsum_passes`):
 
 * cumsum / reverse: `kernel_cumsum.chunk_cumsum` (G from g; dg from dG);
 * clamped / clamped+record / clamped_bwd: `chunk_kda`'s path for a traced
@@ -18,8 +18,8 @@ Passes (`pallas_kernels.kda.bench.cumsum_passes`):
 
 On the GPU machine, from the repository root:
 
-  python experiments/bench_cumsum.py --shapes=16x2048x16x128,1x32768x16x128
-  python experiments/bench_cumsum.py --block_f=128 --warps=8   # a block / warp variant
+  python experiments/bench/bench_cumsum.py --shapes=16x2048x16x128,1x32768x16x128
+  python experiments/bench/bench_cumsum.py --block_f=128 --warps=8   # a block / warp variant
 
 Every pass runs on in-range gates, as in training: the clamp's mask is then
 neither written nor read.
@@ -33,7 +33,7 @@ from absl import app
 from absl import flags
 
 # Run from a checkout without installing: the repository root holds the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _SHAPES = flags.DEFINE_list("shapes", ["16x2048x16x128", "1x32768x16x128"],
                             "BxTxHxK shapes (the gate is [B, T, H*K] float32).")
@@ -52,7 +52,7 @@ def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   from pallas_kernels import timing  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import kernel_config  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import platform_lowering  # pylint: disable=g-import-not-at-top
 

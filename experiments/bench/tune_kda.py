@@ -5,10 +5,10 @@ time (ms) and the forward / backward sums of the stages that the default
 (saved-residual) path runs; the best value of each column is starred. On the
 GPU machine, from the repository root:
 
-  python experiments/tune_kda.py --shape=16x2048x16x128 \\
+  python experiments/bench/tune_kda.py --shape=16x2048x16x128 \\
       --grid="block_v=32,64,128;warps.state_fwd=4,8;warps.state_bwd=4,8"
-  python experiments/tune_kda.py --grid="inverse=substitution,blocked;intra_bwd=split,tiles"
-  python experiments/tune_kda.py --stages=state_rec,output_fwd \\
+  python experiments/bench/tune_kda.py --grid="inverse=substitution,blocked;intra_bwd=split,tiles"
+  python experiments/bench/tune_kda.py --stages=state_rec,output_fwd \\
       --grid="rec_block_v=32,64;warps.state_rec=2,4;num_stages=1,2,3"
 
 Grid syntax: `;` separates fields, `,` separates a field's values; fields
@@ -26,7 +26,7 @@ from absl import app
 from absl import flags
 
 # Run from a checkout without installing: the repository root holds the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D).")
 _GRID = flags.DEFINE_string("grid", "block_v=32,64;warps.state_fwd=4,8",
@@ -45,7 +45,7 @@ def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
 
   combos = bench.parse_grid(_GRID.value)
   b, t, h, d = (int(x) for x in _SHAPE.value.split("x"))

@@ -11,7 +11,7 @@ computes the same thing (correctness itself is the `gpu` tests' job).
 
 On the GPU machine, from the repository root:
 
-  python experiments/ab_forward.py --shapes=16x2048x16x128,4x8192x16x128 \\
+  python experiments/bench/ab_forward.py --shapes=16x2048x16x128,4x8192x16x128 \\
       --variants=",block_k=32"
 
 A variant is "" (the defaults) or overrides joined by "+", e.g.
@@ -28,7 +28,7 @@ from absl import app
 from absl import flags
 
 # Run from a checkout without installing: the repository root holds the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _SHAPES = flags.DEFINE_list("shapes", ["16x2048x16x128"], "BxTxHxD (K = V = D) shapes.")
 _VARIANTS = flags.DEFINE_list("variants", ["", "block_k=32"],
@@ -46,7 +46,7 @@ def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import pallas_op  # pylint: disable=g-import-not-at-top
 
   variants = [(v or "defaults", bench.parse_overrides(v.split("+")) if v else {})

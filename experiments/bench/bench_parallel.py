@@ -1,7 +1,7 @@
 """Train-step throughput with expert and context parallelism vs one device.
 
-    PYTHONPATH=. python experiments/bench_parallel.py                 # all visible devices
-    PYTHONPATH=. python experiments/bench_parallel.py --meshes=1,1,1:2,1,1:1,2,1:1,1,2 \
+    PYTHONPATH=. python experiments/bench/bench_parallel.py                 # all visible devices
+    PYTHONPATH=. python experiments/bench/bench_parallel.py --meshes=1,1,1:2,1,1:1,2,1:1,1,2 \
         --kda_implementation=pallas,xla                               # one table per implementation
 
 Every mesh (data, expert, context) runs the same per-device work: each device

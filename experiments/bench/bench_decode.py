@@ -1,9 +1,9 @@
 """Decode tokens/s of the KDA decode step, per layer and for a whole model.
 
-  python experiments/bench_decode.py                       # B = 1, 8, 64; H16 K=V=128
-  python experiments/bench_decode.py --tokens=1,4 --pallas=16:4,32:4,64:4,128:8 --model=none
-  python experiments/bench_decode.py --nolayer                 # the model table only
-  python experiments/bench_decode.py --preset=tiny --batches=1,2 --steps=4 --pallas=8:4   # CPU smoke
+  python experiments/bench/bench_decode.py                       # B = 1, 8, 64; H16 K=V=128
+  python experiments/bench/bench_decode.py --tokens=1,4 --pallas=16:4,32:4,64:4,128:8 --model=none
+  python experiments/bench/bench_decode.py --nolayer                 # the model table only
+  python experiments/bench/bench_decode.py --preset=tiny --batches=1,2 --steps=4 --pallas=8:4   # CPU smoke
 
 Layer table: one KDA layer's state step (`kda_decode_step`) for each
 implementation, B and T_new, timed as a jitted `lax.scan` of `--steps` steps
@@ -30,7 +30,7 @@ import sys
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -6,12 +6,12 @@ safe_gate True/False run in a separate process in the same command, the
 roofline floor from bandwidth and bf16 matmul rate measured in this run, and
 the ratios. Optionally per-stage times of the Pallas kernels.
 
-  python experiments/bench_kernels.py --shapes=16x2048x16x128,4x8192x16x128
-  python experiments/bench_kernels.py --impls=pallas:dense,pallas:pairwise --sub_chunk=32 \
+  python experiments/bench/bench_kernels.py --shapes=16x2048x16x128,4x8192x16x128
+  python experiments/bench/bench_kernels.py --impls=pallas:dense,pallas:pairwise --sub_chunk=32 \
       --lower_bound=-2.5 --peer=false        # the tile 32 / 64 ablation pairs (-1.3 at 64)
-  python experiments/bench_kernels.py --mode=fla --shapes=...   # peer only (torch)
-  CUDA_VISIBLE_DEVICES=0 python experiments/bench_kernels.py --peer_gpu=1   # peer on GPU 1, concurrently
-  python experiments/bench_kernels.py --shapes=4x8192x16x96,4x8192x16x128 --peer=false --stages=
+  python experiments/bench/bench_kernels.py --mode=fla --shapes=...   # peer only (torch)
+  CUDA_VISIBLE_DEVICES=0 python experiments/bench/bench_kernels.py --peer_gpu=1   # peer on GPU 1, concurrently
+  python experiments/bench/bench_kernels.py --shapes=4x8192x16x96,4x8192x16x128 --peer=false --stages=
 
 D need not be a power of two: the pallas path pads it inside the op (the
 per-stage times call the kernels directly and take powers of two only).
@@ -47,7 +47,7 @@ _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min."
 _CHUNK = flags.DEFINE_integer("chunk_size", 64, "Chunk length C.")
 _SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
 _OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields of the pallas path "
-                               "(see pallas_kernels.kda.bench.parse_overrides), e.g. "
+                               "(see pallas_kernels.tools.bench.parse_overrides), e.g. "
                                "mm_dtype=float32,inverse=blocked,warps.intra_fwd=8.")
 _CEIL_BYTES = flags.DEFINE_integer("ceiling_bytes", 2 ** 32, "Array size of the bandwidth "
                                    "measurement.")
@@ -169,7 +169,7 @@ def collect_peer(peer, started):
 def _run_jax(shapes):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
 
   import time  # pylint: disable=g-import-not-at-top
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)

@@ -1,6 +1,6 @@
 """Times the HybridLM forward (and forward+backward) for each KDA implementation.
 
-  python experiments/bench_model.py --preset=100m --batch=8 --seq_len=2048 \
+  python experiments/bench/bench_model.py --preset=100m --batch=8 --seq_len=2048 \
       --implementations=xla,pallas
 
 Prints a table: for each implementation the median forward time, then the
@@ -17,7 +17,7 @@ import time
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dataclasses  # noqa: E402
 

@@ -1,7 +1,7 @@
 r"""Prints the error of chunked KDA against the naive recurrence.
 
-    python experiments/kda_reference_check.py
-    python experiments/kda_reference_check.py --seq_lens=1,65,1000 --implementation=pallas
+    python experiments/bench/kda_reference_check.py
+    python experiments/bench/kda_reference_check.py --seq_lens=1,65,1000 --implementation=pallas
 
 Inputs are fresh random: unit-norm q/k, gates g = g_min * sigmoid(N(0, 1)),
 beta = sigmoid(N(0, 1)), a random initial state.

@@ -1,9 +1,9 @@
 """MoE layer benchmark: the layer against a dense SwiGLU of equal active width,
 and where the layer's time goes.
 
-    PYTHONPATH=. python experiments/bench_moe.py                       # three shapes, GPU
-    PYTHONPATH=. python experiments/bench_moe.py --shapes=gpu_1b --impls=buffered,ragged:tokamax
-    PYTHONPATH=. python experiments/bench_moe.py --shapes=smoke --iters=2 --rounds=1 \
+    PYTHONPATH=. python experiments/bench/bench_moe.py                       # three shapes, GPU
+    PYTHONPATH=. python experiments/bench/bench_moe.py --shapes=gpu_1b --impls=buffered,ragged:tokamax
+    PYTHONPATH=. python experiments/bench/bench_moe.py --shapes=smoke --iters=2 --rounds=1 \
         --rate_matmul=256                                              # CPU smoke
 
 Shapes (B, T, d, experts, top-k, expert hidden; one shared expert of the
@@ -37,7 +37,7 @@ import sys
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402

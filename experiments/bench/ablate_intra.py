@@ -15,9 +15,9 @@ purpose: this is a profiling target, never a result. Variants:
 A variant may carry KernelConfig overrides after "@", joined by "+", e.g.
 `full@block_k=32`. On the GPU machine, from the repository root:
 
-  python experiments/ablate_intra.py --variants=full,inv_cheap,scores_cheap,wu_none
+  python experiments/bench/ablate_intra.py --variants=full,inv_cheap,scores_cheap,wu_none
   ncu -k regex:kda_intra --metrics gpu__time_duration.sum,launch__registers_per_thread \\
-      python experiments/ablate_intra.py --variants=full,full@block_k=32
+      python experiments/bench/ablate_intra.py --variants=full,full@block_k=32
 
 Each variant runs --calls + 1 times (the first compiles); the printed time
 is per call, calls dispatched back to back (`bench.pipelined_ms`).
@@ -32,7 +32,7 @@ from absl import app
 from absl import flags
 
 # Run from a checkout without installing: the repository root holds the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D).")
 _VARIANTS = flags.DEFINE_list("variants", ["full", "inv_cheap", "scores_cheap", "wu_none"],
@@ -78,7 +78,7 @@ def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import kernel_config  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import kernel_intra_fwd as kf  # pylint: disable=g-import-not-at-top
 

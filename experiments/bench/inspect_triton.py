@@ -10,10 +10,10 @@ instructions that matter here: barriers and shared-memory traffic (layout
 conversions), HGMMA (wgmma), MUFU (exp2), local loads and stores (spills).
 `--attribute` adds, for the kernels matched by `--kernels`, the instruction
 counts per Triton IR operation type. The functions live in
-`pallas_kernels/kda/triton_ir.py`.
+`pallas_kernels/tools/triton_ir.py`.
 
-  python experiments/inspect_triton.py --out=/tmp/ttir
-  python experiments/inspect_triton.py --out=/tmp/ttir --compile --attribute \\
+  python experiments/bench/inspect_triton.py --out=/tmp/ttir
+  python experiments/bench/inspect_triton.py --out=/tmp/ttir --compile --attribute \\
       --kernels=intra_bwd_k --overrides=warps.intra_bwd_k=8
 
 The second command needs `triton` installed next to the project's stack
@@ -37,7 +37,7 @@ from absl import app
 from absl import flags
 
 # Run from a checkout without installing: the repository root holds the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _OUT = flags.DEFINE_string("out", None, "Folder for the .ttir files and kernels.json.")
 _SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D) the kernels are "
@@ -58,8 +58,8 @@ def main(argv):
   del argv
   if not _OUT.value:
     raise app.UsageError("--out is required (a folder for the Triton IR files)")
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import triton_ir  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import triton_ir  # pylint: disable=g-import-not-at-top
   shape = tuple(int(x) for x in _SHAPE.value.split("x"))
   if len(shape) != 4:
     raise app.UsageError(f"--shape must be BxTxHxD, got {_SHAPE.value!r}")

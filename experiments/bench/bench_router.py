@@ -1,7 +1,7 @@
 """Router benchmark: balance table on skewed scores, and router time vs the MoE layer.
 
-    PYTHONPATH=. python experiments/bench_router.py                  # both tables
-    PYTHONPATH=. python experiments/bench_router.py --tables=timing --experts=256 --topk=8 --tokens=65536
+    PYTHONPATH=. python experiments/bench/bench_router.py                  # both tables
+    PYTHONPATH=. python experiments/bench/bench_router.py --tables=timing --experts=256 --topk=8 --tokens=65536
 
 Balance table: T=16384, E=64, k=8, 4 hot experts (+1.5 logits), fresh batch
 every step, router state carried. Causality: B=4 sequences of 4096 tokens;

@@ -11,8 +11,8 @@ timing) of:
 * layer: the `KDA` layer (d_model = H * D, bf16 compute) with fuse_gate off
   and on; gradients of every parameter.
 
-  python experiments/bench_gate_fusion.py
-  python experiments/bench_gate_fusion.py --shapes=16x2048x16x128 --iters=50
+  python experiments/bench/bench_gate_fusion.py
+  python experiments/bench/bench_gate_fusion.py --shapes=16x2048x16x128 --iters=50
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _define_flags():
@@ -76,7 +76,7 @@ def op_inputs(b, t, h, d, lower_bound):
   """bf16 q, k, v, z, beta, do and an f32 bias [H, D] (z + bias ~ N(0, 2))."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
   q, k, v, _, beta = bench.make_inputs(jax.random.PRNGKey(0), b, t, h, d,
                                        lower_bound=lower_bound)
   kz, kb, ko = jax.random.split(jax.random.PRNGKey(1), 3)
@@ -112,7 +112,7 @@ def layer_fns(b, t, h, d, implementation: str, lower_bound: float):
 
 def main(argv):
   del argv
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
   lb = FLAGS.lower_bound
   rows = []
   for shape in FLAGS.shapes:

@@ -3,7 +3,7 @@
 `lower_kernels` lowers a jitted forward+VJP for CUDA (sm_90) and captures
 each pallas_call's Triton IR; `compile_kernel` (needs the `triton` package,
 which is not a dependency) compiles one for sm_90a and reports registers,
-spills and the SASS mix. The front end is `experiments/inspect_triton.py`,
+spills and the SASS mix. The front end is `experiments/bench/inspect_triton.py`,
 whose docstring has the commands and caveats. Reads the lowering through
 private modules of jax 0.11.2 (`jax._src.pallas.triton`).
 """
@@ -145,9 +145,9 @@ def sass_counts(sass: str) -> collections.Counter:
 
 def _ttir_passes(path: str, options: dict) -> str:
   """The Triton-IR module at `path` after the CUDA backend's `make_ttir` passes."""
-  from triton._C.libtriton import ir as tir  # pylint: disable=g-import-not-at-top
-  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  from triton.backends.nvidia.compiler import CUDABackend  # pylint: disable=g-import-not-at-top
+  from triton._C.libtriton import ir as tir  # optional: GPU hosts only  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # optional: GPU hosts only  # pylint: disable=g-import-not-at-top
+  from triton.backends.nvidia.compiler import CUDABackend  # optional: GPU hosts only  # pylint: disable=g-import-not-at-top
 
   backend = CUDABackend(GPUTarget("cuda", 90, 32))
   context = tir.context()
@@ -165,8 +165,8 @@ def compile_kernel(entry: dict, attribute: bool = False) -> str:
   Writes .ptx, .cubin and .sass beside the .ttir file. With `attribute`, the
   report gains one line per Triton IR operation type with its SASS counts.
   """
-  import triton  # pylint: disable=g-import-not-at-top
-  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  import triton  # optional: GPU hosts only  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # optional: GPU hosts only  # pylint: disable=g-import-not-at-top
 
   tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
   options = dict(num_warps=entry["num_warps"], num_stages=entry["num_stages"])

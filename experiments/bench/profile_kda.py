@@ -7,7 +7,7 @@ On the GPU machine, from the repository root:
 
   ncu --replay-mode application -k regex:kda_intra_bwd_k --launch-count 1 \\
       --section LaunchStats --section Occupancy --section SpeedOfLight \\
-      python experiments/profile_kda.py --shape=16x2048x16x128
+      python experiments/bench/profile_kda.py --shape=16x2048x16x128
 
 Registers and local-memory (spill) traffic of every kernel, in one pass per
 metric set (docs/benchmarks.md has the figures this gave):
@@ -15,10 +15,10 @@ metric set (docs/benchmarks.md has the figures this gave):
   ncu --replay-mode application -k regex:kda_ --launch-count 8 --metrics \\
     gpu__time_duration.sum,launch__registers_per_thread,\\
 l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum \\
-    python experiments/profile_kda.py --calls=0
+    python experiments/bench/profile_kda.py --calls=0
 
 (An XLA dump, `XLA_FLAGS=--xla_dump_to=...`, held no .ptx files for ptxas on
-the H200 image with jax 0.11.2. `experiments/inspect_triton.py` compiles the
+the H200 image with jax 0.11.2. `experiments/bench/inspect_triton.py` compiles the
 kernels' Triton IR for sm_90a on a CPU machine instead, for registers, spills
 and the SASS.)
 """
@@ -31,7 +31,7 @@ from absl import app
 from absl import flags
 
 # Run from a checkout without installing: the repository root holds the packages.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D).")
 _CALLS = flags.DEFINE_integer("calls", 2, "Forward+backward calls after the first (compiling) one.")
@@ -46,7 +46,7 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import api  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
 
   b, t, h, d = (int(x) for x in _SHAPE.value.split("x"))
   dtype = jnp.float32 if _INTERPRET.value else jnp.bfloat16
