@@ -25,6 +25,9 @@ from flax import nnx  # noqa: E402
 from k3jax.models import generate as gen  # noqa: E402
 from k3jax.models import lm  # noqa: E402
 from k3jax.train.checkpoint import CheckpointError  # noqa: E402
+from k3jax.train.config_files import load_config_file  # noqa: E402
+from k3jax.train.config_schema import model_config_from  # noqa: E402
+from k3jax.train.restore import restore_model  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Training run directory (config.json + checkpoints/).")
@@ -44,15 +47,13 @@ flags.DEFINE_string("kda_decode", None, "KDA decode step: auto | pallas | fused 
 def _load():
   if FLAGS.workdir:
     try:
-      model, cfg, step = gen.restore_model(FLAGS.workdir, FLAGS.step)
+      model, cfg, step = restore_model(FLAGS.workdir, FLAGS.step)
     except (CheckpointError, ValueError) as e:  # a missing step lists the saved ones
       sys.exit(f"error: {e}")
     print(f"restored step {step} from {FLAGS.workdir}")
     return model, cfg
   if not FLAGS.config:
     raise app.UsageError("pass --workdir (trained run) or --config (random model)")
-  from k3jax.train.config_files import load_config_file  # pylint: disable=g-import-not-at-top
-  from k3jax.train.config_schema import model_config_from  # pylint: disable=g-import-not-at-top
   cfg = model_config_from(load_config_file(FLAGS.config).model)
   print(f"random model from {FLAGS.config} (no checkpoint)")
   return lm.HybridLM(cfg, rngs=nnx.Rngs(FLAGS.seed)), cfg

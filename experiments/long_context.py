@@ -38,9 +38,11 @@ from absl import logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from k3jax.ablations import long_context as lc  # noqa: E402
+from k3jax.ablations import record  # noqa: E402
 from k3jax.ablations import runs as runs_lib  # noqa: E402
 from k3jax.ablations import summary as summary_lib  # noqa: E402
 from k3jax.ablations.sweeps import SETTINGS, make_sweep  # noqa: E402
+from k3jax.train.run_config import load_run_config  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", None, "Directory of the sweep's run directories (trained here if missing).")
@@ -85,7 +87,7 @@ def _sweep_records():
     if not FLAGS.train and not runs_lib.is_finished(workdir, spec.config().num_steps):
       raise app.UsageError(f"run {spec.key} is not trained under {FLAGS.out} (drop --notrain to train it)")
     print(f"[long] {spec.key}", flush=True)
-    records.append(runs_lib.run_or_load(spec, FLAGS.out, force_eval=FLAGS.force_eval))
+    records.append(record.run_or_load(spec, FLAGS.out, force_eval=FLAGS.force_eval))
   return records
 
 
@@ -107,7 +109,6 @@ def _dir_records():
 
 
 def _seed_of(workdir):
-  from k3jax.models.generate import load_run_config  # pylint: disable=g-import-not-at-top
   return load_run_config(workdir).seed
 
 
@@ -147,8 +148,7 @@ def main(argv):
 
 def _json_safe(summary):
   """NaN/inf (e.g. an empty bucket's loss) become None: the summary is strict JSON."""
-  from k3jax.ablations.evaluate import _finite_or_none  # pylint: disable=g-import-not-at-top
-  return json.loads(json.dumps(_finite_or_none(summary)))
+  return json.loads(json.dumps(record.finite_or_none(summary)))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # Run from a checkout without installing: the repository root holds the k3jax package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from k3jax.ablations import record  # noqa: E402
 from k3jax.ablations import runs as runs_lib  # noqa: E402
 from k3jax.ablations import summary as summary_lib  # noqa: E402
 from k3jax.ablations.sweeps import ALL_SWEEPS, SETTINGS, SWEEPS, make_sweep  # noqa: E402
@@ -215,7 +216,7 @@ def _worker(key: str, out: str):
       import jax  # pylint: disable=g-import-not-at-top
       jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
       t0 = time.time()
-      record = runs_lib.run_or_load(spec, out)
+      record = record.run_or_load(spec, out)
       print(f"{key}: done in {time.time() - t0:.1f}s on {jax.devices()[0].device_kind}; "
             f"final eval {record.get('final_eval')}", flush=True)
       return

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.ablations import evaluate, runs, summary, sweeps
+from k3jax.ablations import evaluate, record, runs, summary, sweeps
 from k3jax.models.lm import HybridLM
 from k3jax.train.config_schema import model_config_from, validate
 from k3jax.train.defaults import base_config
@@ -97,18 +97,18 @@ def test_run_or_load_trains_once_then_loads(tmp_path, monkeypatch):
   calls, summaries = [], []
   import k3jax.train.trainer as trainer
   monkeypatch.setattr(trainer, "train_and_evaluate", _fake_training(calls))
-  monkeypatch.setattr(evaluate, "summarize_run",
+  monkeypatch.setattr(record, "summarize_run",
                       lambda spec, workdir, out: summaries.append(workdir) or {"key": spec.key, "step": 40})
   spec = sweeps.make_sweep("router", "quick").runs()[0]
-  first = runs.run_or_load(spec, str(tmp_path))
-  second = runs.run_or_load(spec, str(tmp_path))
+  first = record.run_or_load(spec, str(tmp_path))
+  second = record.run_or_load(spec, str(tmp_path))
   assert first == second == {"key": spec.key, "step": 40}
   assert len(calls) == 1 and len(summaries) == 1  # the second call trained and evaluated nothing
   # A different config in the same directory is refused rather than mixed in.
   other = sweeps.RunSpec(spec.sweep, spec.setting, spec.variant, spec.task, spec.seed,
                          spec.base + (("optim.learning_rate", 1e-4),))
   with pytest.raises(ValueError, match="different config"):
-    runs.run_or_load(other, str(tmp_path))
+    record.run_or_load(other, str(tmp_path))
 
 
 def test_unfinished_run_is_trained_again(tmp_path, monkeypatch):

@@ -114,8 +114,8 @@ def test_sequence_split_attention_sees_whole_sequences(context, kv_heads, heads_
   reference either way.
   """
   from k3jax.layers import attention  # pylint: disable=g-import-not-at-top
-  from k3jax.parallel.mesh import MeshConfig, make_mesh  # pylint: disable=g-import-not-at-top
-  from k3jax.parallel import rules  # pylint: disable=g-import-not-at-top
+  from k3jax.sharding.mesh import MeshConfig, make_mesh  # pylint: disable=g-import-not-at-top
+  from k3jax.sharding import rules  # pylint: disable=g-import-not-at-top
   seen = []
   real = jax.nn.dot_product_attention
 

@@ -1,7 +1,7 @@
-"""The passes experiments/bench_cumsum.py times compute what they are named (interpret, CPU)."""
+"""The passes experiments/bench/bench_cumsum.py times compute what they are named (interpret, CPU)."""
 import numpy as np
 
-from pallas_kernels.kda import bench
+from pallas_kernels.tools import bench
 from pallas_kernels.kda import kernel_config
 
 

@@ -1,4 +1,4 @@
-"""experiments/bench_decode.py on tiny shapes (a smoke test; CPU times mean nothing)."""
+"""experiments/bench/bench_decode.py on tiny shapes (a smoke test; CPU times mean nothing)."""
 import math
 import sys
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "bench"))
 import bench_decode  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 

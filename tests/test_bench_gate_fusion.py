@@ -1,11 +1,11 @@
-"""experiments/bench_gate_fusion.py times equal computations: fused and unfused agree (xla, CPU)."""
+"""experiments/bench/bench_gate_fusion.py times equal computations: fused and unfused agree (xla, CPU)."""
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "bench"))
 import bench_gate_fusion  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 

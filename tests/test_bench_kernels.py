@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "bench"))
 import bench_kernels  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from pallas_kernels.kda import bench  # pylint: disable=wrong-import-position
+from pallas_kernels.tools import bench  # pylint: disable=wrong-import-position
 from pallas_kernels.kda import kernel_config  # pylint: disable=wrong-import-position
 
 
@@ -276,7 +276,7 @@ def test_ab_forward_smoke():
   import subprocess  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = subprocess.run(
-      [sys.executable, os.path.join(root, "experiments", "ab_forward.py"), "--interpret",
+      [sys.executable, os.path.join(root, "experiments", "bench", "ab_forward.py"), "--interpret",
        "--rounds=1", "--variants=,inverse=blocked+block_k=16"],
       capture_output=True, text=True, check=True, cwd=root).stdout
   rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]

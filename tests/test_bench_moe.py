@@ -1,4 +1,4 @@
-"""experiments/bench_moe.py runs end to end on the CPU and prints both tables."""
+"""experiments/bench/bench_moe.py runs end to end on the CPU and prints both tables."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_bench_moe_smoke_prints_layer_parts_and_kernel_tables():
   # One process for every table (each start costs JAX's import and compiles).
-  cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench_moe.py"), "--shapes=smoke",
+  cmd = [sys.executable, os.path.join(ROOT, "experiments", "bench", "bench_moe.py"), "--shapes=smoke",
          "--impls=buffered,ragged,ragged:pallas", "--iters=1", "--rounds=1", "--warmup=0",
          "--rate_matmul=128", "--backward=false", "--kernels",
          "--gmm_config=block_m=16,block_n=16,block_k=16"]

@@ -10,6 +10,7 @@ from k3jax.models import generate as gen
 from k3jax.models import lm
 from k3jax.models.config import ModelConfig
 from k3jax.routing import RouterConfig
+from k3jax.train.restore import restore_model
 
 VOCAB = 32
 
@@ -137,7 +138,7 @@ def _generate_cli(*args):
 def test_restoring_a_missing_step_lists_the_saved_ones(run_dir):
   from k3jax.train.checkpoint import CheckpointError
   with pytest.raises(CheckpointError, match=r"no checkpoint of step 100 .*saved steps: 3"):
-    gen.restore_model(str(run_dir), 100)
+    restore_model(str(run_dir), 100)
 
 
 def test_generate_cli_is_quiet(run_dir):

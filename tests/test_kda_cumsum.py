@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import input_checks
+from pallas_kernels.kda import inputs
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda.kernel_cumsum import chunk_cumsum
@@ -82,7 +82,7 @@ def _gates_out_of_range(seed, shape, chunk, lower_bound=-5.0):
 def _block_flags(g, chunk, block_f, lower_bound=-5.0):
   """[B, NC, F/BF] int32: 1 where the block holds an out-of-range gate (numpy)."""
   b, tp, f = g.shape
-  out = np.asarray(input_checks.out_of_range(g, lower_bound))
+  out = np.asarray(inputs.out_of_range(g, lower_bound))
   return out.reshape(b, tp // chunk, chunk, f // block_f, block_f).any(axis=(2, 4)).astype(
       np.int32)
 
@@ -116,14 +116,14 @@ class CumsumChecks:
     g = _gates_out_of_range(7, self.shape, c)
     dg_cum = _gates(8, self.shape, "mixed")
     cfg = _config(self.backend, c)
-    outside = np.asarray(input_checks.out_of_range(g, lb))
+    outside = np.asarray(inputs.out_of_range(g, lb))
     for block_f in self.block_fs:
       fwd = jax.jit(functools.partial(kernel_cumsum.clamped_cumsum, lower_bound=lb,
                                       chunk_size=c, cfg=cfg, block_f=block_f, with_record=True))
       g_cum, record = fwd(g)
-      _assert_close(g_cum, input_checks.clamp_gates(g, lb), c, reverse=False)
+      _assert_close(g_cum, inputs.clamp_gates(g, lb), c, reverse=False)
       no_record = kernel_cumsum.clamped_cumsum(g, lb, c, cfg=cfg, block_f=block_f)
-      _assert_close(no_record, input_checks.clamp_gates(g, lb), c, reverse=False)
+      _assert_close(no_record, inputs.clamp_gates(g, lb), c, reverse=False)
       bf = block_f or default_block_f(self.shape[2])
       np.testing.assert_array_equal(np.asarray(record[0]), _block_flags(g, c, bf))
       dg = np.asarray(jax.jit(functools.partial(kernel_cumsum.clamped_cumsum_bwd, chunk_size=c,
@@ -207,10 +207,10 @@ class TestChunkCumsumInterpret(CumsumChecks):
     dg_cum = _gates(11, self.shape, "mixed")
     cfg = _config("tpu_interpret", self.chunk)
     g_cum, record = kernel_cumsum.clamped_cumsum(g, -5.0, self.chunk, cfg=cfg, with_record=True)
-    want = chunk_cumsum_xla(input_checks.clamp_gates(g, -5.0), self.chunk)
+    want = chunk_cumsum_xla(inputs.clamp_gates(g, -5.0), self.chunk)
     np.testing.assert_array_equal(np.asarray(g_cum), np.asarray(want))
     dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, record, self.chunk, cfg=cfg)
-    want = np.where(np.asarray(input_checks.out_of_range(g, -5.0)), 0.0,
+    want = np.where(np.asarray(inputs.out_of_range(g, -5.0)), 0.0,
                     np.asarray(chunk_cumsum_xla(dg_cum, self.chunk, reverse=True)))
     np.testing.assert_array_equal(np.asarray(dg), want)
 

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kda import decode, decode_ir, reference
+from pallas_kernels.kda import decode, reference
+from pallas_kernels.tools import decode_ir
 from tests.kda_inputs import RTOL, make_inputs, rel_err, rel_max
 
 F32_TOL = RTOL[jnp.dtype(jnp.float32)]

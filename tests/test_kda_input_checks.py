@@ -13,7 +13,7 @@ import pytest
 from jax.experimental import checkify
 
 from pallas_kernels.kda import api
-from pallas_kernels.kda import input_checks
+from pallas_kernels.kda import inputs
 from pallas_kernels.kda import reference
 from tests.kda_inputs import make_inputs, rel_err
 
@@ -70,7 +70,7 @@ def test_traced_bad_gates_are_clamped(impl, kind):
     o, vjp = jax.vjp(lambda *a: fn(*a)[0], *xs)
     return o, vjp(do)
   naive_clamped = lambda q, k, v, g, beta: reference.naive_recurrent_kda(
-      q, k, v, input_checks.clamp_gates(g, LOWER_BOUND), beta)
+      q, k, v, inputs.clamp_gates(g, LOWER_BOUND), beta)
   xs = (x.q, x.k, x.v, g_bad, x.beta)
   o, grads = jax.jit(functools.partial(run, _fn(impl)))(xs)
   o_r, grads_r = jax.jit(functools.partial(run, naive_clamped))(xs)
@@ -86,9 +86,9 @@ def test_traced_bad_gates_are_clamped(impl, kind):
 
 def test_clamp_keeps_gradient_at_the_bound():
   g = jnp.asarray([LOWER_BOUND - 1.0, LOWER_BOUND, -1.0, 0.0, 0.5])
-  np.testing.assert_array_equal(np.asarray(input_checks.clamp_gates(g, LOWER_BOUND)),
+  np.testing.assert_array_equal(np.asarray(inputs.clamp_gates(g, LOWER_BOUND)),
                                 [LOWER_BOUND, LOWER_BOUND, -1.0, 0.0, 0.0])
-  grad = jax.grad(lambda g: jnp.sum(input_checks.clamp_gates(g, LOWER_BOUND)))(g)
+  grad = jax.grad(lambda g: jnp.sum(inputs.clamp_gates(g, LOWER_BOUND)))(g)
   np.testing.assert_array_equal(np.asarray(grad), [0.0, 1.0, 1.0, 1.0, 0.0])
 
 
@@ -128,7 +128,7 @@ def test_bad_cu_seqlens(impl, name):
   with pytest.raises(checkify.JaxRuntimeError, match="cu_seqlens must"):
     err.throw()
   o = jax.jit(lambda c: _fn(impl, cu_seqlens=c)(*x.args())[0])(cu)
-  fixed = np.asarray(input_checks.sanitize_cu_seqlens(cu, 40))
+  fixed = np.asarray(inputs.sanitize_cu_seqlens(cu, 40))
   assert fixed[0] == 0 and fixed[-1] == 40 and np.all(np.diff(fixed) >= 0)
   o_r, _ = reference.naive_recurrent_kda(*x.args(), cu_seqlens=jnp.asarray(fixed))
   assert rel_err(o, o_r, jnp.float32) < (GPU_TOL if impl == "pallas_gpu" else TOL)
@@ -136,5 +136,5 @@ def test_bad_cu_seqlens(impl, name):
 
 def test_sanitize_keeps_valid_cu_seqlens():
   cu = jnp.asarray([0, 0, 7, 40], jnp.int32)
-  np.testing.assert_array_equal(np.asarray(input_checks.sanitize_cu_seqlens(cu, 40)),
+  np.testing.assert_array_equal(np.asarray(inputs.sanitize_cu_seqlens(cu, 40)),
                                 np.asarray(cu))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kda import api
-from pallas_kernels.kda import input_options
+from pallas_kernels.kda import inputs
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
 from tests.kda_inputs import rel_err
@@ -156,7 +156,7 @@ class OptionChecks:
     op = self._op(qk_l2norm=True)
 
     def l2(x):
-      return x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + input_options.QK_L2NORM_EPS)
+      return x / jnp.sqrt(jnp.sum(x * x, -1, keepdims=True) + inputs.QK_L2NORM_EPS)
 
     fused = lambda q, k, v, g, beta, h0: op(q, k, v, g, beta, initial_state=h0)
     naive = lambda q, k, v, g, beta, h0: reference.naive_recurrent_kda(
@@ -188,7 +188,7 @@ class OptionChecks:
     op = self._op(gate_activation="bounded_sigmoid", qk_l2norm=True)
     fused = lambda q, k, v, g, beta, h0, bias: op(q, k, v, g, beta, initial_state=h0,
                                                    gate_bias=bias)
-    l2 = input_options.l2_normalize
+    l2 = inputs.l2_normalize
     naive = lambda q, k, v, g, beta, h0, bias: _naive_grouped(
         l2(q), l2(k), v, _naive_gate(g, bias), beta, h0, output_final_state=True)
     xs = (q, k, v, g, beta, h0, bias)

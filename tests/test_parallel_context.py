@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax.parallel.context_parallel import chunk_kda_context_parallel
-from k3jax.parallel.mesh import MeshConfig, make_mesh
+from k3jax.sharding.mesh import MeshConfig, make_mesh
 from pallas_kernels.kda import chunk_kda
 from tests.kda_inputs import assert_close, make_inputs
 

@@ -8,8 +8,9 @@ import pytest
 from flax import nnx
 
 from k3jax.layers import moe
-from k3jax.parallel import expert_parallel, layers, rules
-from k3jax.parallel.mesh import MeshConfig, make_mesh
+from k3jax.parallel import expert_parallel, layers
+from k3jax.sharding import rules
+from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.routing import RouterConfig
 
 # float32 compute, float32 accumulation: only summation order differs.

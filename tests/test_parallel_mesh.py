@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from k3jax.parallel import rules
-from k3jax.parallel.mesh import AXES, MeshConfig, make_mesh, resolve_sizes
+from k3jax.sharding import rules
+from k3jax.sharding.mesh import AXES, MeshConfig, make_mesh, resolve_sizes
 
 
 def test_minus_one_takes_the_remaining_devices():

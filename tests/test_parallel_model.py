@@ -12,8 +12,10 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
-from k3jax.parallel import context_parallel, expert_parallel, layers, rules, training
-from k3jax.parallel.mesh import MeshConfig, make_mesh
+from k3jax.parallel import context_parallel, expert_parallel, layers
+from k3jax.sharding import rules
+from k3jax.train import sharded_state
+from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train import checkpoint
 from k3jax.train.state import TrainState
 from k3jax.train.step import make_train_step
@@ -140,7 +142,7 @@ def test_train_step_on_a_mesh_equals_one_device():
            "mask": np.ones(tokens.shape, np.float32)}
 
   mesh = make_mesh(MeshConfig(data=2, expert=2, context=2))
-  graphdef, state = training.create_sharded_train_state(model_fn, tx, 0, mesh)
+  graphdef, state = sharded_state.create_sharded_train_state(model_fn, tx, 0, mesh)
   wo = state.params["layers"][1]["ffn"]["wo"].get_value()
   assert wo.sharding.spec == P("expert")
   assert state.opt_state[0].mu["layers"][1]["ffn"]["wo"].get_value().sharding.spec == P("expert")
@@ -153,7 +155,7 @@ def test_train_step_on_a_mesh_equals_one_device():
       grads_ref, params0)
   step = make_train_step(graphdef, tx, schedule)
   with jax.set_mesh(mesh):
-    new, metrics = step(state, training.shard_batch(batch, mesh))
+    new, metrics = step(state, sharded_state.shard_batch(batch, mesh))
   tol = TOL[jnp.dtype(jnp.float32)]
   np.testing.assert_allclose(float(metrics["loss"]), float(loss_ref), rtol=tol["logits"])
   np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads_ref)),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.parallel import config as pconfig_lib
-from k3jax.parallel import rules as rules_lib
+from k3jax.sharding import rules as rules_lib
 from k3jax.train.config_schema import parallel_config, validate
 from k3jax.train.defaults import base_config
 from k3jax.train.metrics import read_jsonl

@@ -1,8 +1,8 @@
-"""The CPU-side Triton IR capture behind experiments/triton_ir.py (no GPU, no triton)."""
+"""The CPU-side Triton IR capture behind experiments/bench/inspect_triton.py (no GPU, no triton)."""
 import json
 from pathlib import Path
 
-from pallas_kernels.kda import triton_ir
+from pallas_kernels.tools import triton_ir
 
 
 def test_captures_every_kernel_of_the_training_step(tmp_path):

@@ -4,9 +4,10 @@
     sweep = ablations.make_sweep("decay", "quick")
     records = ablations.run_sweep(sweep, "runs/ablations_quick")
 """
-from k3jax.ablations.runs import Series, load_metrics, per_layer, run_or_load, tail_mean, workdir_of
+from k3jax.ablations.record import run_or_load, run_sweep
+from k3jax.ablations.runs import Series, load_metrics, per_layer, tail_mean, workdir_of
 from k3jax.ablations.summary import (make_summary, read_summary, records_of, render_tables,
-                                     run_sweep, update_results_page, write_summary)
+                                     update_results_page, write_summary)
 from k3jax.ablations.sweeps import (SETTINGS, SWEEPS, RunSpec, Sweep, Task, Variant, make_sweep)
 
 __all__ = [

@@ -7,13 +7,13 @@
   future changes (router sweep), measured on the trained model;
 * `depth_profile`: per-layer RMS norm of the residual stream, cosine
   similarity between consecutive layers, and forward memory (residual sweep);
-* `summarize_run`: the per-run record written to summary.json.
+
+`k3jax.ablations.record.summarize_run` gathers them into a run's record.
 """
 from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -22,12 +22,14 @@ import numpy as np
 from flax import nnx
 
 from k3jax.ablations import runs as runs_lib
-from k3jax.ablations.sweeps import RunSpec
+from k3jax.data import ByteCorpus, make_batch, make_dataset, mqar_examples
+from k3jax.train.restore import restore_model
+from k3jax.train.run_config import load_run_config
+from k3jax.train.step import masked_cross_entropy
 
 
 def restore(workdir: str):
   """(model, model_config, trainer config, step) of a finished run directory."""
-  from k3jax.models.generate import load_run_config, restore_model  # pylint: disable=g-import-not-at-top
   model, model_cfg, step = restore_model(workdir)
   return model, model_cfg, load_run_config(workdir), step
 
@@ -37,7 +39,6 @@ def restore(workdir: str):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _loss_stats(graphdef, state, inputs_bt, targets_bt, mask_bt):
-  from k3jax.train.step import masked_cross_entropy  # pylint: disable=g-import-not-at-top
   model = nnx.merge(graphdef, state)
   logits_btv, _ = model(inputs_bt, deterministic=True)
   nll, correct, count = masked_cross_entropy(logits_btv, targets_bt, mask_bt)
@@ -53,7 +54,6 @@ def mqar_with_gap(rng: np.random.Generator, batch_size: int, train_len: int, seq
 
   Returns inputs/targets/mask [batch_size, seq_len] (mask: query positions only).
   """
-  from k3jax.data import make_batch, mqar_examples  # pylint: disable=g-import-not-at-top
   if seq_len < train_len:
     raise ValueError(f"seq_len={seq_len} must be >= train_len={train_len}")
   base = mqar_examples(rng, batch_size, train_len, vocab_size=vocab_size, num_kv_pairs=num_kv_pairs)
@@ -73,7 +73,6 @@ def length_eval_batches(config, multiplier: int) -> list[dict[str, np.ndarray]]:
   `config.eval_batches` batches of max(1, batch_size // multiplier) sequences
   (about the same number of tokens at every length).
   """
-  from k3jax.data import make_dataset  # pylint: disable=g-import-not-at-top
   if multiplier < 1:
     raise ValueError(f"multiplier must be >= 1, got {multiplier}")
   seq_len = config.seq_len * multiplier
@@ -99,7 +98,6 @@ def eval_at_length(model, config, multiplier: int) -> dict[str, float]:
     {"seq_len", "loss" (nats per scored token), "accuracy", "bpb" (bytes only),
      "max_abs_logit", "finite" (1.0 if every logit was finite)}.
   """
-  from k3jax.data import ByteCorpus  # pylint: disable=g-import-not-at-top
   batches = length_eval_batches(config, multiplier)
   graphdef, state = nnx.split(model)
   sums = {"nll_sum": 0.0, "correct_sum": 0.0, "count": 0.0}
@@ -246,7 +244,7 @@ def depth_profile(model, tokens_bt: np.ndarray) -> dict[str, Any]:
 # -- per-run summary record ------------------------------------------------------------
 
 
-def _router_stats(metrics) -> dict[str, Any]:
+def router_stats(metrics) -> dict[str, Any]:
   out = {}
   for stat in ("max_vio", "max_vio_routed", "drop_fraction"):
     layers = runs_lib.per_layer(metrics, stat)
@@ -256,73 +254,6 @@ def _router_stats(metrics) -> dict[str, Any]:
   return out
 
 
-def summarize_run(spec: RunSpec, workdir: str, out_dir: str | None = None) -> dict[str, Any]:
-  """The record of one finished run: identity, final metrics and the sweep's evaluations.
-
-  Keys: key, sweep, setting, variant, task, seed, tags, step, num_params,
-  first_eval, final_eval, final_train_loss, and per sweep:
-  decay `lengths` {multiplier: eval_at_length record}; router `router`
-  (tail means per layer of max_vio, max_vio_routed, drop_fraction) and
-  `leak` (routing_leak); residual `depth` (depth_profile); long `long`
-  (`long_context.evaluate_run`).
-  """
-  sweep = _sweep_of(spec)
-  evals = runs_lib.load_metrics(workdir, "eval")
-  train = runs_lib.load_metrics(workdir, "train")
-  model, _, config, step = restore(workdir)
-
-  def at(metrics, i):
-    return {k: float(s.values[i]) for k, s in metrics.items() if np.isfinite(s.values[i])}
-
-  record: dict[str, Any] = {
-      "key": spec.key, "sweep": spec.sweep, "setting": spec.setting, "variant": spec.variant.name,
-      "task": spec.task.name, "seed": spec.seed, "tags": dict(spec.variant.tags), "step": step,
-      "workdir": os.path.relpath(workdir, out_dir) if out_dir else workdir,
-      "num_params": int(sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
-      "first_eval": at(evals, 0), "final_eval": at(evals, -1),
-      "final_train_loss": runs_lib.tail_mean(train["ce_loss"], 0.2) if "ce_loss" in train else None,
-  }
-  if spec.sweep == "decay":
-    record["lengths"] = {str(m): eval_at_length(model, config, m) for m in sweep.length_multipliers}
-  if spec.sweep == "router":
-    record["router"] = _router_stats(train)
-    batch = _heldout_batch(config)
-    position = int(sweep.probe_position * (config.seq_len - 1))
-    record["leak"] = routing_leak(model, batch, position=position, seed=spec.seed)
-  if spec.sweep == "residual":
-    record["depth"] = depth_profile(model, _heldout_batch(config))
-  if spec.sweep == "long":
-    from k3jax.ablations.long_context import evaluate_run  # pylint: disable=g-import-not-at-top
-    record["long"] = evaluate_run(workdir, **long_eval_args(sweep))
-    record["long"]["workdir"] = record["workdir"]
-  return _finite_or_none(record)
-
-
-def long_eval_args(sweep) -> dict[str, Any]:
-  """`long_context.evaluate_run` keyword arguments of a "long" sweep."""
-  full = sweep.setting == "full"
-  return {"multipliers": sweep.length_multipliers, "gap_multipliers": sweep.gap_multipliers,
-          "decode_prefill_x": sweep.decode_prefill_x, "decode_new": 256 if full else 16,
-          "num_sequences": 4, "mqar_sequences": 32 if full else 16}
-
-
-def _heldout_batch(config) -> np.ndarray:
-  from k3jax.data import make_dataset  # pylint: disable=g-import-not-at-top
+def heldout_batch(config) -> np.ndarray:
   dataset = make_dataset(config.data, seed=config.seed)
   return dataset.eval_batches(config.batch_size, config.seq_len, 1)[0]["inputs"]
-
-
-def _sweep_of(spec: RunSpec):
-  from k3jax.ablations.sweeps import make_sweep  # pylint: disable=g-import-not-at-top
-  return make_sweep(spec.sweep, spec.setting, (spec.seed,))
-
-
-def _finite_or_none(x):
-  """JSON has no NaN/inf: they become None."""
-  if isinstance(x, dict):
-    return {k: _finite_or_none(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_finite_or_none(v) for v in x]
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  return x

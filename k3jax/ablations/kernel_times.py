@@ -11,14 +11,14 @@ KERNEL_TIMES = {
     "softplus": {"path": "pallas pairwise, tile 16", "fwd_ms": 9.373, "fwd_bwd_ms": 30.902,
                  "note": "the former pairwise diagonal, which walked each tile's positions one at a "
                          "time (at `e689ab0`); the nested-anchor diagonal that replaced it is not "
-                         "timed yet: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
+                         "timed yet: `python experiments/bench/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense,pallas:pairwise --stages= --peer_modes=unsafe`, so "
                          "this ratio overstates the bound's gain"},
     "g2.5_t32": {"path": "pallas dense, tile 32", "fwd_ms": None, "fwd_bwd_ms": None,
-                 "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
+                 "note": "not measured: `python experiments/bench/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-2.5 --sub_chunk=32 --peer=false`"},
     "g1.3_t64": {"path": "pallas dense, tile 64", "fwd_ms": None, "fwd_bwd_ms": None,
-                 "note": "not measured: `python experiments/bench_kernels.py --shapes=16x2048x16x128 "
+                 "note": "not measured: `python experiments/bench/bench_kernels.py --shapes=16x2048x16x128 "
                          "--impls=pallas:dense --lower_bound=-1.3 --sub_chunk=64 --peer=false`"},
 }
 KERNEL_TIMES_SOURCE = ("Source: call D of 2026-12-01 (dense and pairwise in one process; its notes "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 from typing import Any, Sequence
 
@@ -29,6 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+
+from k3jax.ablations import summary as summary_lib
+from k3jax.ablations.evaluate import mqar_with_gap, restore
+from k3jax.data import make_dataset
 
 # Held-out seed streams of the far-gap MQAR batches and of the MQAR decode check
 # (training uses 0, held-out 1, `eval_at_length` 7).
@@ -191,7 +196,6 @@ def mqar_far_recall(model, *, train_len: int, gap: int, vocab_size: int, num_kv_
     {"gap", "gap_x" (gap / train_len), "seq_len", "accuracy" (recall over the
      query positions), "loss", "count" (queries), "nonfinite_logits", "max_abs_logit"}.
   """
-  from k3jax.ablations.evaluate import mqar_with_gap  # pylint: disable=g-import-not-at-top
   if gap < 0:
     raise ValueError(f"gap must be >= 0, got {gap}")
   if num_sequences < 1:
@@ -389,8 +393,6 @@ def evaluate_run(workdir: str, *, multipliers: Sequence[int] = (1, 4, 16, 64),
      the MoE router and its capacity factor),
      "lengths": [heldout records] or "mqar": [recall records], optionally "decode"}.
   """
-  from k3jax.ablations.evaluate import mqar_with_gap, restore  # pylint: disable=g-import-not-at-top
-  from k3jax.data import make_dataset  # pylint: disable=g-import-not-at-top
   for name, values in (("multipliers", multipliers), ("gap_multipliers", gap_multipliers)):
     if any(int(m) != m or m < 0 for m in values):
       raise ValueError(f"{name} must be non-negative ints, got {list(values)}")
@@ -439,9 +441,8 @@ def _bucket_label(b: dict) -> str:
 def text_table(records: list[dict]) -> str:
   """Per (variant, evaluation length): held-out loss (nats) by position bucket, mean ± std over seeds,
   with the total non-finite logit count and the largest |logit| over seeds."""
-  from k3jax.ablations import summary as s  # pylint: disable=g-import-not-at-top
   rows = []
-  for (variant, _), rs in s.group([r for r in records if r["task"] != "mqar"]).items():
+  for (variant, _), rs in summary_lib.group([r for r in records if r["task"] != "mqar"]).items():
     lengths = sorted({e["seq_len"] for r in rs for e in r["long"].get("lengths", ())})
     for t in lengths:
       evals = [e for r in rs for e in r["long"]["lengths"] if e["seq_len"] == t]
@@ -449,39 +450,38 @@ def text_table(records: list[dict]) -> str:
       for e in evals:
         for b in e["buckets"]:
           by_bucket.setdefault(_bucket_label(b), []).append(b["loss"])
-      row = [variant, f"{t} ({evals[0]['multiplier']:g}x)", str(len(evals)), s.fmt(e["loss"] for e in evals)]
-      row += [s.fmt(by_bucket[label]) if label in by_bucket else "" for label in BUCKET_LABELS]
+      row = [variant, f"{t} ({evals[0]['multiplier']:g}x)", str(len(evals)),
+             summary_lib.fmt(e["loss"] for e in evals)]
+      row += [summary_lib.fmt(by_bucket[label]) if label in by_bucket else "" for label in BUCKET_LABELS]
       row += [str(sum(e["nonfinite_logits"] for e in evals)),
               f"{max(e['max_abs_logit'] for e in evals):.1f}"]
       rows.append(row)
-  return s._table(["variant", "eval tokens", "seeds", "loss"] + list(BUCKET_LABELS)  # pylint: disable=protected-access
+  return summary_lib.table(["variant", "eval tokens", "seeds", "loss"] + list(BUCKET_LABELS)
                   + ["non-finite logits", "max abs logit"], rows)
 
 
 def mqar_table(records: list[dict]) -> str:
   """Per variant: MQAR recall (query accuracy) at each gap, mean ± std over seeds."""
-  from k3jax.ablations import summary as s  # pylint: disable=g-import-not-at-top
   rows, gaps_all = [], set()
-  groups = s.group([r for r in records if r["task"] == "mqar"])
+  groups = summary_lib.group([r for r in records if r["task"] == "mqar"])
   for rs in groups.values():
     gaps_all |= {e["gap_x"] for r in rs for e in r["long"].get("mqar", ())}
   gaps = sorted(gaps_all)
   for (variant, _), rs in groups.items():
     row = [variant, str(len(rs))]
     for g in gaps:
-      row.append(s.fmt(e["accuracy"] for r in rs for e in r["long"]["mqar"] if e["gap_x"] == g))
+      row.append(summary_lib.fmt(e["accuracy"] for r in rs for e in r["long"]["mqar"] if e["gap_x"] == g))
     evals = [e for r in rs for e in r["long"]["mqar"]]
     row += [str(sum(e["nonfinite_logits"] for e in evals)), f"{max(e['max_abs_logit'] for e in evals):.1f}"]
     rows.append(row)
-  return s._table(["variant", "seeds"] + [f"recall, gap {g:g}x" for g in gaps]  # pylint: disable=protected-access
+  return summary_lib.table(["variant", "seeds"] + [f"recall, gap {g:g}x" for g in gaps]
                   + ["non-finite logits", "max abs logit"], rows)
 
 
 def decode_table(records: list[dict]) -> str:
   """Per (variant, task): decode after a long prefill against the full forward (worst seed)."""
-  from k3jax.ablations import summary as s  # pylint: disable=g-import-not-at-top
   rows = []
-  for (variant, task), rs in s.group(records).items():
+  for (variant, task), rs in summary_lib.group(records).items():
     ds = [r["long"]["decode"] for r in rs if r["long"].get("decode")]
     if not ds:
       continue
@@ -491,7 +491,7 @@ def decode_table(records: list[dict]) -> str:
     rows.append([variant, task, str(len(ds)), str(ds[0]["prefill_len"]), str(ds[0]["num_new"]),
                  worst("logits_rel_max"), f"{min(d['argmax_agreement'] for d in ds):.3f}",
                  cache("kda_state"), cache("attn_kv")])
-  return s._table(["variant", "task", "seeds", "prefill tokens", "decoded tokens",  # pylint: disable=protected-access
+  return summary_lib.table(["variant", "task", "seeds", "prefill tokens", "decoded tokens",
                    "logits rel. max diff", "argmax agreement", "KDA state rel. diff", "KV cache rel. diff"],
                   rows)
 
@@ -525,6 +525,5 @@ def records_from_runs(records: list[dict], out_dir: str, **evaluate_args) -> lis
     out_dir: the sweep output directory.
     **evaluate_args: passed to `evaluate_run` (e.g. multipliers=(1, 4, 16)).
   """
-  import os  # pylint: disable=g-import-not-at-top
   return [{**r, "long": evaluate_run(os.path.join(out_dir, r["workdir"]), **evaluate_args)}
           for r in records]

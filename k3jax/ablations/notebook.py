@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from k3jax.ablations import record
 from k3jax.ablations import summary as summary_lib
 from k3jax.ablations.sweeps import SETTINGS, make_sweep
 
@@ -34,7 +35,7 @@ def load_or_run(sweep_name: str, setting: str) -> tuple[list[dict], str | None]:
     raise ValueError(f"SETTING={setting!r}; allowed: {SETTINGS}")
   if setting == "quick":
     out_dir = os.environ.get("ABLATION_OUT", os.path.join(repo_root(), "runs", "ablations_quick"))
-    records = summary_lib.run_sweep(make_sweep(sweep_name, "quick"), out_dir, log=None)
+    records = record.run_sweep(make_sweep(sweep_name, "quick"), out_dir, log=None)
     return records, out_dir
   summary = summary_lib.read_summary(default_summary_path())
   records = summary_lib.records_of(summary, sweep_name)

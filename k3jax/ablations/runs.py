@@ -9,7 +9,9 @@ import re
 import numpy as np
 
 from k3jax.ablations.sweeps import RunSpec
+from k3jax.train import trainer
 from k3jax.train.metrics import read_jsonl
+from k3jax.train.run_config import read_saved_config
 
 SUMMARY_FILE = "ablation_summary.json"
 
@@ -40,24 +42,20 @@ def train_run(spec: RunSpec, out_dir: str) -> str:
   A run directory whose config differs from `spec`'s raises ValueError rather
   than mixing two experiments.
   """
-  from k3jax.train.trainer import train_and_evaluate  # heavy; import on use
-
   workdir = workdir_of(spec, out_dir)
   config = spec.config()
   _check_same_config(workdir, config)
   if not is_finished(workdir, config.num_steps):
-    result = train_and_evaluate(config, workdir)
+    result = trainer.train_and_evaluate(config, workdir)
     if result["interrupted"]:
       raise RuntimeError(f"run {spec.key} was interrupted at step {result['step']}; run again to resume")
   return workdir
 
 
 def _check_same_config(workdir: str, config) -> None:
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
+  old = read_saved_config(workdir)
+  if old is None:
     return
-  with open(path, encoding="utf-8") as f:
-    old = json.load(f)
   new = json.loads(config.to_json_best_effort())
   if _normalise(old) != _normalise(new):
     diff = sorted(k for k in set(_flat(old)) | set(_flat(new)) if _flat(old).get(k) != _flat(new).get(k))
@@ -77,27 +75,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def _normalise(d: dict) -> dict:
   return _flat(d)
-
-
-def run_or_load(spec: RunSpec, out_dir: str, *, evaluate: bool = True, force_eval: bool = False) -> dict:
-  """Trains (or resumes, or skips) `spec` and returns its summary record.
-
-  The record (see `k3jax.ablations.evaluate.summarize_run`) is cached as
-  `<workdir>/ablation_summary.json`; it is recomputed when missing, when the run
-  trained further since, or with `force_eval`.
-  """
-  workdir = train_run(spec, out_dir)
-  cached = load_run_summary(workdir)
-  step = finished_step(workdir)
-  if cached is not None and cached.get("step") == step and not force_eval:
-    return cached
-  if not evaluate:
-    return {"key": spec.key, "step": step}
-  from k3jax.ablations.evaluate import summarize_run  # pylint: disable=g-import-not-at-top
-  record = summarize_run(spec, workdir, out_dir)
-  with open(os.path.join(workdir, SUMMARY_FILE), "w", encoding="utf-8") as f:
-    json.dump(record, f, indent=1, sort_keys=True)
-  return record
 
 
 def load_run_summary(workdir: str) -> dict | None:

@@ -10,21 +10,10 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from k3jax.ablations import runs as runs_lib
 from k3jax.ablations.kernel_times import KERNEL_TIMES, KERNEL_TIMES_SOURCE
-from k3jax.ablations.sweeps import Sweep, make_sweep
+from k3jax.ablations.sweeps import make_sweep
 
 SUMMARY_VERSION = 1
-
-
-def run_sweep(sweep: Sweep, out_dir: str, *, log: Callable[[str], None] | None = print) -> list[dict]:
-  """Trains (or resumes, or loads) every run of `sweep` in this process; returns their records."""
-  records = []
-  for spec in sweep.runs():
-    if log:
-      log(f"[{sweep.name}] {spec.key}")
-    records.append(runs_lib.run_or_load(spec, out_dir))
-  return records
 
 
 def make_summary(records: Iterable[dict], *, setting: str) -> dict:
@@ -139,7 +128,7 @@ def fmt(values: Iterable[Any], digits: int = 3, scale: float = 1.0) -> str:
 # -- results page tables -------------------------------------------------------------------
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def table(header: list[str], rows: list[list[str]]) -> str:
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(r) + " |" for r in rows]
   return "\n".join(lines)
@@ -158,7 +147,7 @@ def decay_table(records: list[dict]) -> str:
     row.append("yes" if all(get(r, f"lengths.{m}.finite") == 1.0 for r in rs for m in mults) else "**no**")
     row.append(fmt((get(r, f"lengths.{max(mults)}.max_abs_logit") for r in rs), 1) if mults else "n/a")
     rows.append(row)
-  return _table(["variant", "task", "seeds", "accuracy (mqar) or bits/byte @1x", "@4x", "@16x", "loss @16x (nats)",
+  return table(["variant", "task", "seeds", "accuracy (mqar) or bits/byte @1x", "@4x", "@16x", "loss @16x (nats)",
                  "all logits finite", "max abs logit @16x"], rows)
 
 
@@ -169,7 +158,7 @@ def kernel_table() -> str:
     fwd, both = entry["fwd_ms"], entry["fwd_bwd_ms"]
     rows.append([name, entry["path"], "n/a" if fwd is None else f"{fwd:.2f}",
                  "n/a" if both is None else f"{both:.2f}", entry["note"]])
-  return _table(["variant", "kernel path", "fwd ms", "fwd+bwd ms", "note"], rows) + "\n\n" + KERNEL_TIMES_SOURCE
+  return table(["variant", "kernel path", "fwd ms", "fwd+bwd ms", "note"], rows) + "\n\n" + KERNEL_TIMES_SOURCE
 
 
 def router_table(records: list[dict]) -> str:
@@ -184,7 +173,7 @@ def router_table(records: list[dict]) -> str:
                  fmt((get(r, "router.drop_fraction_mean") for r in rs), 4),
                  fmt((get(r, "leak.changed_fraction") for r in rs), 4),
                  fmt((get(r, "leak.max_logit_change") for r in rs), 4)])
-  return _table(["router", "seeds", "held-out loss (nats)", "bits/byte", "MaxVio (kept)",
+  return table(["router", "seeds", "held-out loss (nats)", "bits/byte", "MaxVio (kept)",
                  "MaxVio (preferred)", "drop fraction", "leak: earlier outputs changed",
                  "leak: max logit change"], rows)
 
@@ -195,7 +184,7 @@ def router_layer_table(records: list[dict]) -> str:
   rows = []
   for (variant, _), rs in group(records).items():
     rows.append([variant] + [fmt(get(r, f"router.max_vio.{layer}") for r in rs) for layer in layers])
-  return _table(["router"] + [f"MaxVio layer {layer}" for layer in layers], rows)
+  return table(["router"] + [f"MaxVio layer {layer}" for layer in layers], rows)
 
 
 def residual_table(records: list[dict]) -> str:
@@ -213,7 +202,7 @@ def residual_table(records: list[dict]) -> str:
                  fmt((get(r, "depth.param_bytes") for r in rs), 2, 1e-6),
                  fmt((get(r, "depth.residual_bytes_per_token") for r in rs), 0),
                  fmt((get(r, "depth.forward_temp_bytes") for r in rs), 2, 1e-6)])
-  return _table(["residual", "layers", "seeds", "held-out loss (nats)", "bits/byte",
+  return table(["residual", "layers", "seeds", "held-out loss (nats)", "bits/byte",
                  "final stream RMS", "mean cos(l, l+1)", "last-layer cos", "param MB",
                  "residual bytes/token", "forward temp MB"], rows)
 

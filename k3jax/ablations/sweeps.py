@@ -189,7 +189,8 @@ def _seeds(setting: str, seeds: tuple[int, ...] | None) -> tuple[int, ...]:
 # -- the three sweeps ----------------------------------------------------------
 
 # (name, gate, g_min, diagonal tile, diagonal strategy); every bounded pair keeps
-# |g_min| * (tile - 1) <= 85 (DESIGN.md); softplus has no bound and needs pairwise tiles.
+# |g_min| * (tile - 1) <= 85 (docs/design.md, "Why the bound matters"); softplus has no
+# bound and needs pairwise tiles.
 DECAY_ARMS = (
     ("softplus", "softplus", -5.0, 16, "pairwise"),
     ("g1.3_t64", "bounded", -1.3, 64, "dense"),

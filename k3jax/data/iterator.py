@@ -45,6 +45,10 @@ class BatchIterator:
     rng = np.random.default_rng([self.seed, _TRAIN_STREAM, self.position])
     batch = self.dataset.sample(rng, self.global_batch_size, self.seq_len)
     self.position += 1
+    return self.local_rows(batch)
+
+  def local_rows(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a global batch [global_batch_size, ...] (as `next` yields them)."""
     return {k: v[self._rows] for k, v in batch.items()}
 
   def get_state(self) -> dict[str, int]:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.params import fan_in_init, logical_param
-from k3jax.parallel import rules as rules_lib
+from k3jax.sharding import rules as rules_lib
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 

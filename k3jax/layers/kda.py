@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA) token mixer.
 
-Per head h (DESIGN.md, "Model"):
+Per head h (docs/design.md, "Model"):
     q, k, v = silu(causal_depthwise_conv(x W_{q,k,v}))
     q, k    = l2_norm(q), l2_norm(k)
     g       = gate(x W_fa W_fb + b_f)      [B, T, H, K] float32 log-decay
@@ -13,7 +13,7 @@ baseline `-exp(A_log) * softplus(. + dt_bias)` from `k3jax.layers.gates`.
 With `fuse_gate` the layer passes the pre-activation x W_fa W_fb and b_f to
 `chunk_kda(..., gate_activation="bounded_sigmoid")`, whose gate-cumsum kernels
 apply the sigmoid and its derivative, so the [B, T, H, K] float32 g is never
-written (off by default until timed on the GPU: `experiments/bench_gate_fusion.py`).
+written (off by default until timed on the GPU: `experiments/bench/bench_gate_fusion.py`).
 Decoding carries the conv windows and the [B, H, K, V] float32 state and
 steps it with `pallas_kernels.kda.decode.kda_decode_step`
 (`decode_implementation`).

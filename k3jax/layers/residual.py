@@ -9,7 +9,7 @@ one is configured:
       state = residual.write(state, l, out)
     h = residual.finish(state)
 
-Strategies (DESIGN.md, "Block attention residuals"):
+Strategies (docs/design.md, "Block attention residuals"):
 * `prenorm`: h_{l+1} = h_l + out_l; the stored state is the running sum.
 * `full_attnres`: sublayer l reads softmax_i(w_l . rms(v_i)) v_i over the
   embedding and all earlier sublayer outputs v_i; O(L d) stored per token.

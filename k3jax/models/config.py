@@ -58,7 +58,7 @@ class ModelConfig:
   kda_decode: str = "auto"
   # Bounded gate with the pallas path only: apply g_min * sigmoid(.) inside the
   # gate-cumsum kernels instead of writing the f32 gate (same values; off until
-  # timed on a GPU, `experiments/bench_gate_fusion.py`).
+  # timed on a GPU, `experiments/bench/bench_gate_fusion.py`).
   kda_fuse_gate: bool = False
   # Routed experts per MoE layer; 0 makes every FFN a dense SwiGLU.
   num_experts: int = 8

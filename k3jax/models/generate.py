@@ -14,6 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers.kda import KDA
+from pallas_kernels.kda import decode as kda_decode
+
 
 def sample_logits(logits_bv: jax.Array, key: jax.Array, *, temperature: float = 1.0,
                   top_k: int | None = None) -> jax.Array:
@@ -88,9 +91,6 @@ def set_kda_decode(model: nnx.Module, implementation: str) -> int:
   (the choice `ModelConfig.kda_decode` makes at construction). Returns the
   number of KDA layers changed. The parameters are untouched.
   """
-  from k3jax.layers.kda import KDA  # pylint: disable=g-import-not-at-top
-  from pallas_kernels.kda import decode as kda_decode  # pylint: disable=g-import-not-at-top
-
   kda_decode.resolve_decode(implementation)
   layers = [m for _, m in nnx.iter_modules(model) if isinstance(m, KDA)]
   for layer in layers:
@@ -116,54 +116,3 @@ def _prefill(model, tokens_bt, max_len):
 @nnx.jit
 def _decode(model, tokens_b1, cache):
   return model.decode(tokens_b1, cache)
-
-
-def load_run_config(workdir: str):
-  """The trainer config (ml_collections.ConfigDict) a run directory was trained with.
-
-  Raises ValueError if `<workdir>/config.json` (written by the trainer) is missing.
-  """
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-
-  import ml_collections  # pylint: disable=g-import-not-at-top
-
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"{path} does not exist; is {workdir!r} a training run directory?")
-  with open(path, encoding="utf-8") as f:
-    return ml_collections.ConfigDict(json.load(f))
-
-
-def restore_model(workdir: str, step: int | None = None):
-  """Rebuilds the HybridLM of a training run directory from its checkpoint.
-
-  Reads `<workdir>/config.json` (written by the trainer), builds the model and
-  an optimizer-state template from it, and restores `<workdir>/checkpoints`
-  at `step` (default: latest).
-
-  Returns:
-    (model, model_config, restored step).
-  """
-  import os  # pylint: disable=g-import-not-at-top
-
-  from k3jax.models import lm  # pylint: disable=g-import-not-at-top
-  from k3jax.train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
-  from k3jax.train.config_schema import model_config_from  # pylint: disable=g-import-not-at-top
-  from k3jax.train.optimizer import make_optimizer  # pylint: disable=g-import-not-at-top
-  from k3jax.train.state import create_train_state  # pylint: disable=g-import-not-at-top
-
-  config = load_run_config(workdir)
-  model_cfg = model_config_from(config.model)
-  tx, _ = make_optimizer(config.optim, config.num_steps)
-  graphdef, template = create_train_state(lambda rngs: lm.HybridLM(model_cfg, rngs=rngs), tx,
-                                          config.seed)
-  ckpt = Checkpointer(os.path.join(os.path.abspath(workdir), "checkpoints"), async_save=False)
-  try:
-    restored = ckpt.restore(template, step)
-  finally:
-    ckpt.close()
-  if restored is None:
-    raise ValueError(f"no checkpoint under {workdir}/checkpoints")
-  state, _ = restored
-  return nnx.merge(graphdef, state.params, state.model_state), model_cfg, int(state.step)

@@ -28,7 +28,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import fan_in_init, logical_param
 from k3jax.layers.residual import make_residual
 from k3jax.models.config import ModelConfig
-from k3jax.parallel.rules import constrain
+from k3jax.sharding.rules import constrain
 
 # Logical names of the residual stream [B, T, d]; mapped to mesh axes by the
 # run's rules under `jax.set_mesh`, no-ops without a mesh.

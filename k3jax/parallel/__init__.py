@@ -1,7 +1,8 @@
-"""Device-mesh parallelism: mesh from config, logical-axis rules, expert- and
-context-parallel layers (see docs/sharding.md).
+"""Device-mesh parallelism: parallel config, expert- and context-parallel
+layers (see docs/sharding.md).
 
-Modules: `mesh` (MeshConfig, make_mesh), `config` (ParallelConfig), `rules`
-(logical names -> mesh axes), `expert_parallel`, `context_parallel`, `layers`
-(mesh-aware KDA / MoE, `parallelize`), `training` (sharded train state, batches).
+Modules: `config` (ParallelConfig), `expert_parallel`, `context_parallel`,
+`layers` (mesh-aware KDA / MoE, `parallelize`). The mesh and the logical-axis
+rules live one level down, in `k3jax.sharding`; the sharded train state is
+`k3jax.train.sharded_state`.
 """

@@ -27,8 +27,8 @@ from typing import Any, Mapping
 from jax.sharding import Mesh
 
 from k3jax.configdict import to_plain as _to_plain
-from k3jax.parallel import mesh as mesh_lib
-from k3jax.parallel import rules as rules_lib
+from k3jax.sharding import mesh as mesh_lib
+from k3jax.sharding import rules as rules_lib
 
 
 @dataclasses.dataclass(frozen=True)

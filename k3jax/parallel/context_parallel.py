@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.parallel import mesh as mesh_lib
+from k3jax.sharding import mesh as mesh_lib
 from pallas_kernels.kda import api as kda_api
-from pallas_kernels.kda import input_options
+from pallas_kernels.kda import inputs
 from pallas_kernels.kda import spec as kda_spec
 from pallas_kernels.kda.kernel_config import is_pow2
 from pallas_kernels.kda.spec import KdaSpec
@@ -152,19 +152,19 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                      f"{initial_state.shape}")
   h0 = (jnp.zeros((bsz, h, dk, dv), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
-  input_options.check_without_gate(gate_activation, gate_bias)
+  inputs.check_without_gate(gate_activation, gate_bias)
   if n_ctx == 1:
     if spec.implementation == "pallas" and n_batch > 1:
       return _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes,
                             kernel_kwargs, gate_activation,
-                            input_options.gate_bias_or_zeros(gate_activation, g, gate_bias,
-                                                             spec.lower_bound)
+                            inputs.gate_bias_or_zeros(gate_activation, g, gate_bias,
+                                                      spec.lower_bound)
                             if gate_activation else None)
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
                              output_final_state=output_final_state, gate_activation=gate_activation,
                              gate_bias=gate_bias, **kernel_kwargs)
   if gate_activation is not None:
-    g = input_options.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
+    g = inputs.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
   bspec = b_axes if b_axes else None
   seq = P(bspec, context_axis)
   # Per-device copies of the start state and of the final state, laid out

@@ -48,7 +48,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.layers import grouped_matmul
 from k3jax.layers import moe_dispatch
-from k3jax.parallel import mesh as mesh_lib
+from k3jax.sharding import mesh as mesh_lib
 from k3jax.routing import capacity as capacity_lib
 
 TOKEN_AXES = mesh_lib.AXES

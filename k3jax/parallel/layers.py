@@ -15,7 +15,7 @@ from k3jax.layers.kda import KDA
 from k3jax.layers.moe import MoE
 from k3jax.parallel import context_parallel
 from k3jax.parallel import expert_parallel
-from k3jax.parallel import mesh as mesh_lib
+from k3jax.sharding import mesh as mesh_lib
 
 
 def _axis(name: str) -> int:

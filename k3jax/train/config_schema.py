@@ -17,10 +17,14 @@ import functools
 import math
 from typing import Any, Mapping
 
+from k3jax.configdict import to_plain as _to_plain
 from k3jax.data.corpus import BYTE_VOCAB_SIZE
 from k3jax.data.mqar import check_mqar
-from k3jax.configdict import to_plain as _to_plain
 from k3jax.data.token_file import TOKEN_DTYPES
+from k3jax.models.config import ModelConfig
+from k3jax.parallel import config as pconfig_lib
+from k3jax.routing.config import RouterConfig
+from k3jax.sharding import mesh as mesh_lib
 from k3jax.train.cli_errors import InputError
 
 _NUM = (int, float)
@@ -72,8 +76,6 @@ def _as_config_error(fn):
 
 def _section_fields() -> dict[str, list[str]]:
   """{section ("" = top level): its field names}, for every section a dotted config key can name."""
-  from k3jax.models.config import ModelConfig  # the model package is heavy; import on use
-  from k3jax.routing.config import RouterConfig
   return {"": [*TOP_LEVEL, "parallel"], "data": list(DATA), "optim": list(OPTIM), "parallel": list(PARALLEL),
           "model": [f.name for f in dataclasses.fields(ModelConfig)],
           "model.router": [f.name for f in dataclasses.fields(RouterConfig)]}
@@ -156,7 +158,6 @@ def _require(cond: bool, msg: str) -> None:
 
 def model_config_from(model_section: Mapping[str, Any]):
   """Builds the `ModelConfig` from the `config.model` section (router sentinels mapped to None)."""
-  from k3jax.models.config import ModelConfig  # the model package is heavy; import on use
   d = _to_plain(model_section)
   router = dict(d.get("router", {}))
   if router.get("capacity_factor", None) == 0:
@@ -168,8 +169,6 @@ def model_config_from(model_section: Mapping[str, Any]):
 
 
 def _check_model_keys(model_section: Mapping[str, Any]) -> None:
-  from k3jax.models.config import ModelConfig
-  from k3jax.routing.config import RouterConfig
   # Model fields left out take ModelConfig's defaults; unknown ones are errors.
   fields = [f.name for f in dataclasses.fields(ModelConfig)]
   _check_keys(model_section, fields, "model.", require_all=False)
@@ -243,8 +242,6 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
   are checked; with a count, -1 is resolved and the sizes must use exactly
   that many devices. `sizes` maps every mesh axis to its size (-1 if unknown).
   """
-  from k3jax.parallel import config as pconfig_lib  # jax-heavy; import on use
-  from k3jax.parallel import mesh as mesh_lib
   section = c.get("parallel") or {}
   _check_keys(section, PARALLEL, "parallel.", require_all=False)
   _check_types(section, PARALLEL, "parallel.")

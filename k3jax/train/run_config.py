@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any
 
+import ml_collections
+
 from k3jax.train.cli_errors import InputError
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,20 @@ def read_saved_config(workdir: str) -> dict | None:
   if not isinstance(saved, dict):
     raise ConfigMismatchError(f"{path} holds a {type(saved).__name__}, not a config object")
   return saved
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  """The trainer config a run directory was trained with (`<workdir>/config.json`).
+
+  Raises:
+    ValueError: `config.json` is missing.
+    ConfigMismatchError: it is not a JSON object.
+  """
+  saved = read_saved_config(workdir)
+  if saved is None:
+    path = os.path.join(workdir, CONFIG_FILE)
+    raise ValueError(f"{path} does not exist; is {workdir!r} a training run directory?")
+  return ml_collections.ConfigDict(saved)
 
 
 def check_resume(workdir: str, config: Any) -> list[tuple[str, Any, Any]]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -13,19 +14,23 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
 try:
   from tqdm.auto import tqdm
-except ImportError:  # a bare accelerator image may lack tqdm; metrics still reach the log files
+except ImportError:  # optional: a bare accelerator image may lack tqdm; metrics still reach the log files
   tqdm = None
 
 from k3jax.data import BatchIterator, make_dataset
-from k3jax.parallel import rules as rules_lib
-from k3jax.parallel import training
+from k3jax.models import lm
+from k3jax.sharding import rules as rules_lib
 from k3jax.train import report
 from k3jax.train import run_config
+from k3jax.train import sharded_state
 from k3jax.train import workdir_lock
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
 from k3jax.train.cli_errors import InputError
@@ -61,14 +66,13 @@ def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int):
   Runs with the same model structure and optimizer settings (a resumed run, a
   sweep in a notebook) reuse the compiled steps instead of compiling again.
   """
-  import ml_collections  # the optimizer reads attributes, so rebuild a ConfigDict
+  # The optimizer reads attributes, so rebuild a ConfigDict.
   optim_cfg = ml_collections.ConfigDict(json.loads(optim_json))
   tx, schedule = make_optimizer(optim_cfg, num_steps)
   return tx, make_train_step(graphdef, tx, schedule), make_eval_step(graphdef)
 
 
 def _default_model(model_cfg, seq_len: int) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
-  from k3jax.models import lm  # the model package pulls in the kernels; import on use
   fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
   return (lambda rngs: lm.HybridLM(model_cfg, rngs=rngs)), fpt
 
@@ -143,7 +147,6 @@ def _lock_all_processes(lock: workdir_lock.WorkdirLock | None, workdir: str, npr
     except workdir_lock.WorkdirLockedError as e:
       error = e
   if nproc > 1:
-    from jax.experimental import multihost_utils
     locked = bool(np.all(multihost_utils.process_allgather(np.array(error is None))))
     if not locked and error is None:
       raise workdir_lock.WorkdirLockedError(f"process 0 could not take the lock of {workdir}; its "
@@ -218,21 +221,54 @@ def train_and_evaluate(config: Any, workdir: str, *,
       lock.release()
 
 
-def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLock | None,
-                        model_fn: Callable[[nnx.Rngs], nnx.Module] | None,
-                        flops_per_token: float | None, hooks: Sequence[Hook]) -> dict[str, Any]:
-  """`train_and_evaluate` once `lock` (process 0's, not yet taken) is known."""
+@dataclasses.dataclass
+class _Build:
+  """The build stage's products: everything checked and compiled before `workdir` is touched."""
+  config: Any
+  workdir: str
+  nproc: int
+  ndev: int
+  pconf: Any
+  sizes: dict
+  model_fn: Callable[[nnx.Rngs], nnx.Module]
+  flops_per_token: float | None
+  ckpt_dir: str
+  resuming: bool
+  dataset: Any
+  data_it: BatchIterator
+  eval_set: list
+  mesh: Mesh
+  sharded: bool
+  tx: Any
+  train_step: Callable
+  eval_step: Callable
+  abstract_state: Any
+  shardings: Any
+
+  def put(self, batch):
+    """A host batch placed on the mesh by the run's rules."""
+    return sharded_state.shard_batch(batch, self.mesh, self.pconf.rules)
+
+  @contextlib.contextmanager
+  def on_mesh(self):
+    """The mesh and the run's rules, which layers read while the steps are traced."""
+    with jax.set_mesh(self.mesh), rules_lib.use_rules(self.pconf.rules):
+      yield
+
+
+def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module] | None,
+           flops_per_token: float | None) -> _Build:
+  """Checks the config (the mesh included), the saved config.json when resuming and the
+  data, then builds the model template and the step programs; writes nothing."""
   nproc = jax.process_count()
   devices = _devices(config, nproc)
-  ndev = len(devices)
   # Every check, the mesh's included, runs before anything is computed.
-  model_cfg, pconf, sizes = parallel_config(config, ndev)
+  model_cfg, pconf, sizes = parallel_config(config, len(devices))
   if model_fn is None:
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len)
   if model_cfg.kda_implementation == "pallas" and jax.default_backend() == "cpu":
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                 "use --config.model.kda_implementation=xla for CPU runs")
-  is_main = jax.process_index() == 0
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
   resuming = bool(saved_steps(ckpt_dir))
   if resuming:  # before anything is read from or written to the run directory
@@ -243,8 +279,7 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
     dataset.check_seq_len(config.seq_len)
     data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
                             seed=config.seed, process_index=jax.process_index(), process_count=nproc)
-    rows = data_it._rows  # this process's rows of every global batch
-    eval_set = [{k: v[rows] for k, v in b.items()}
+    eval_set = [data_it.local_rows(b)
                 for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
   except ValueError as e:  # the data modules name the file or the size; say which section to fix
     if isinstance(e, InputError):
@@ -253,205 +288,249 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
                       "or seq_len and batch_size.") from e
 
   mesh = pconf.make_mesh(devices)
-
-  def put(batch):
-    return training.shard_batch(batch, mesh, pconf.rules)
-
-  @contextlib.contextmanager
-  def on_mesh():
-    """The mesh and the run's rules, which layers read while the steps are traced."""
-    with jax.set_mesh(mesh), rules_lib.use_rules(pconf.rules):
-      yield
-
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
   if sharded or _splits_kernel_calls(config, sizes):
-    model_fn = training.parallel_model_fn(model_fn, capacity_factor=pconf.capacity_factor)
+    model_fn = sharded_state.parallel_model_fn(model_fn, capacity_factor=pconf.capacity_factor)
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
                                         config.num_steps)
   abstract_state = jax.eval_shape(lambda: create_train_state(model_fn, tx, config.seed)[1])
-  shardings = rules_lib.tree_shardings(abstract_state, mesh, pconf.rules)
+  return _Build(config=config, workdir=workdir, nproc=nproc, ndev=len(devices), pconf=pconf,
+                sizes=sizes, model_fn=model_fn, flops_per_token=flops_per_token, ckpt_dir=ckpt_dir,
+                resuming=resuming, dataset=dataset, data_it=data_it, eval_set=eval_set, mesh=mesh,
+                sharded=sharded, tx=tx, train_step=train_step, eval_step=eval_step,
+                abstract_state=abstract_state,
+                shardings=rules_lib.tree_shardings(abstract_state, mesh, pconf.rules))
+
+
+def _restore(run: _Build, ckpt: Checkpointer):
+  """The restore stage: the newest intact checkpoint on this mesh's shardings (None for a
+  fresh run). Closes `ckpt` when it raises."""
+  if not run.resuming:
+    return None
+  config = run.config
+  # Straight onto this mesh's shardings, whatever mesh wrote it; no initialisation.
+  shardings = sharded_state.full_shardings(run.shardings, run.abstract_state)
+  template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          run.abstract_state, shardings)
+  try:
+    restored = ckpt.restore_intact(template)
+    if restored is not None and restored.step > config.num_steps:
+      raise PastNumStepsError(
+          f"the run in {run.workdir} is already at step {restored.step}, past num_steps="
+          f"{config.num_steps}: nothing to do; nothing in {run.workdir} was changed (config.json "
+          f"included). To train it further, give --config.num_steps above {restored.step}; to start "
+          "a shorter run, give a new run directory.")
+  except BaseException:
+    ckpt.close()
+    raise
+  return restored
+
+
+def _initial_state(run: _Build, ckpt: Checkpointer, restored):
+  """The restored train state (the data position with it), or a fresh one laid out for the mesh."""
+  config = run.config
+  if restored is not None:
+    run.data_it.set_state(restored.data_state["iterator"])
+    if restored.skipped:
+      _set_aside(ckpt, [s for s, _ in restored.skipped], run.nproc)
+    log.info("resumed from step %d in %s (%s)", restored.step, ckpt.directory,
+             "checksums verified" if restored.verified else "saved without checksums")
+    return restored.state
+  if not run.sharded:  # batch-only mesh: the plain one-device initialisation, replicated
+    replicated = NamedSharding(run.mesh, P())
+    return create_train_state(run.model_fn, run.tx, config.seed, sharding=replicated)[1]
+  if run.sizes["fsdp"] > 1:  # ZeRO-3: initialised in its sharded layout, never as a full replica
+    return sharded_state.create_sharded_train_state(run.model_fn, run.tx, config.seed, run.mesh,
+                                                    run.pconf.rules)[1]
+  # No fsdp: each device holds a full replica of all but the experts anyway, so the
+  # eager one-device initialisation (no init program to compile) is placed instead.
+  return sharded_state.place(create_train_state(run.model_fn, run.tx, config.seed)[1], run.shardings)
+
+
+def _nothing_to_do(run: _Build, step: int) -> dict[str, Any]:
+  return {"first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
+          "interrupted": False, "signal": None, "nothing_to_do": True, "num_params": None,
+          "mesh": dict(run.mesh.shape), "num_steps": run.config.num_steps, "resumed_from": step,
+          "skipped_checkpoints": [], "step": step}
+
+
+def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLock | None,
+                        model_fn: Callable[[nnx.Rngs], nnx.Module] | None,
+                        flops_per_token: float | None, hooks: Sequence[Hook]) -> dict[str, Any]:
+  """`train_and_evaluate` once `lock` (process 0's, not yet taken) is known: build, restore,
+  loop (with its evaluations and saves)."""
+  run = _build(config, workdir, model_fn, flops_per_token)
   # Every check has passed: from here on the run directory is written, under its lock.
-  _lock_all_processes(lock, workdir, nproc)
-  ckpt = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
-  restored = None
-  if resuming:
-    # Straight onto this mesh's shardings, whatever mesh wrote it; no initialisation.
-    template = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract_state, training.full_shardings(shardings, abstract_state))
-    try:
-      restored = ckpt.restore_intact(template)
-      if restored is not None and restored.step > config.num_steps:
-        raise PastNumStepsError(
-            f"the run in {workdir} is already at step {restored.step}, past num_steps="
-            f"{config.num_steps}: nothing to do; nothing in {workdir} was changed (config.json "
-            f"included). To train it further, give --config.num_steps above {restored.step}; to start "
-            "a shorter run, give a new run directory.")
-    except BaseException:
-      ckpt.close()
-      raise
+  _lock_all_processes(lock, workdir, run.nproc)
+  ckpt = Checkpointer(run.ckpt_dir, max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
+  restored = _restore(run, ckpt)
   if restored is not None and restored.step == config.num_steps and not restored.skipped:
     ckpt.close()
     log.info("the run in %s is already at step %d = num_steps: nothing to do", workdir, restored.step)
-    return {"first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
-            "interrupted": False, "signal": None, "nothing_to_do": True, "num_params": None,
-            "mesh": dict(mesh.shape), "num_steps": config.num_steps, "resumed_from": restored.step,
-            "skipped_checkpoints": [], "step": restored.step}
-  if restored is not None:
-    state = restored.state
-    data_it.set_state(restored.data_state["iterator"])
-    if restored.skipped:
-      _set_aside(ckpt, [s for s, _ in restored.skipped], nproc)
-    log.info("resumed from step %d in %s (%s)", restored.step, ckpt.directory,
-             "checksums verified" if restored.verified else "saved without checksums")
-  elif not sharded:  # batch-only mesh: the plain one-device initialisation, replicated
-    state = create_train_state(model_fn, tx, config.seed, sharding=NamedSharding(mesh, P()))[1]
-  elif sizes["fsdp"] > 1:  # ZeRO-3: initialised in its sharded layout, never as a full replica
-    state = training.create_sharded_train_state(model_fn, tx, config.seed, mesh, pconf.rules)[1]
-  else:
-    # No fsdp: each device holds a full replica of all but the experts anyway, so the
-    # eager one-device initialisation (no init program to compile) is placed instead.
-    state = training.place(create_train_state(model_fn, tx, config.seed)[1], shardings)
-  num_params = param_count(state.params)
+    return _nothing_to_do(run, restored.step)
+  state = _initial_state(run, ckpt, restored)
   start = int(state.step)
-  if int(data_it.position) != start:
+  if int(run.data_it.position) != start:
     ckpt.close()
-    raise ValueError(f"checkpoint mismatch: state step {start}, data position {data_it.position}")
-  if is_main:
+    raise ValueError(f"checkpoint mismatch: state step {start}, data position {run.data_it.position}")
+  if jax.process_index() == 0:
     run_config.write_config(workdir, config)
     dropped = drop_superseded(workdir, start if restored is not None else -1)
     if dropped:
       log.info("metrics.jsonl: moved %d record(s) past step %d, which this run redoes, to %s", dropped,
                start, os.path.join(workdir, "metrics.superseded.jsonl"))
+  return _TrainLoop(run, ckpt, restored, state, hooks).run()
 
-  writer = MetricWriter(workdir, enabled=is_main, purge_step=start + 1 if restored is not None else 0)
-  bar_enabled = is_main and config.progress_bar and tqdm is not None
-  log_lines = is_main and not bar_enabled  # without a bar, step lines go to the log
-  peak = peak_flops_per_device(config)
-  tokens_per_step = config.batch_size * config.seq_len
-  log.info("model: %d parameters; %d devices, %d processes, mesh %s%s; start step %d of %d",
-           num_params, ndev, nproc, dict(mesh.shape), " (sharded state)" if sharded else "",
-           start, config.num_steps)
 
-  def evaluate(step: int) -> dict[str, float]:
+class _TrainLoop:
+  """The loop stage: steps, metric records, evaluations and checkpoint saves of one invocation."""
+
+  def __init__(self, run: _Build, ckpt: Checkpointer, restored, state, hooks: Sequence[Hook]):
+    config = run.config
+    self.built, self.ckpt, self.restored, self.state, self.hooks = run, ckpt, restored, state, hooks
+    self.start = int(state.step)
+    self.is_main = jax.process_index() == 0
+    self.writer = MetricWriter(run.workdir, enabled=self.is_main,
+                               purge_step=self.start + 1 if restored is not None else 0)
+    self.bar_enabled = self.is_main and config.progress_bar and tqdm is not None
+    self.log_lines = self.is_main and not self.bar_enabled  # without a bar, step lines go to the log
+    self.peak = peak_flops_per_device(config)
+    self.tokens_per_step = config.batch_size * config.seq_len
+    self.bar = _NoBar()
+    # Start of the interval that tokens/s is measured over; the first one holds compilation.
+    self.interval_step, self.interval_start, self.warm = self.start, 0.0, False
+    num_params = param_count(state.params)
+    log.info("model: %d parameters; %d devices, %d processes, mesh %s%s; start step %d of %d",
+             num_params, run.ndev, run.nproc, dict(run.mesh.shape),
+             " (sharded state)" if run.sharded else "", self.start, config.num_steps)
+    self.result: dict[str, Any] = {
+        "first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
+        "interrupted": False, "signal": None, "nothing_to_do": False, "num_params": num_params,
+        "mesh": dict(run.mesh.shape),
+        "num_steps": config.num_steps, "resumed_from": restored.step if restored else None,
+        "skipped_checkpoints": restored.skipped if restored else []}
+
+  def evaluate(self, step: int) -> dict[str, float]:
+    """The evaluate stage: held-out metrics of the current state, written and logged."""
+    run = self.built
     sums = None
-    for b in eval_set:
-      with on_mesh():
-        out = eval_step(state, put(b))
+    for b in run.eval_set:
+      with run.on_mesh():
+        out = run.eval_step(self.state, run.put(b))
       sums = out if sums is None else jax.tree.map(lambda a, c: a + c, sums, out)
     host = jax.device_get(sums)
     count = max(float(host["count"]), 1.0)
     nats = float(host["nll_sum"]) / count
-    record = {"loss": nats, "accuracy": float(host["correct_sum"]) / count, **dataset.metrics_from_loss(nats)}
-    writer.write(step, "eval", record)
-    result["evals"].append((step, record))
-    result["eval"], result["eval_step"] = record, step
-    if is_main:
-      _log_above_bar(bar_enabled and step > start, report.eval_line(step, record))
+    record = {"loss": nats, "accuracy": float(host["correct_sum"]) / count,
+              **run.dataset.metrics_from_loss(nats)}
+    self.writer.write(step, "eval", record)
+    self.result["evals"].append((step, record))
+    self.result["eval"], self.result["eval_step"] = record, step
+    if self.is_main:
+      _log_above_bar(self.bar_enabled and step > self.start, report.eval_line(step, record))
     return record
 
-  result: dict[str, Any] = {
-      "first_eval": None, "eval": None, "eval_step": None, "evals": [], "train": None,
-      "interrupted": False, "signal": None, "nothing_to_do": False, "num_params": num_params,
-      "mesh": dict(mesh.shape),
-      "num_steps": config.num_steps, "resumed_from": restored.step if restored else None,
-      "skipped_checkpoints": restored.skipped if restored else []}
-  if start == 0:
-    result["first_eval"] = evaluate(0)
-  if tqdm is None and is_main and config.progress_bar:
-    log.warning("tqdm is not installed: no progress bar; step lines go to the log")
-  # The bar starts once the first step is compiled, so its first estimate is the step time's.
-  bar = _NoBar()
+  def save(self, step: int) -> None:
+    """The save stage: a checkpoint of the state and the data position."""
+    self.ckpt.save(step, self.state, {"iterator": self.built.data_it.get_state()})
 
-  def open_bar(step: int):
-    if not bar_enabled:
-      return _NoBar()
-    return tqdm(total=config.num_steps, initial=step, dynamic_ncols=True, desc="train")
-
-  if is_main and start < config.num_steps:
-    log.info("compiling the training step (the first step takes longer than the rest)")
-  timer = {"step": start, "time": time.perf_counter(), "warm": False}
-
-  def flush(step: int, metrics: dict, write: bool) -> dict[str, float]:
+  def flush(self, step: int, metrics: dict, write: bool) -> dict[str, float]:
     """Fetches one step's metrics, stops on a non-finite loss, writes a record if asked."""
     host = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if host.pop("finite") < 1.0 or not math.isfinite(host["loss"]):
-      ckpt.wait()
+      self.ckpt.wait()
       raise NonFiniteLossError(_non_finite_message(
-          step, host, start, restored, ckpt.latest_step(), ckpt.directory))
+          step, host, self.start, self.restored, self.ckpt.latest_step(), self.ckpt.directory))
     if write:
       now = time.perf_counter()
-      if timer["warm"] and step > timer["step"]:
-        tps = (step - timer["step"]) * tokens_per_step / (now - timer["time"])
+      if self.warm and step > self.interval_step:
+        tps = (step - self.interval_step) * self.tokens_per_step / (now - self.interval_start)
         host["tokens_per_s"] = tps
-        if flops_per_token and peak:
-          host["mfu"] = flops_per_token * tps / (peak * ndev)
-      timer.update(step=step, time=now, warm=True)  # the first interval holds compilation
-      writer.write(step, "train", host)
-      bar.set_postfix(loss=f"{host['loss']:.3f}", refresh=False)
-      if log_lines:
-        log.info(report.step_line(step, config.num_steps, host))
+        if self.built.flops_per_token and self.peak:
+          host["mfu"] = self.built.flops_per_token * tps / (self.peak * self.built.ndev)
+      self.interval_step, self.interval_start, self.warm = step, now, True
+      self.writer.write(step, "train", host)
+      self.bar.set_postfix(loss=f"{host['loss']:.3f}", refresh=False)
+      if self.log_lines:
+        log.info(report.step_line(step, self.built.config.num_steps, host))
     return host
 
-  def stop_requested() -> bool:
+  def _open_bar(self, step: int):
+    if not self.bar_enabled:
+      return _NoBar()
+    return tqdm(total=self.built.config.num_steps, initial=step, dynamic_ncols=True, desc="train")
+
+  def _stop_requested(self, guard: SignalGuard) -> bool:
     flag = guard.received is not None
-    if nproc > 1:
-      from jax.experimental import multihost_utils
+    if self.built.nproc > 1:
       flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
     return flag
 
-  step, pending = start, None
-  try:
-    with SignalGuard() as guard:
-      while step < config.num_steps:
-        batch = put(next(data_it))
-        with on_mesh():
-          state, metrics = train_step(state, batch)
-        step += 1
-        if step == start + 1:
-          bar = open_bar(step)
-        else:
-          bar.update(1)
-        if pending is not None:  # check the previous step while this one runs
-          flush(*pending, write=False)
-          pending = None
-        last = step == config.num_steps
-        do_eval = last or (config.eval_every and step % config.eval_every == 0)
-        do_ckpt = last or (config.checkpoint_every and step % config.checkpoint_every == 0)
-        do_log = last or step % config.log_every == 0
-        if do_eval or do_ckpt or do_log or hooks or guard.received is not None:
-          result["train"] = host = flush(step, metrics, write=do_log)
-          for hook in hooks:
-            hook(step, host)
-          stopping = stop_requested() if (nproc == 1 or do_log) else False
-          paused = time.perf_counter()
-          if do_eval:
-            evaluate(step)
-            bar.set_postfix(loss=f"{host['loss']:.3f}",
-                            **{"eval_" + dataset.eval_metric: f"{result['eval'][dataset.eval_metric]:.3f}"})
-          if do_ckpt or stopping:
-            ckpt.save(step, state, {"iterator": data_it.get_state()})
-          timer["time"] += time.perf_counter() - paused  # tokens/s counts training time only
-          if stopping:
-            result["interrupted"] = True
-            if guard.received is not None:
-              result["signal"] = signal.Signals(guard.received).name
-            log.warning("stopping at step %d after a signal; checkpoint saved", step)
-            break
-        else:
-          pending = (step, metrics)
-      if pending is not None:
-        result["train"] = flush(*pending, write=False)
-  finally:
-    bar.close()
-    writer.close()
-    ckpt.close()
-  result["step"] = step
-  return result
+  def run(self) -> dict[str, Any]:
+    """Evaluates step 0 of a fresh run, then trains to num_steps or to a stopping signal."""
+    built, config, result = self.built, self.built.config, self.result
+    if self.start == 0:
+      result["first_eval"] = self.evaluate(0)
+    if tqdm is None and self.is_main and config.progress_bar:
+      log.warning("tqdm is not installed: no progress bar; step lines go to the log")
+    if self.is_main and self.start < config.num_steps:
+      log.info("compiling the training step (the first step takes longer than the rest)")
+    self.interval_start = time.perf_counter()
+    step, pending = self.start, None
+    try:
+      with SignalGuard() as guard:
+        while step < config.num_steps:
+          batch = built.put(next(built.data_it))
+          with built.on_mesh():
+            self.state, metrics = built.train_step(self.state, batch)
+          step += 1
+          if step == self.start + 1:
+            # The bar starts once the first step is compiled, so its first estimate is the step time's.
+            self.bar = self._open_bar(step)
+          else:
+            self.bar.update(1)
+          if pending is not None:  # check the previous step while this one runs
+            self.flush(*pending, write=False)
+            pending = None
+          last = step == config.num_steps
+          do_eval = last or (config.eval_every and step % config.eval_every == 0)
+          do_ckpt = last or (config.checkpoint_every and step % config.checkpoint_every == 0)
+          do_log = last or step % config.log_every == 0
+          if do_eval or do_ckpt or do_log or self.hooks or guard.received is not None:
+            result["train"] = host = self.flush(step, metrics, write=do_log)
+            for hook in self.hooks:
+              hook(step, host)
+            stopping = self._stop_requested(guard) if (built.nproc == 1 or do_log) else False
+            paused = time.perf_counter()
+            if do_eval:
+              self.evaluate(step)
+              metric = built.dataset.eval_metric
+              self.bar.set_postfix(loss=f"{host['loss']:.3f}",
+                                   **{"eval_" + metric: f"{result['eval'][metric]:.3f}"})
+            if do_ckpt or stopping:
+              self.save(step)
+            self.interval_start += time.perf_counter() - paused  # tokens/s counts training time only
+            if stopping:
+              result["interrupted"] = True
+              if guard.received is not None:
+                result["signal"] = signal.Signals(guard.received).name
+              log.warning("stopping at step %d after a signal; checkpoint saved", step)
+              break
+          else:
+            pending = (step, metrics)
+        if pending is not None:
+          result["train"] = self.flush(*pending, write=False)
+    finally:
+      self.bar.close()
+      self.writer.close()
+      self.ckpt.close()
+    result["step"] = step
+    return result
 
 
 def _set_aside(ckpt: Checkpointer, steps: list[int], nproc: int) -> None:
@@ -459,7 +538,6 @@ def _set_aside(ckpt: Checkpointer, steps: list[int], nproc: int) -> None:
   save those steps again and a later resume does not try them first."""
   moved = ckpt.set_aside(steps)
   if nproc > 1:
-    from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("k3jax_set_aside_checkpoints")
   ckpt.reload()
   for path in moved:

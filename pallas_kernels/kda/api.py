@@ -9,12 +9,11 @@ g [B,T,HV,K] (KDA) or [B,T,HV] (GDN), float32 log-decays; beta [B,T,HV];
 initial_state [N,HV,K,V]; cu_seqlens [N+1] for packed sequences (B == 1).
 HV = H unless value heads are grouped. The tiling and implementation choices
 travel as one `KdaSpec`; the optional fused gate, q/k L2 norm and grouped
-value heads are described in `input_options`.
+value heads are described in `inputs`.
 """
 from __future__ import annotations
 
-from pallas_kernels.kda import input_checks
-from pallas_kernels.kda import input_options
+from pallas_kernels.kda import inputs
 from pallas_kernels.kda import pallas_op
 from pallas_kernels.kda import reference
 from pallas_kernels.kda import spec as spec_lib
@@ -63,7 +62,7 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     gate_bias: [HV, K] (or [HV] for a [B, T, HV] gate) added to g before the
       sigmoid; None: zeros. Only with gate_activation.
     qk_l2norm: normalise q and k over K first (eps
-      `input_options.QK_L2NORM_EPS`), gradients included.
+      `inputs.QK_L2NORM_EPS`), gradients included.
     checked: under jit, emit `jax.experimental.checkify` checks of the gate
       range and of cu_seqlens; wrap the caller in `checkify.checkify` and
       call `err.throw()` (without the wrapper, jit refuses the checks).
@@ -83,32 +82,32 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
                      f"implementation={impl!r}")
   spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           lower_bound=lower_bound, implementation=implementation)
-  input_options.check_without_gate(gate_activation, gate_bias)
-  groups = input_options.value_groups(q, v)  # shapes before values
+  inputs.check_without_gate(gate_activation, gate_bias)
+  groups = inputs.value_groups(q, v)  # shapes before values
   total_len = q.shape[1] if q.ndim > 1 else 0
   clamp = False  # the activated gate is in [lower_bound, 0] by construction
   if gate_activation is None:
-    clamp, cu_seqlens = input_checks.check_inputs(g, cu_seqlens, spec=spec, total_len=total_len,
+    clamp, cu_seqlens = inputs.check_inputs(g, cu_seqlens, spec=spec, total_len=total_len,
                                                   checked=checked)
   else:
-    cu_seqlens = input_checks.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
+    cu_seqlens = inputs.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
   if qk_l2norm:
-    q, k = input_options.l2_normalize(q), input_options.l2_normalize(k)
-  q = input_options.expand_value_groups(q, groups)
-  k = input_options.expand_value_groups(k, groups)
+    q, k = inputs.l2_normalize(q), inputs.l2_normalize(k)
+  q = inputs.expand_value_groups(q, groups)
+  k = inputs.expand_value_groups(k, groups)
   if gate_activation is not None and spec.implementation == "pallas":
     return pallas_op.chunk_kda_pallas(
         q, k, v, g, beta, spec=spec, interpret=interpret, config_overrides=config_overrides,
         gate_activation=gate_activation, gate_bias=gate_bias, **kwargs)
   if gate_activation is not None:
-    g = input_options.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
+    g = inputs.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
   if spec.implementation == "naive":
     return reference.naive_recurrent_kda(q, k, v, g, beta, **kwargs)
   if spec.implementation == "xla":
     if clamp:  # elementwise in the same XLA program as the chunked form
-      g = input_checks.clamp_gates(g, spec.lower_bound)
+      g = inputs.clamp_gates(g, spec.lower_bound)
     return reference.chunk_kda_xla(q, k, v, g, beta, spec=spec, **kwargs)
   # The kernels clamp inside the gate cumsum, which reads g anyway: a clamp
   # here would be a separate pass over the f32 gate (and its VJP another over

@@ -21,7 +21,7 @@ memory bandwidth (`state_roofline_s`). Implementations (`DECODE_IMPLEMENTATIONS`
   source of truth.
 
 "auto" is "fused" on every backend (`resolve_decode`): the kernel is opt-in
-until `experiments/bench_decode.py` has timed both on the GPU.
+until `experiments/bench/bench_decode.py` has timed both on the GPU.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kda import reference
-from pallas_kernels.kda import validation
+from pallas_kernels.kda import inputs
 
 DECODE_IMPLEMENTATIONS = ("pallas", "fused", "naive")
 # Tokens per call: the kernel unrolls its token loop, so the step is meant for
@@ -75,7 +75,7 @@ def _validate(q, k, v, g, beta, state, scale):
   """Shared checks; returns (scale, g [B, T, H, K] f32)."""
   if state is None:
     raise ValueError("state must be the [B, H, K, V] float32 decode state, got None")
-  args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=state)
+  args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=state)
   if state.dtype != _F32:
     raise TypeError(f"state must be float32 (the decode state is kept exact), got {state.dtype}")
   t_new = q.shape[1]
@@ -170,7 +170,7 @@ def decode_step_pallas(q, k, v, g, beta, state, *, scale: float, block_v: int | 
 
   Shapes as `kda_decode_step`, with g already [B, T_new, H, K] f32. Lowers
   for the GPU (Triton) whatever the default backend, so it can be lowered
-  for CUDA on a CPU machine (`decode_ir`).
+  for CUDA on a CPU machine (`pallas_kernels.tools.decode_ir`).
 
   Returns:
     (o [B, T_new, H, V] in q.dtype, new state [B, H, K, V] float32).

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.input_checks import clamp_gates, out_of_range
 from pallas_kernels.kda.kernel_config import KernelConfig, is_pow2
 
 _F32 = jnp.float32
@@ -44,6 +43,21 @@ _F32 = jnp.float32
 _MAX_BLOCK_F = 256
 # Rows loaded before the first of them is stored (see `scan_rows`).
 ROW_GROUP = 8
+
+
+def clamp_gates(g: jax.Array, lower_bound: float) -> jax.Array:
+  """g clamped into [lower_bound, 0]; any shape.
+
+  Unlike `jnp.clip`, the gradient is 1 on the closed interval (a gate exactly
+  at the bound keeps its full gradient) and 0 outside it.
+  """
+  g = jnp.where(g < lower_bound, jnp.asarray(lower_bound, g.dtype), g)
+  return jnp.where(g > 0, jnp.zeros((), g.dtype), g)
+
+
+def out_of_range(g: jax.Array, lower_bound: float) -> jax.Array:
+  """Where `clamp_gates` changes g and passes no gradient: g < lower_bound or g > 0."""
+  return (g < lower_bound) | (g > 0)
 
 
 def _check(g_btf, chunk_size: int) -> None:

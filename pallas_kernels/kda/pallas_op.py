@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda import head_pad
+from pallas_kernels.kda import inputs
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_gate_cumsum
@@ -37,10 +38,8 @@ from pallas_kernels.kda import kernel_state_bwd
 from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
 from pallas_kernels.kda import platform_lowering
-from pallas_kernels.kda import input_options
 from pallas_kernels.kda import spec as spec_lib
 from pallas_kernels.kda import tiling
-from pallas_kernels.kda import validation
 from pallas_kernels.kda.spec import KdaSpec
 
 _F32 = jnp.float32
@@ -279,9 +278,9 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
   elif diagonal not in spec_lib.DIAGONALS:
     raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
-  args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+  args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              cu_seqlens=cu_seqlens)
-  input_options.check_without_gate(gate_activation, gate_bias)
+  inputs.check_without_gate(gate_activation, gate_bias)
   fused = gate_activation is not None
   if clamp_gates and (fused or lower_bound is None):
     raise ValueError("clamp_gates needs a lower_bound and no gate_activation (an activated "
@@ -290,7 +289,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   b, t_len, h, dk = q.shape
   if fused:
     # The pre-activation stays in its dtype, broadcast over K for a GDN gate.
-    bias = input_options.gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound)
+    bias = inputs.gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound)
     g_in = g
     if g_in.ndim == 3:
       g_in, bias = jnp.broadcast_to(g_in[..., None], q.shape), bias[:, None]

@@ -1,6 +1,6 @@
 """Pure-JAX references for chunked KDA / Gated DeltaNet.
 
-Two forms of the same recurrence (DESIGN.md, "The math"):
+Two forms of the same recurrence (docs/design.md, "The math"):
 
 * `naive_recurrent_kda`: the token-by-token loop, the source of truth.
 * `chunk_kda_xla`: the chunked (WY) form, in plain jnp, differentiable by
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import tiling
 from pallas_kernels.kda import spec as spec_lib
-from pallas_kernels.kda import validation
+from pallas_kernels.kda import inputs
 from pallas_kernels.kda.spec import KdaSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -60,7 +60,7 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] float32/64 or None).
   """
-  args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+  args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              cu_seqlens=cu_seqlens)
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
@@ -215,7 +215,7 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
   spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           lower_bound=lower_bound)
   chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
-  args = validation.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+  args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              cu_seqlens=cu_seqlens)
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]

@@ -1,0 +1,84 @@
+"""Lowers the Pallas KDA kernels for CUDA on a CPU machine and reads their SASS.
+
+No GPU needed. The Triton lowering of every kernel in one jitted forward+VJP
+is captured as Triton IR (one `.ttir` file per pallas_call, with its warps and
+pipeline stages in `kernels.json`). With `--compile`, a separately installed
+`triton` package (not a dependency of this project; its wheel carries ptxas,
+cuobjdump and nvdisasm) compiles each file for sm_90a and prints, per kernel,
+the registers per thread, the spilled bytes and counts of the SASS
+instructions that matter here: barriers and shared-memory traffic (layout
+conversions), HGMMA (wgmma), MUFU (exp2), local loads and stores (spills).
+`--attribute` adds, for the kernels matched by `--kernels`, the instruction
+counts per Triton IR operation type. The functions live in
+`pallas_kernels/tools/triton_ir.py`.
+
+  python experiments/bench/inspect_triton.py --out=/tmp/ttir
+  python experiments/bench/inspect_triton.py --out=/tmp/ttir --compile --attribute \\
+      --kernels=intra_bwd_k --overrides=warps.intra_bwd_k=8
+
+The second command needs `triton` installed next to the project's stack
+(`pip install triton==3.6.0`, the version on the H200 image).
+
+Caveats: this runs pip Triton's pass pipeline, not the one inside the GPU
+jaxlib plugin, so figures can differ from the real build (registers matched
+Nsight Compute's for most kernels on 2026-12-01; spill bytes did not track
+the measured times). It reads the lowering through private modules of
+jax 0.11.2 (`jax._src.pallas.triton`). Use it to compare variants, then time
+them on the GPU (`tune_kda.py`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+
+from absl import app
+from absl import flags
+
+# Run from a checkout without installing: the repository root holds the packages.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+_OUT = flags.DEFINE_string("out", None, "Folder for the .ttir files and kernels.json.")
+_SHAPE = flags.DEFINE_string("shape", "16x2048x16x128", "BxTxHxD (K = V = D) the kernels are "
+                             "lowered for (only shapes are used, no arrays are made).")
+_DIAGONAL = flags.DEFINE_enum("diagonal", "dense", ["dense", "pairwise"], "Diagonal strategy.")
+_OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields, as bench_kernels.py "
+                               "--overrides (e.g. warps.intra_bwd_k=8).")
+_COMPILE = flags.DEFINE_bool("compile", False, "Compile each kernel with the installed triton "
+                             "package and print registers, spills and the SASS mix.")
+_KERNELS = flags.DEFINE_string("kernels", ".", "Regex on kernel names to compile.")
+_FUSED_GATE = flags.DEFINE_bool("fused_gate", False, "Lower with the gate activation fused "
+                                "into the gate cumsums (gate_activation='bounded_sigmoid').")
+_ATTRIBUTE = flags.DEFINE_bool("attribute", False, "Also count SASS instructions per Triton IR "
+                               "operation type (needs --compile).")
+
+
+def main(argv):
+  del argv
+  if not _OUT.value:
+    raise app.UsageError("--out is required (a folder for the Triton IR files)")
+  from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import triton_ir  # pylint: disable=g-import-not-at-top
+  shape = tuple(int(x) for x in _SHAPE.value.split("x"))
+  if len(shape) != 4:
+    raise app.UsageError(f"--shape must be BxTxHxD, got {_SHAPE.value!r}")
+  entries = triton_ir.lower_kernels(_OUT.value, shape, _DIAGONAL.value,
+                                    bench.parse_overrides(_OVERRIDES.value) or None,
+                                    fused_gate=_FUSED_GATE.value)
+  for entry in entries:
+    print(f"{entry['name']:20s} warps={entry['num_warps']} stages={entry['num_stages']} "
+          f"{entry['file']}")
+  if not _COMPILE.value:
+    return
+  if importlib.util.find_spec("triton") is None:
+    raise app.UsageError("--compile needs the triton package (with its NVIDIA backend) in "
+                         "this Python environment; it is not a dependency of k3jax")
+  print()
+  for entry in entries:
+    if re.search(_KERNELS.value, entry["name"]):
+      print(triton_ir.compile_kernel(entry, attribute=_ATTRIBUTE.value), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,94 @@
+"""Train state and batches placed on a mesh by the logical-axis rules.
+
+    mesh = make_mesh(MeshConfig(data=-1, expert=2, context=2))
+    graphdef, state = create_sharded_train_state(model_fn, tx, seed, mesh)
+    step = k3jax.train.step.make_train_step(graphdef, tx, schedule)
+    with jax.set_mesh(mesh):
+      state, metrics = step(state, shard_batch(batch, mesh))
+
+`model_fn` is wrapped with `layers.parallelize`, so KDA and MoE layers take
+their context- and expert-parallel paths whenever the step runs under a mesh
+whose context / expert axes are > 1.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from k3jax.parallel import layers
+from k3jax.sharding import rules as rules_lib
+from k3jax.train.state import TrainState
+
+
+def parallel_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module], *,
+                      capacity_factor: float | None = None) -> Callable[[nnx.Rngs], nnx.Module]:
+  """`model_fn` whose KDA / MoE layers are the mesh-aware variants."""
+  return lambda rngs: layers.parallelize(model_fn(rngs), capacity_factor=capacity_factor)
+
+
+def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],
+                               tx: optax.GradientTransformation, seed: int, mesh: Mesh,
+                               rules: rules_lib.Rules = rules_lib.DEFAULT_RULES, *,
+                               capacity_factor: float | None = None
+                               ) -> tuple[nnx.GraphDef, TrainState]:
+  """Initialises a TrainState directly in its sharded layout (no full replica first).
+
+  Parameters and optimizer moments are sharded by the parameters' logical
+  names; step, RNG and unnamed state are replicated.
+
+  Returns:
+    (graphdef of the mesh-aware model, TrainState on `mesh`).
+  """
+  model_fn = parallel_model_fn(model_fn, capacity_factor=capacity_factor)
+
+  def init() -> TrainState:
+    _, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                      opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
+
+  abstract = jax.eval_shape(init)
+  graphdef = nnx.split(nnx.eval_shape(lambda: model_fn(nnx.Rngs(seed))), nnx.Param, ...)[0]
+  shardings = rules_lib.tree_shardings(abstract, mesh, rules)
+  return graphdef, jax.jit(init, out_shardings=shardings)()
+
+
+def full_shardings(shardings: Any, tree: Any) -> Any:
+  """`shardings` (a prefix of `tree`, as from `rules.tree_shardings`: one sharding per
+  variable, whose value may be a dict) expanded to one sharding per leaf of `tree`."""
+  return jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), shardings, tree)
+
+
+def place(tree: Any, shardings: Any) -> Any:
+  """Puts every leaf of `tree` on its sharding in `shardings` (a prefix tree of `tree`).
+
+  With several processes each one holds the same host values (same seed) and
+  contributes its addressable shards, which `jax.device_put` alone cannot do.
+  """
+  shardings = full_shardings(shardings, tree)
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+
+  def one(x, sharding):
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+  return jax.tree.map(one, tree, shardings)
+
+
+def shard_batch(batch: Mapping[str, Any], mesh: Mesh,
+                rules: rules_lib.Rules = rules_lib.DEFAULT_RULES) -> dict[str, jax.Array]:
+  """Places a batch of [B, T] arrays (this process's rows) with batch and length sharded."""
+  out = {}
+  for key, value in batch.items():
+    value = np.asarray(value)
+    if value.ndim != 2:
+      raise ValueError(f"batch[{key!r}] must be [B, T], got shape {value.shape}")
+    spec = rules_lib.activation_spec(("batch", "length"), mesh, rules)
+    out[key] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value)
+  return out
