@@ -282,7 +282,7 @@ def parts_table(shape_name, dtype):
        lambda x, w, a, bb, c, f=fuse: routed_gmm.routed_swiglu_gmm(
            x, w, a, bb, c, plan_free, dtype=dtype, config=_gmm_config(dtype), fuse_swiglu=f),
        (x_nd, w_free, wg, wu, wo), True)
-      for fuse, label in ((True, ""), (False, ", SwiGLU unfused"))
+      for fuse, label in ((False, ""), (True, ", SwiGLU fused"))
   ] + [
       ("shared expert", lambda x, a, bb, c: swiglu(x, a, bb, c, dtype),
        (x_nd, layer.shared_gate[...], layer.shared_up[...], layer.shared_out[...]), True),

@@ -4,17 +4,20 @@ The layer's expert work in five kernels, forward and backward, none of which
 writes a dispatched copy of the tokens (`pallas_kernels.gmm`):
 
   forward   gate_up = gmm(x, [W_gate W_up], rows x[source])     [S, 2h]
-            y       = gmm(silu(gate) * up, W_out)                [S, d]  (SwiGLU in the load)
+            h       = silu(gate) * up                            [S, h]  (XLA, one pass)
+            y       = gmm(h, W_out)                              [S, d]
             out[n]  = sum_j w[n, j] y[slot[n, j]]                (XLA gather, one pass)
-  backward  d gate_up, w_s h = SwiGLU VJP of                     (in the epilogue)
-              dh    = w_s * gmm(g, W_out^T, rows g[token])       (combine's VJP fused)
+  backward  dh      = w_s * gmm(g, W_out^T, rows g[token])       (combine's VJP fused)
+            d gate_up, w_s h = SwiGLU VJP of dh                  (XLA, one pass)
             dW_out  = tgmm(w_s h, g[token])
             dx_s    = gmm(d gate_up, [W_gate W_up]^T);  dx[n] = sum_j dx_s[slot[n, j]]
             dW_in   = tgmm(x[source], d gate_up)
 
-Neither the hidden activations h nor dh is ever written: the SwiGLU and
-its VJP run inside the products (`fuse_swiglu=False` runs them as XLA
-elementwise passes instead, for comparison).
+`fuse_swiglu=True` moves the SwiGLU into the output product's operand load
+and its VJP into the dgrad's epilogue, so neither h nor dh is written. It
+is opt-in because it measured slower on the H200 (docs/benchmarks.md,
+"Fused SwiGLU"): the load recomputes silu(gate) * up once per column tile
+of the output (d / block_n times) and reads twice the operand bytes.
 
 S is the slot layout of a `moe_dispatch.SlotPlan` built with `align` =
 the kernels' block_m, capacity or ragged: the same kernels serve both modes.
@@ -54,7 +57,7 @@ class _Static:
   config: gmm_config.GmmConfig
   interpret: bool
   grad_dtypes: tuple  # of x, wi_gate, wi_up, wo: the cotangents' dtypes
-  fuse_swiglu: bool = True
+  fuse_swiglu: bool = False
 
 
 def kernel_config(dtype, config: gmm_config.GmmConfig | None = None) -> gmm_config.GmmConfig:
@@ -64,7 +67,7 @@ def kernel_config(dtype, config: gmm_config.GmmConfig | None = None) -> gmm_conf
 
 def routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan: SlotPlan, *, dtype,
                       config: gmm_config.GmmConfig | None = None,
-                      interpret: bool | None = None, fuse_swiglu: bool = True):
+                      interpret: bool | None = None, fuse_swiglu: bool = False):
   """sum_j w[n, j] * expert_{plan's group}(x[n]) through the grouped-matmul kernels.
 
   Args:
@@ -75,8 +78,8 @@ def routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan: SlotPlan
     dtype: compute dtype of the rows and products.
     config: kernel tiles (default: `gmm_config.default_config(dtype)`).
     interpret: run the kernels in the Pallas interpreter (default: off the GPU).
-    fuse_swiglu: the SwiGLU and its VJP inside the products (the default), or
-      as separate elementwise passes.
+    fuse_swiglu: the SwiGLU and its VJP inside the products, or as separate
+      elementwise passes (the default, measured faster).
 
   Returns:
     [N, d] float32.
