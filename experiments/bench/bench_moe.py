@@ -22,6 +22,10 @@ dgrad product (transposed weights) and the weight gradient, each against a
 dense bf16 matmul of the same [N k, K] x [K, N] shape in the same run; rates
 count only real rows (padding excluded). `--gmm_config` sets the tiles of
 table 3 and of every "pallas" row of table 1 (e.g. block_n=128,num_warps=8).
+On the GPU, table 3 also times a peer (`--peer_mgpu`): jax's Mosaic GPU
+`ragged_dot` and `transposed_ragged_dot` (TMA and wgmma, Hopper only) on
+the same FLOPs with the rows already gathered and contiguous, the fastest
+of a few tile choices, to show what the Triton lowering leaves on the table.
 Table 2 ("parts", --parts): the router's pieces (scores, the quantile
 thresholds of each `quantile_impl`, the candidates' top-k), the whole
 router in capacity and dropless mode with exact and radix thresholds, the
@@ -48,6 +52,8 @@ import importlib.util  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # noqa: E402
+from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu  # noqa: E402
 
 from k3jax import routing  # noqa: E402
 from k3jax.layers import moe  # noqa: E402
@@ -86,6 +92,8 @@ flags.DEFINE_bool("layer", True, "Time the layer against the dense SwiGLU (table
 flags.DEFINE_bool("kernels", False, "Also time the Pallas grouped matmuls alone (table 3).")
 flags.DEFINE_list("gmm_config", [], "GmmConfig fields for the 'pallas' backend, "
                   "name=int (any int field of GmmConfig, e.g. block_n=256,wgrad_stages=4).")
+flags.DEFINE_bool("peer_mgpu", True, "With --kernels on the GPU, also time jax's Mosaic GPU "
+                  "ragged_dot ops on pre-gathered contiguous rows (best of a few tiles).")
 flags.DEFINE_integer("rate_matmul", 8192, "Size n of the n^3 bf16 matmul that measures the rate.")
 
 
@@ -327,12 +335,62 @@ def kernel_table(shape_name, dtype):
        (x_nd, gu), jax.jit(lambda a, g: jnp.dot(a.T, g, preferred_element_type=jnp.float32)),
        (dense_a, dense_g)),
   ]
+  if FLAGS.peer_mgpu and not interp:
+    cases += _mgpu_cases(plan.group_sizes.astype(jnp.int32), w_in, dense_a, dense_g, dense_w,
+                         2 * rows * d * 2 * h)
   for label, flops, fn, args, dense_fn, dense_args in cases:
     ms = _times(fn, *args)[0]
     dense_ms = _times(dense_fn, *dense_args)[0]
     rate, dense_rate = flops / ms / 1e9, flops / dense_ms / 1e9
     _row([shape_name, label, f"{ms:.3f}", f"{rate:.0f}", f"{dense_ms:.3f}", f"{dense_rate:.0f}",
           f"{rate / dense_rate:.2f}"])
+
+
+# (block_m, block_n, block_k, max_concurrent_steps, grid_block_n) tried for the peer.
+_MGPU_TILES = ((64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 6, 4),
+               (64, 256, 64, 4, 2))
+
+
+def _best_mgpu(make, args):
+  """(jitted fn, tiles) of the fastest `make(**tiles)` on args; tiles that do
+  not fit (shared memory, divisibility) are skipped."""
+  best = (float("inf"), None, None)
+  for bm, bn, bk, steps, gbn in _MGPU_TILES:
+    tiles = dict(block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps,
+                 grid_block_n=gbn)
+    fn = jax.jit(make(**tiles))
+    try:
+      ms = _times(fn, *args)[0]
+    except Exception as err:  # noqa: BLE001 - a tile that does not lower is skipped
+      print(f"# mgpu tiles {tiles} skipped: {type(err).__name__}: {str(err)[:120]}", flush=True)
+      continue
+    if ms < best[0]:
+      best = (ms, fn, tiles)
+  return best[1], best[2]
+
+
+def _mgpu_cases(group_sizes, w_in, dense_a, dense_g, dense_w, flops):
+  """Peer rows: jax's Mosaic GPU ragged_dot ops on contiguous, pre-gathered
+  rows grouped by `group_sizes` (no padding, no row index), same FLOPs."""
+  specs = [
+      ("fwd", lambda **t: lambda a, ww: ragged_dot_mgpu.ragged_dot(
+          a, ww, group_sizes=group_sizes, **t), (dense_a, w_in),
+       jax.jit(lambda a, ww: a @ ww), (dense_a, dense_w)),
+      ("dgrad", lambda **t: lambda g, ww: ragged_dot_mgpu.ragged_dot(
+          g, ww, group_sizes=group_sizes, transpose_rhs=True, **t), (dense_g, w_in),
+       jax.jit(lambda g, ww: g @ ww.T), (dense_g, dense_w)),
+      ("wgrad", lambda **t: lambda at, g: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+          at, g, group_sizes=group_sizes, **t), (dense_a.T, dense_g),
+       jax.jit(lambda a, g: jnp.dot(a.T, g, preferred_element_type=jnp.float32)),
+       (dense_a, dense_g)),
+  ]
+  cases = []
+  for what, make, args, dense_fn, dense_args in specs:
+    fn, tiles = _best_mgpu(make, args)
+    if fn is not None:
+      label = f"peer: jax mgpu ragged {what}, rows contiguous, {tuple(tiles.values())}"
+      cases.append((label, flops, fn, args, dense_fn, dense_args))
+  return cases
 
 
 def main(argv):
