@@ -9,7 +9,7 @@ import pytest
 from pallas_kernels.gmm import api, layout, reference
 from pallas_kernels.gmm.config import GmmConfig, default_config
 
-SMALL = GmmConfig(block_m=16, block_n=16, block_k=16)
+SMALL = GmmConfig(block_m=16, block_n=16, block_k=16, wgrad_block=16)
 
 
 def _layout(sizes, block_m, spare_tiles=1):
@@ -88,7 +88,7 @@ def test_tgmm_matches_reference(lhs_gathered, rhs_scaled, block_m, wgrad_rows):
   if rhs_scaled:
     kw.update(rhs_index=_row_index(rng, SIZES, starts, m, m),
               rhs_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
-  cfg = GmmConfig(block_m=block_m, block_n=16, block_k=16, wgrad_rows=wgrad_rows)
+  cfg = GmmConfig(block_m=block_m, block_n=16, block_k=16, wgrad_rows=wgrad_rows, wgrad_block=16)
   out = api.tgmm(lhs, rhs, tiles, config=cfg, interpret=True, **kw)
   want = reference.tgmm_reference(lhs, rhs, tiles, **kw)
   assert out.shape == (len(SIZES), k, n) and out.dtype == jnp.float32
@@ -102,6 +102,8 @@ def test_config_and_argument_errors():
   w = jnp.zeros((2, 32, 32))
   with pytest.raises(ValueError, match="power of two"):
     GmmConfig(block_n=96)
+  with pytest.raises(ValueError, match="wgrad_block"):
+    GmmConfig(wgrad_block=96)
   with pytest.raises(ValueError, match="wgrad_rows"):
     GmmConfig(wgrad_rows=48)
   assert GmmConfig(block_m=32, wgrad_rows=64).wgrad_step == 32
@@ -158,7 +160,7 @@ def test_gpu_kernel_calls_match_reference(call, dtype, out_dtype):
   cfg = default_config(dtype)
   sizes = [0, 300, 1, 700, 0, 129, 2000, 64]    # empty, ragged and many-tile groups
   tiles, starts = _layout(sizes, cfg.block_m)
-  m, k, n, source_rows = tiles.num_rows, 384, 256, 3000
+  m, k, n, source_rows = tiles.num_rows, 384, 512, 3000  # n: two 256-wide column tiles
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
   scale = lambda: jnp.asarray(rng.uniform(0.5, 1.5, m), jnp.float32)
   tol = 1e-5 if dtype == jnp.float32 else 1e-2

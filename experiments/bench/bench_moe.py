@@ -379,8 +379,9 @@ def _mgpu_cases(group_sizes, w_in, dense_a, dense_g, dense_w, flops):
       ("dgrad", lambda **t: lambda g, ww: ragged_dot_mgpu.ragged_dot(
           g, ww, group_sizes=group_sizes, transpose_rhs=True, **t), (dense_g, w_in),
        jax.jit(lambda g, ww: g @ ww.T), (dense_g, dense_w)),
-      ("wgrad", lambda **t: lambda at, g: transposed_ragged_dot_mgpu.transposed_ragged_dot(
-          at, g, group_sizes=group_sizes, **t), (dense_a.T, dense_g),
+      # Rows are the grouped contraction: lhs [rows, d], rhs [rows, 2h] -> [E, d, 2h].
+      ("wgrad", lambda **t: lambda a, g: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+          a, g, group_sizes=group_sizes, **t), (dense_a, dense_g),
        jax.jit(lambda a, g: jnp.dot(a.T, g, preferred_element_type=jnp.float32)),
        (dense_a, dense_g)),
   ]

@@ -18,7 +18,7 @@ class GmmConfig:
   Attributes:
     block_m: rows per tile. Groups start on multiples of it (the layout's
       alignment), so one tile never spans two groups.
-    block_n: output columns per program.
+    block_n: output columns per program of `gmm`.
     block_k: contraction slice per step of the inner loop.
     group_m: row tiles per launch group of `gmm`: programs run every column
       tile of `group_m` consecutive row tiles before the next rows, so a
@@ -30,10 +30,14 @@ class GmmConfig:
       pipelining, which a gathered operand needs: its row indices take a
       pipeline stage of their own.
     wgrad_stages, wgrad_warps: Triton launch options of `tgmm`.
+    wgrad_block: side of `tgmm`'s square [K, N] result tile (shrunk to
+      divide K and N). Its own field because the products' best block_n
+      (256) would give each tgmm program a 256 x 256 float32 accumulator,
+      which spills (0.10 of the dense rate on the H200).
   """
 
   block_m: int = 128
-  block_n: int = 128
+  block_n: int = 256
   block_k: int = 64
   group_m: int = 8
   num_warps: int = 8
@@ -41,9 +45,10 @@ class GmmConfig:
   wgrad_rows: int = 64
   wgrad_stages: int = 5
   wgrad_warps: int = 4
+  wgrad_block: int = 128
 
   def __post_init__(self):
-    for name in ("block_m", "block_n", "block_k"):
+    for name in ("block_m", "block_n", "block_k", "wgrad_block"):
       value = getattr(self, name)
       if not _is_pow2(value) or value < 16:
         raise ValueError(f"GmmConfig.{name}={value!r}; must be a power of two >= 16 "
@@ -83,16 +88,20 @@ class GmmConfig:
 def default_config(dtype=jnp.bfloat16) -> GmmConfig:
   """The heuristic, from the tile sweep in docs/benchmarks.md (one H200, bf16).
 
-  Products (`gmm`): 128 x 128 result tiles, 64-deep slices, 8 warps, 3
-  stages, launch groups of 8 row tiles (256-wide tiles and 4 stages were no
-  faster forward). Weight gradients (`tgmm`): 64-row steps, 5 stages, 4
-  warps: the gathered operand's row indices take a pipeline stage of their
-  own, and with 3 stages its loads did not overlap the products (0.42 of the
-  dense rate at the gpu_1b shape against 0.74 with these). float32 operands
-  take twice the shared memory: 64-wide tiles, 32-deep slices, 2 stages.
+  Products (`gmm`): 128 x 256 result tiles, 64-deep slices, 8 warps, 3
+  stages, launch groups of 8 row tiles (against 128 x 128 tiles: 0.79
+  against 0.68 of the dense rate for the gathered forward at the gpu_1b
+  shape, 0.75 against 0.62 at the fine shape; 4 stages were slower).
+  Weight gradients (`tgmm`): 128 x 128 result tiles, 64-row steps, 5
+  stages, 4 warps: the gathered operand's row indices take a pipeline stage
+  of their own, and with 3 stages its loads did not overlap the products
+  (0.42 of the dense rate at the gpu_1b shape against 0.74 with these).
+  float32 operands take twice the shared memory: 64-wide tiles, 32-deep
+  slices, 2 stages.
   """
   if jnp.dtype(dtype).itemsize >= 4:
-    return GmmConfig(block_n=64, block_k=32, num_stages=2, wgrad_stages=2, wgrad_warps=8)
+    return GmmConfig(block_n=64, block_k=32, num_stages=2, wgrad_stages=2, wgrad_warps=8,
+                     wgrad_block=64)
   return GmmConfig()
 
 
