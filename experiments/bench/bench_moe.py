@@ -26,6 +26,10 @@ On the GPU, table 3 also times a peer (`--peer_mgpu`): jax's Mosaic GPU
 `ragged_dot` and `transposed_ragged_dot` (TMA and wgmma, Hopper only) on
 the same FLOPs with the rows already gathered and contiguous, the fastest
 of a few tile choices, to show what the Triton lowering leaves on the table.
+Table 4 ("device kernels", --profile): every device kernel of one
+forward+backward of the dense SwiGLU and of each `--impls` entry, from a
+profiler trace of `--iters` calls (`pallas_kernels.tools.device_profile`):
+ms per call, launches and share of the path's device time; empty off the GPU.
 Table 2 ("parts", --parts): the router's pieces (scores, the quantile
 thresholds of each `quantile_impl`, the candidates' top-k), the whole
 router in capacity and dropless mode with exact and radix thresholds, the
@@ -67,6 +71,7 @@ from pallas_kernels import timing  # noqa: E402
 from pallas_kernels.gmm import api as gmm_api  # noqa: E402
 from pallas_kernels.gmm import config as gmm_config  # noqa: E402
 from pallas_kernels.gmm import layout as gmm_layout  # noqa: E402
+from pallas_kernels.tools import device_profile  # noqa: E402
 
 SHAPES = {
     # name: (B, T, d, E, k, expert hidden)
@@ -90,6 +95,9 @@ flags.DEFINE_integer("rounds", 5, "Pipelined rounds (median).")
 flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_bool("layer", True, "Time the layer against the dense SwiGLU (table 1).")
 flags.DEFINE_bool("kernels", False, "Also time the Pallas grouped matmuls alone (table 3).")
+flags.DEFINE_bool("profile", False, "Also list the device kernels of one forward+backward of "
+                  "each --impls entry and the dense SwiGLU, from a profiler trace (table 4).")
+flags.DEFINE_integer("profile_top", 12, "Kernels listed per path in table 4 (the rest summed).")
 flags.DEFINE_list("gmm_config", [], "GmmConfig fields for the 'pallas' backend, "
                   "name=int (any int field of GmmConfig, e.g. block_n=256,wgrad_stages=4).")
 flags.DEFINE_bool("peer_mgpu", True, "With --kernels on the GPU, also time jax's Mosaic GPU "
@@ -206,6 +214,27 @@ def layer_table(shape_name, dtype, tflops):
           f"{fwd / dense_fwd:.2f} / {fb[0] / dense_fb[0]:.2f}",
           f"{flops / tflops / 1e9:.3f} / {3 * flops / tflops / 1e9:.3f}",
           f"{fwd_sync:.3f} / {fb[1]:.3f}"])
+
+
+def profile_table(shape_name, dtype):
+  """Device kernels of one forward+backward per path, longest first."""
+  b, t, d, e, k, h = SHAPES[shape_name]
+  x = jax.random.normal(jax.random.key(1), (b, t, d), jnp.float32).astype(dtype)
+  paths = [(f"dense SwiGLU {(k + 1) * h}", _dense_fns(d, (k + 1) * h, dtype, x))]
+  paths += [(f"MoE {spec}", _layer_fns(_config(SHAPES[shape_name], spec, dtype), x))
+            for spec in FLAGS.impls]
+  for label, ((_, fb), args) in paths:
+    rows = device_profile.kernel_ms(fb, *args, calls=FLAGS.iters)
+    total = sum(ms for _, ms, _ in rows)
+    rest = rows[FLAGS.profile_top:]
+    rows = rows[:FLAGS.profile_top]
+    if rest:
+      rows.append((f"({len(rest)} other kernels)", sum(r[1] for r in rest),
+                   sum(r[2] for r in rest)))
+    for name, ms, launches in rows:
+      _row([shape_name, label, name, f"{ms:.3f}", f"{launches:g}",
+            f"{ms / total:.1%}" if total else "-"])
+    _row([shape_name, label, "total device time", f"{total:.3f}", "", "100%"])
 
 
 def parts_table(shape_name, dtype):
@@ -419,6 +448,12 @@ def main(argv):
     print("|---" * 7 + "|")
     for name in FLAGS.shapes:
       kernel_table(name, dtype)
+  if FLAGS.profile:
+    print("\n## device kernels of one forward+backward (profiler trace)\n")
+    _row(["shape", "path", "kernel", "ms per call", "launches per call", "share"])
+    print("|---" * 6 + "|")
+    for name in FLAGS.shapes:
+      profile_table(name, dtype)
   if FLAGS.parts and _has_new_dispatch():
     print("\n## parts (buffered)\n")
     _row(["shape", "part", "fwd ms", "fwd+bwd ms", "fwd sync ms"])
