@@ -108,11 +108,28 @@ def test_typo_keys_raise_with_a_suggestion(key, suggestion):
 
 @pytest.mark.parametrize("key,home", [
     ("model.batch_size", "batch_size"), ("optim.seq_len", "seq_len"), ("data.g_min", "model.g_min"),
-    ("model.learning_rate", "optim.learning_rate"), ("capacity_factor", "parallel.capacity_factor"),
+    ("model.learning_rate", "optim.learning_rate"),
+    ("capacity_factor", "model.router.capacity_factor"),
+    ("dispatch_slot_factor", "parallel.dispatch_slot_factor"),
 ])
 def test_a_field_at_the_wrong_level_names_its_level(key, home):
   with pytest.raises(ValueError, match=rf"config '{key}' names no field: .* lives at '{home}'"):
     validate(_cfg(**{key: 1}))
+
+
+def test_the_renamed_parallel_capacity_factor_names_its_new_key():
+  """Only the router's setting is called capacity_factor; the dispatch's old name is refused
+  with the new one, in a config file and in an override path alike."""
+  from k3jax.train.config_schema import unknown_field_message
+  c = _cfg()
+  with c.unlocked():
+    c.parallel.capacity_factor = 2.0
+  with pytest.raises(ValueError, match=r"'parallel.capacity_factor' was renamed "
+                                       r"'parallel.dispatch_slot_factor'"):
+    validate(c)
+  message = unknown_field_message("parallel.capacity_factor")
+  assert "renamed 'parallel.dispatch_slot_factor'" in message
+  assert "--config.parallel.dispatch_slot_factor=VALUE" in message
 
 
 def test_override_paths_are_explained_before_they_are_applied():

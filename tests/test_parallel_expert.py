@@ -1,4 +1,5 @@
 """Expert-parallel MoE on 8 fake CPU devices against the unsharded layer."""
+import dataclasses
 import math
 
 import jax
@@ -7,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.layers import moe
-from k3jax.parallel import expert_parallel, layers
+from k3jax.layers import moe, moe_path
+from k3jax.routing import capacity as capacity_lib
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.routing import RouterConfig
@@ -40,10 +41,10 @@ def test_lossless_expert_parallel_equals_unsharded_layer(mesh_shape, impl, monke
   (_, y_ref), (g_ref, dx_ref) = nnx.jit(_loss_and_grads)(plain, x)
 
   calls = []
-  real = expert_parallel.routed_experts
-  monkeypatch.setattr(expert_parallel, "routed_experts",
+  real = moe_path.expert_parallel_swiglu
+  monkeypatch.setattr(moe_path, "expert_parallel_swiglu",
                       lambda *a, **k: calls.append(1) or real(*a, **k))
-  ep = layers.parallelize(_layer(impl=impl))
+  ep = _layer(impl=impl, expert_parallel=moe_path.ExpertParallel())
   graphdef, state = nnx.split(ep)
   state = rules.shard_tree(state, mesh)
   assert state["wi_gate"].get_value().sharding.spec == jax.sharding.PartitionSpec("expert")
@@ -106,10 +107,10 @@ def test_capacity_drops_overflow_in_token_order():
   wu = jax.random.normal(keys[4], (e, d, h)) / 4
   wo = jax.random.normal(keys[5], (e, h, d)) / 4
   cf = 1.0
-  cap = expert_parallel.capacity(n // 8, k, 8, cf)
+  cap = capacity_lib.dispatch_slots(n // 8, k, 8, cf)
   assert cap == 2  # 8 tokens x 2 slots per device, spread over 8 shards
-  y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(
-      *a, mesh=mesh, capacity_factor=cf, return_dropped=True))(x, idx, w, wg, wu, wo)
+  y, dropped = jax.jit(lambda *a: moe_path.expert_parallel_swiglu(
+      *a, mesh=mesh, dispatch_slot_factor=cf, return_dropped=True))(x, idx, w, wg, wu, wo)
   expected, w_kept = _expected_with_capacity(x, idx, w, wg, wu, wo, 8, 8, cap)
   n_router_kept = (np.asarray(w) > 0).sum()
   n_dropped = n_router_kept - (w_kept > 0).sum()
@@ -117,7 +118,7 @@ def test_capacity_drops_overflow_in_token_order():
   np.testing.assert_allclose(float(dropped), n_dropped / n_router_kept, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5, rtol=1e-5)
   # Lossless dispatch of the same assignments keeps everything.
-  y_all = jax.jit(lambda *a: expert_parallel.routed_experts(*a, mesh=mesh))(
+  y_all = jax.jit(lambda *a: moe_path.expert_parallel_swiglu(*a, mesh=mesh))(
       x, idx, w, wg, wu, wo)
   full, _ = _expected_with_capacity(x, idx, w, wg, wu, wo, 8, 8, math.inf)
   np.testing.assert_allclose(np.asarray(y_all), full, atol=1e-5, rtol=1e-5)
@@ -128,23 +129,31 @@ def test_errors_name_the_bad_value():
   x, idx, w = jnp.zeros((8, 4)), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1))
   wg = jnp.zeros((6, 4, 2))
   with pytest.raises(ValueError, match="num_experts=6 must be divisible by the expert axis size 4"):
-    expert_parallel.routed_experts(x, idx, w, wg, wg, jnp.zeros((6, 2, 4)), mesh=mesh)
+    moe_path.expert_parallel_swiglu(x, idx, w, wg, wg, jnp.zeros((6, 2, 4)), mesh=mesh)
   wg = jnp.zeros((8, 4, 2))
   with pytest.raises(ValueError, match="N=6 tokens"):
-    expert_parallel.routed_experts(x[:6], idx[:6], w[:6], wg, wg, jnp.zeros((8, 2, 4)), mesh=mesh)
+    moe_path.expert_parallel_swiglu(x[:6], idx[:6], w[:6], wg, wg, jnp.zeros((8, 2, 4)), mesh=mesh)
   with pytest.raises(ValueError, match="needs a mesh"):
-    expert_parallel.routed_experts(x, idx, w, wg, wg, jnp.zeros((8, 2, 4)))
-  with pytest.raises(ValueError, match="capacity_factor=0"):
-    expert_parallel.capacity(8, 2, 4, 0)
+    moe_path.expert_parallel_swiglu(x, idx, w, wg, wg, jnp.zeros((8, 2, 4)))
+  with pytest.raises(ValueError, match="dispatch_slot_factor=0"):
+    capacity_lib.dispatch_slots(8, 2, 4, 0)
+  with pytest.raises(ValueError, match="dispatch_slot_factor=0"):
+    moe_path.ExpertParallel(dispatch_slot_factor=0)
 
 
-def test_without_expert_axis_the_variant_is_the_plain_layer():
+def test_without_expert_axis_the_expert_parallel_layer_is_the_plain_layer():
   x = jax.random.normal(jax.random.key(2), (2, 8, 32), jnp.float32)
   plain = _layer(seed=4)
-  variant = layers.parallelize(_layer(seed=4))
-  assert type(variant) is layers.ExpertParallelMoE
+  ep = _layer(seed=4, expert_parallel=moe_path.ExpertParallel())
+  # One class, one parameter tree: the path is a setting chosen at build time.
+  assert type(ep) is type(plain) is moe.MoE
+  assert ep.path == dataclasses.replace(plain.path, expert_parallel=moe_path.ExpertParallel())
+  assert nnx.to_flat_state(nnx.state(ep)).paths == nnx.to_flat_state(nnx.state(plain)).paths
   apply = nnx.jit(lambda layer, x: layer(x, deterministic=True)[0])
-  np.testing.assert_array_equal(np.asarray(apply(plain, x)), np.asarray(apply(variant, x)))
+  np.testing.assert_array_equal(np.asarray(apply(plain, x)), np.asarray(apply(ep, x)))
+  mesh = make_mesh(MeshConfig(data=8, expert=1))
+  with jax.set_mesh(mesh):
+    assert not ep.path.distributes()
 
 
 def _skewed_assignments(n, d, e, h, k, seed):
@@ -163,7 +172,7 @@ def _skewed_assignments(n, d, e, h, k, seed):
 def test_buffered_local_grouping_equals_ragged_when_nothing_overflows():
   mesh = make_mesh(MeshConfig(data=2, expert=4))
   args = _skewed_assignments(64, 16, 8, 8, 2, seed=5)
-  run = lambda impl: jax.jit(lambda *a: expert_parallel.routed_experts(
+  run = lambda impl: jax.jit(lambda *a: moe_path.expert_parallel_swiglu(
       *a, mesh=mesh, local_impl=impl, return_dropped=True))(*args)
   (y_r, drop_r), (y_b, drop_b) = run("ragged"), run("buffered")
   np.testing.assert_allclose(np.asarray(y_b), np.asarray(y_r), atol=1e-5, rtol=1e-5)
@@ -176,8 +185,8 @@ def test_buffered_local_capacity_drops_overflow_in_token_order_and_counts_it():
   x, idx, w, wg, wu, wo = _skewed_assignments(n, d, e, h, k, seed=6)
   lcf = 1.0
   e_local = e // 4
-  lcap = expert_parallel.local_capacity(n // 8 * k, e_local, lcf)
-  y, dropped = jax.jit(lambda *a: expert_parallel.routed_experts(
+  lcap = capacity_lib.local_expert_capacity(n // 8 * k, e_local, lcf)
+  y, dropped = jax.jit(lambda *a: moe_path.expert_parallel_swiglu(
       *a, mesh=mesh, local_impl="buffered", local_capacity_factor=lcf,
       return_dropped=True))(x, idx, w, wg, wu, wo)
   # Lossless dispatch; within a data group (half the tokens), a local
@@ -200,7 +209,7 @@ def test_buffered_local_capacity_drops_overflow_in_token_order_and_counts_it():
   expected, _ = _expected_with_capacity(x, idx, w_kept, wg, wu, wo, 1, 4, math.inf)
   np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5, rtol=1e-5)
   with pytest.raises(ValueError, match="local_impl='grouped'"):
-    expert_parallel.routed_experts(x, idx, w, wg, wu, wo, mesh=mesh, local_impl="grouped")
+    moe_path.expert_parallel_swiglu(x, idx, w, wg, wu, wo, mesh=mesh, local_impl="grouped")
 
 
 def test_layer_reports_dispatch_drops():
@@ -209,8 +218,9 @@ def test_layer_reports_dispatch_drops():
   plain_aux = nnx.jit(lambda layer, x: layer(x, deterministic=True)[1])(_layer(impl="buffered"), x)
   assert float(plain_aux["dispatch_drop_fraction"]) == 0.0
 
-  def drops(capacity_factor):
-    ep = layers.parallelize(_layer(impl="buffered"), capacity_factor=capacity_factor)
+  def drops(slot_factor):
+    ep = _layer(impl="buffered",
+                expert_parallel=moe_path.ExpertParallel(dispatch_slot_factor=slot_factor))
     graphdef, state = nnx.split(ep)
     state = rules.shard_tree(state, mesh)
     with jax.set_mesh(mesh):

@@ -127,12 +127,18 @@ def test_constrain_follows_the_active_rules_and_can_skip_indivisible_dims():
 
 def test_parallel_config_from_dict():
   from k3jax.parallel.config import ParallelConfig  # pylint: disable=g-import-not-at-top
-  pconf = ParallelConfig.from_dict({"mesh": {"data": -1, "expert": 2}, "capacity_factor": 2.0,
+  pconf = ParallelConfig.from_dict({"mesh": {"data": -1, "expert": 2}, "dispatch_slot_factor": 2.0,
                                     "rules": {"batch": ["data", "expert"], "expert": "expert"}})
   assert dict(pconf.make_mesh().shape) == {"data": 4, "fsdp": 1, "expert": 2, "context": 1}
   assert pconf.rules == (("batch", ("data", "expert")), ("expert", "expert"))
   assert ParallelConfig.from_dict(None).rules == rules.DEFAULT_RULES
   with pytest.raises(ValueError, match=r"unknown parallel config keys \['tensor'\]"):
     ParallelConfig.from_dict({"tensor": 2})
-  with pytest.raises(ValueError, match="capacity_factor=-1"):
-    ParallelConfig.from_dict({"capacity_factor": -1})
+  with pytest.raises(ValueError, match="dispatch_slot_factor=-1"):
+    ParallelConfig.from_dict({"dispatch_slot_factor": -1})
+  with pytest.raises(ValueError, match="'parallel.capacity_factor' was renamed "
+                                       "'parallel.dispatch_slot_factor'"):
+    ParallelConfig.from_dict({"capacity_factor": 2.0})
+  assert pconf.dispatch_slot_factor == 2.0
+  assert pconf.expert_parallel(2).dispatch_slot_factor == 2.0
+  assert pconf.expert_parallel(1) is None

@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
-from k3jax.parallel import context_parallel, expert_parallel, layers
+from k3jax.layers import moe_path
+from k3jax.parallel import context_parallel, layers
 from k3jax.sharding import rules
 from k3jax.train import sharded_state
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -54,14 +55,15 @@ def test_sharded_forward_and_gradients_equal_one_device(shape, monkeypatch):
   data, expert, ctx = shape
   mesh = make_mesh(MeshConfig(data=data, expert=expert, context=ctx))
   used = {"ep": 0, "cp": 0}
-  for mod, name, key in ((expert_parallel, "routed_experts", "ep"),
+  for mod, name, key in ((moe_path, "expert_parallel_swiglu", "ep"),
                          (context_parallel, "chunk_kda_context_parallel", "cp")):
     real = getattr(mod, name)
     monkeypatch.setattr(mod, name, functools.partial(
         lambda real, key, *a, **k: used.__setitem__(key, used[key] + 1) or real(*a, **k),
         real, key))
 
-  model = layers.parallelize(HybridLM(CONFIG, rngs=nnx.Rngs(0)))
+  model = layers.parallelize(HybridLM(CONFIG, rngs=nnx.Rngs(0),
+                                      expert_parallel=moe_path.ExpertParallel()))
   graphdef, state = nnx.split(model)
   state = rules.shard_tree(state, mesh)
   tokens = jax.device_put(_tokens(), rules.batch_sharding(mesh))

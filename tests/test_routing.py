@@ -151,6 +151,52 @@ def test_capacity_assignment_matches_greedy_loop(seed, positions):
                                 np.where(ref_kept, ref_idx, -1))
 
 
+# The numbers the four former copies of the formula gave (router capacity,
+# quantile balanced count, expert-parallel slots per device pair and rows per
+# local expert), including clipping to [1, at_most] and float rounding.
+@pytest.mark.parametrize("args, want", [
+    ((64, 8, 2, 1.25), 20),      # ceil(1.25 * 128 / 8), exact
+    ((10, 3, 2, 1.0), 7),        # ceil(6.67) rounds up
+    ((7, 16, 1, 1.0), 1),        # below one slot: at least 1
+    ((4, 2, 2, 3.0), 4),         # above T: at most T
+    ((25, 5, 2, 1.1), 12),       # 1.1 * 50 / 5 is 11.000000000000002 in floats: the factor
+                                 # multiplies first, as it always has
+    ((100, 8, 2, None), None),   # dropless
+])
+def test_expert_capacity_keeps_its_numbers(args, want):
+  assert capacity_lib.expert_capacity(*args) == want
+
+
+def test_quantile_balanced_count_is_the_capacity_at_factor_one():
+  from k3jax.routing import quantile  # pylint: disable=g-import-not-at-top
+  assert [quantile.balanced_count(t, e, k) for t, e, k in ((5, 8, 2), (16384, 64, 8), (1, 64, 8))] \
+      == [2, 2048, 1]
+
+
+@pytest.mark.parametrize("args, want", [
+    ((8, 2, 8, 1.0), 2), ((8, 2, 8, None), 16), ((8, 2, 4, 0.25), 1), ((3, 2, 4, 10.0), 6),
+    ((64, 2, 8, 1.25), 20),
+])
+def test_dispatch_slots_keep_their_numbers(args, want):
+  assert capacity_lib.dispatch_slots(*args) == want
+
+
+@pytest.mark.parametrize("args, want", [((16, 2, 1.0), 8), ((16, 3, 1.25), 7), ((5, 8, 1.0), 1),
+                                        ((4, 1, 2.0), 4)])
+def test_local_expert_capacity_keeps_its_numbers(args, want):
+  assert capacity_lib.local_expert_capacity(*args) == want
+
+
+@pytest.mark.parametrize("capacity, align, stride", [(20, 1, 20), (20, 16, 32), (16, 16, 16),
+                                                     (1, 8, 8)])
+def test_aligned_capacity_layout_rounds_each_group_up(capacity, align, stride):
+  from k3jax.layers import moe_dispatch  # pylint: disable=g-import-not-at-top
+  group_nk = jnp.zeros((4, 2), jnp.int32).at[:, 1].set(2)
+  plan = moe_dispatch.plan_slots(group_nk, jnp.ones((4, 2), bool), 3, capacity, align=align)
+  assert plan.num_slots == 3 * stride
+  np.testing.assert_array_equal(np.asarray(plan.group_starts), [0, stride, 2 * stride])
+
+
 # ---------------------------------------------------------------- balance
 
 T_BAL, E_BAL, K_BAL = 16384, 64, 8

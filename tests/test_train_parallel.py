@@ -90,7 +90,7 @@ def _cfg(**changes):
                            r"\(parallel.rules.batch: data=\? x fsdp=3 x expert=1, product 3\)"),
     ({"parallel.expert": 0}, r"config parallel: MeshConfig.expert=0; must be a positive int or -1"),
     ({"parallel.data": -1, "parallel.expert": -1}, r"at most one axis may be -1"),
-    ({"parallel.capacity_factor": -1.0}, r"capacity_factor=-1.0; must be >= 0"),
+    ({"parallel.dispatch_slot_factor": -1.0}, r"dispatch_slot_factor=-1.0; must be >= 0"),
     ({"parallel.rules.embed": "fsdp,expertt"}, r"unknown mesh axis 'expertt'; did you mean 'expert'"),
     ({"parallel.rules.batch": "data,context", "parallel.context": 2},
      r"parallel.rules.batch=\('data', 'context'\) includes 'context'"),
@@ -124,7 +124,7 @@ def test_mesh_must_use_the_devices_and_fails_before_the_run(tmp_path):
   c.parallel.data = -1
   _, pconf, sizes = parallel_config(c, 8)
   assert sizes == {"data": 2, "fsdp": 1, "expert": 2, "context": 2}
-  assert pconf.capacity_factor is None  # 0 in the config: lossless dispatch
+  assert pconf.dispatch_slot_factor is None  # 0 in the config: lossless dispatch
 
 
 def test_default_rules_match_the_library_and_overrides_apply():
@@ -134,11 +134,11 @@ def test_default_rules_match_the_library_and_overrides_apply():
   c = base_config()
   c.parallel.rules.embed = ""
   c.parallel.rules.mlp = "fsdp"
-  c.parallel.capacity_factor = 2.0
+  c.parallel.dispatch_slot_factor = 2.0
   pconf = pconfig_lib.ParallelConfig.from_trainer_config(c.parallel)
   table = dict(pconf.rules)
   assert table["embed"] is None and table["mlp"] == "fsdp" and table["batch"] == ("data", "fsdp", "expert")
-  assert pconf.capacity_factor == 2.0
+  assert pconf.dispatch_slot_factor == 2.0
 
 
 def test_batch_only_mesh_keeps_pallas_kernel_calls_per_device():

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from k3jax.layers.moe_path import ExpertParallel
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -56,8 +57,9 @@ flags.DEFINE_list("kda_implementation", ["xla"],
 flags.DEFINE_enum("moe_impl", "ragged", ["ragged", "buffered"],
                   "one-device MoE expert path (expert-parallel meshes dispatch with all_to_all "
                   "and run grouped matmuls locally either way)")
-flags.DEFINE_float("capacity_factor", 2.0,
-                   "expert-parallel dispatch capacity (<= 0: lossless worst-case buffers)")
+flags.DEFINE_float("dispatch_slot_factor", 2.0,
+                   "expert-parallel send slots per device pair relative to an even split "
+                   "(<= 0: lossless worst-case buffers)")
 flags.DEFINE_integer("warmup", 2, "untimed steps after compilation")
 flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
 flags.DEFINE_string("profile_dir", "", "write a jax.profiler trace per mesh here")
@@ -98,10 +100,11 @@ def _run(mesh_shape, config):
   batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
            "mask": np.ones((b, t), np.float32)}
   tx = optax.adamw(1e-4)
-  cf = FLAGS.capacity_factor if FLAGS.capacity_factor > 0 else None
+  slots = FLAGS.dispatch_slot_factor if FLAGS.dispatch_slot_factor > 0 else None
+  ep = ExpertParallel(dispatch_slot_factor=slots) if expert > 1 else None
   graphdef, state = sharded_state.create_sharded_train_state(
-      lambda rngs: HybridLM(config, rngs=rngs, moe_impl=FLAGS.moe_impl), tx, 0, mesh,
-      capacity_factor=cf)
+      lambda rngs: HybridLM(config, rngs=rngs, moe_impl=FLAGS.moe_impl, expert_parallel=ep),
+      tx, 0, mesh)
   step = make_train_step(graphdef, tx, optax.constant_schedule(1e-4))
 
   @jax.jit
@@ -153,7 +156,7 @@ def main(argv):
           f"L={config.num_layers} {config.layer_pattern} H={config.num_heads} hd={config.head_dim} "
           f"E={config.num_experts} k={config.top_k} eh={config.expert_hidden} {config.dtype}; "
           f"kda={config.kda_implementation}; moe={FLAGS.moe_impl}; per device {FLAGS.batch_per_device} x "
-          f"{FLAGS.seq_per_device} tokens; capacity_factor={FLAGS.capacity_factor}")
+          f"{FLAGS.seq_per_device} tokens; dispatch_slot_factor={FLAGS.dispatch_slot_factor}")
     header = ("mesh d,e,c", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
               "eff vs base", "loss", "compile s")
     print(" | ".join(header))

@@ -1,21 +1,11 @@
 """Mixture-of-experts SwiGLU FFN: sigmoid router, routed experts, shared expert(s).
 
-The routed experts run in one of two modes (`impl`):
-
-- "buffered" (capacity mode): every expert has ceil(cf * N * k / E) slots,
-  the same capacity the router enforces, so every kept assignment fits and
-  one batched matmul runs over the [E, capacity, d] buffers. The quantile
-  router keeps expert loads even, so a tight factor (1.0-1.25) wastes little;
-  the GPU presets use this mode.
-- "ragged" (dropless mode): tokens sorted by expert in groups of any size,
-  through a grouped matmul (`grouped_matmul`: XLA's `ragged_dot`, or
-  tokamax's kernel on request).
-
-Both share one dispatch and combine (`moe_dispatch`): each token row is
-gathered once into the grouped layout, and each token's k expert rows are
-gathered back and summed with the combine weights, in the compute dtype and
-with gathers in the backward too. `impl="dense"` evaluates every expert on
-every token and is the reference the grouped modes are tested against.
+The router (`k3jax.routing`) picks each token's k experts and combine
+weights; the routed experts then run on the layer's `MoEPath`
+(`moe_path`), built once from the config: "buffered" (capacity mode),
+"ragged" (dropless mode) or "dense" (the reference the grouped modes are
+tested against), locally or, with `MoEConfig.expert_parallel`, sharded over
+a mesh axis.
 """
 import dataclasses
 
@@ -25,15 +15,13 @@ from flax import nnx
 
 from k3jax import routing
 from k3jax.layers import grouped_matmul
-from k3jax.layers import moe_dispatch
-from k3jax.layers import routed_gmm
+from k3jax.layers import moe_path
 from k3jax.layers.ffn import swiglu
 from k3jax.layers.params import logical_param
 from k3jax.routing import RouterConfig
-from k3jax.routing import capacity as capacity_lib
 from pallas_kernels.gmm.config import GmmConfig
 
-MOE_IMPLS = ("ragged", "buffered", "dense")
+MOE_IMPLS = moe_path.IMPLS
 
 
 class RouterState(nnx.Variable):
@@ -65,6 +53,9 @@ class MoEConfig:
       `pallas_kernels.gmm.config.default_config`).
     dtype: compute dtype of the expert matmuls (accumulation is float32).
     param_dtype: parameter dtype.
+    expert_parallel: None runs the routed experts on each device's tokens;
+      a `moe_path.ExpertParallel` shards them over its mesh axis when the
+      layer runs under a mesh where that axis is > 1 (same parameters).
   """
 
   d_model: int
@@ -79,6 +70,7 @@ class MoEConfig:
   gmm_config: GmmConfig | None = None
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  expert_parallel: moe_path.ExpertParallel | None = None
 
   def __post_init__(self):
     for name in ("d_model", "num_experts", "top_k", "expert_hidden"):
@@ -122,6 +114,16 @@ class MoEConfig:
       raise ValueError(
           "MoEConfig.impl='buffered' needs router.capacity_factor (buffer size); "
           "got None (dropless): use impl='ragged' or set a capacity factor")
+    if self.expert_parallel is not None and not isinstance(self.expert_parallel,
+                                                           moe_path.ExpertParallel):
+      raise ValueError(f"MoEConfig.expert_parallel must be a moe_path.ExpertParallel or None, "
+                       f"got {self.expert_parallel!r}")
+
+  def path(self) -> moe_path.MoEPath:
+    """The routed experts' execution path these settings choose."""
+    return moe_path.MoEPath(impl=self.impl, capacity_factor=self.router.capacity_factor,
+                            grouped_backend=self.grouped_backend, gmm_config=self.gmm_config,
+                            dtype=self.dtype, expert_parallel=self.expert_parallel)
 
 
 class MoE(nnx.Module):
@@ -132,6 +134,9 @@ class MoE(nnx.Module):
     wi_gate, wi_up [E, d, h] ("expert", "embed", "mlp"); wo [E, h, d]
     ("expert", "mlp", "embed"); shared_* [d, hs] ("embed", "mlp") and
     [hs, d] ("mlp", "embed").
+
+  `path` (a `moe_path.MoEPath`, built here from the config) runs the routed
+  experts, locally or expert-parallel; the parameters are the same for both.
   """
 
   def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
@@ -154,6 +159,7 @@ class MoE(nnx.Module):
       self.shared_gate = self.shared_up = self.shared_out = None
     state = routing.init_router_state(c.num_experts, c.router)
     self.router_state = None if state is None else RouterState(state)
+    self.path = c.path()
 
   def __call__(self, x_btd: jax.Array, *, deterministic: bool = False):
     """Applies the layer.
@@ -181,7 +187,8 @@ class MoE(nnx.Module):
         scores_ne, k=c.top_k, config=c.router, state=state)
     if self.router_state is not None and not deterministic:
       self.router_state.set_value(new_state)
-    y_nd, dispatch_drop = self._experts(x_nd, idx_nk, w_nk)
+    y_nd, dispatch_drop = self.path(x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...],
+                                    self.wo[...])
     if self.shared_gate is not None:
       y_nd = y_nd + swiglu(x_nd, self.shared_gate[...], self.shared_up[...],
                            self.shared_out[...], c.dtype)
@@ -190,71 +197,3 @@ class MoE(nnx.Module):
             "aux_loss", "load")}
     aux["dispatch_drop_fraction"] = dispatch_drop
     return y_nd.reshape(b, t, d).astype(x_btd.dtype), aux
-
-  def _experts(self, x_nd, idx_nk, w_nk):
-    """Routed experts by `impl`: ([N, d] f32, fraction of router-kept assignments the
-    expert dispatch dropped; always 0 on one device, see `ExpertParallelMoE`)."""
-    routed = self._routed_dense if self.config.impl == "dense" else self._routed_grouped
-    return routed(x_nd, idx_nk, w_nk), jnp.zeros((), jnp.float32)
-
-  def _routed_grouped(self, x_nd, idx_nk, w_nk):
-    """Dispatch to the grouped layout, grouped SwiGLU, weighted combine. [N, d] f32."""
-    c = self.config
-    n, k = idx_nk.shape
-    # The router keeps at most `cap` assignments per expert (same formula), so
-    # every kept assignment has a slot; "ragged" places all kept ones.
-    cap = (None if c.impl == "ragged" else
-           capacity_lib.expert_capacity(n, c.num_experts, k, c.router.capacity_factor))
-    return routed_swiglu(x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...], self.wo[...],
-                         capacity=cap, backend=c.grouped_backend, dtype=c.dtype,
-                         gmm_config=c.gmm_config)
-
-  def _routed_dense(self, x_nd, idx_nk, w_nk):
-    """Every expert on every token, combined by dense weights. [N, d] f32 (reference)."""
-    c = self.config
-    combine_ne = jnp.einsum("nke,nk->ne",
-                            jax.nn.one_hot(idx_nk, c.num_experts, dtype=jnp.float32), w_nk)
-    # Operands and products rounded to the compute dtype, products accumulated
-    # in float32: the same arithmetic as the grouped path, on every backend.
-    rnd = lambda a: a.astype(c.dtype).astype(jnp.float32)
-    xs = rnd(x_nd)
-    gate = rnd(jnp.einsum("nd,edh->neh", xs, rnd(self.wi_gate[...])))
-    up = rnd(jnp.einsum("nd,edh->neh", xs, rnd(self.wi_up[...])))
-    h = rnd(jax.nn.silu(gate) * up)
-    y_ned = rnd(jnp.einsum("neh,ehd->ned", h, rnd(self.wo[...])))
-    return jnp.einsum("ned,ne->nd", y_ned, combine_ne)
-
-
-def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacity: int | None,
-                  backend: str = "auto", dtype=jnp.float32, positions: str = "auto",
-                  gmm_config: GmmConfig | None = None):
-  """Routed SwiGLU experts: plan, dispatch, grouped matmuls, combine.
-
-  Args:
-    x_nd: [N, d] tokens.
-    idx_nk: [N, k] int expert ids; w_nk: [N, k] float32 combine weights
-      (0 = dropped by the router: no slot, no work).
-    wi_gate_edh, wi_up_edh: [E, d, h]; wo_ehd: [E, h, d].
-    capacity: slots per expert (capacity layout; assignments past it add 0),
-      or None (ragged layout, dropless).
-    backend: grouped-matmul backend (`grouped_matmul.BACKENDS`).
-    dtype: compute dtype of the rows and products.
-    positions: `moe_dispatch.plan_slots` rank method.
-    gmm_config: tiles of the "pallas" backend (None: the heuristic).
-
-  Returns:
-    [N, d] float32: sum_j w[n, j] * expert_{idx[n, j]}(x[n]).
-  """
-  num_experts = wi_gate_edh.shape[0]
-  if grouped_matmul.resolve_backend(backend, capacity=capacity) == "pallas":
-    cfg = routed_gmm.kernel_config(dtype, gmm_config)
-    plan = moe_dispatch.plan_slots(idx_nk, w_nk > 0, num_experts, capacity, positions=positions,
-                                   align=cfg.block_m)
-    return routed_gmm.routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan,
-                                        dtype=dtype, config=cfg)
-  plan = moe_dispatch.plan_slots(idx_nk, w_nk > 0, num_experts, capacity, positions=positions)
-  rows_sd = moe_dispatch.dispatch_rows(x_nd.astype(dtype), plan.source_s, plan.slot_nk)
-  y_sd = grouped_matmul.grouped_swiglu(rows_sd, wi_gate_edh, wi_up_edh, wo_ehd,
-                                       group_sizes=plan.group_sizes, capacity=capacity,
-                                       backend=backend, dtype=dtype)
-  return moe_dispatch.combine_rows(y_sd, w_nk, plan.slot_nk, plan.assign_s)

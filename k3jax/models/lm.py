@@ -24,6 +24,7 @@ from k3jax.layers.attention import CausalSelfAttention
 from k3jax.layers.ffn import SwiGLU
 from k3jax.layers.kda import KDA
 from k3jax.layers.moe import MoE, MoEConfig
+from k3jax.layers.moe_path import ExpertParallel
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import fan_in_init, logical_param
 from k3jax.layers.residual import make_residual
@@ -51,7 +52,8 @@ class DenseFFN(nnx.Module):
     return self.mlp(x_btd), {}
 
 
-def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | None):
+def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | None,
+              expert_parallel: ExpertParallel | None):
   dtype, pdt = config.compute_dtype, config.params_dtype
   if not config.is_moe_layer(layer):
     return DenseFFN(config.d_model, config.dense_hidden, dtype=dtype, param_dtype=pdt, rngs=rngs)
@@ -64,7 +66,8 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | N
   moe_config = MoEConfig(
       d_model=config.d_model, num_experts=config.num_experts, top_k=config.top_k,
       expert_hidden=config.expert_hidden, num_shared_experts=config.num_shared_experts,
-      router=config.router, impl=impl, grouped_backend=backend, dtype=dtype, param_dtype=pdt)
+      router=config.router, impl=impl, grouped_backend=backend, dtype=dtype, param_dtype=pdt,
+      expert_parallel=expert_parallel)
   return MoE(moe_config, rngs=rngs)
 
 
@@ -83,13 +86,13 @@ class DecoderLayer(nnx.Module):
   """One layer: a token mixer and an FFN, each with its own pre-norm."""
 
   def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
-               moe_impl: str | None = None):
+               moe_impl: str | None = None, expert_parallel: ExpertParallel | None = None):
     pdt = config.params_dtype
     self.kind = config.layer_types[layer]
     self.mixer_norm = RMSNorm(config.d_model, param_dtype=pdt)
     self.mixer = _make_mixer(config, self.kind, rngs)
     self.ffn_norm = RMSNorm(config.d_model, param_dtype=pdt)
-    self.ffn = _make_ffn(config, layer, rngs, moe_impl)
+    self.ffn = _make_ffn(config, layer, rngs, moe_impl, expert_parallel)
 
 
 class HybridLM(nnx.Module):
@@ -100,18 +103,22 @@ class HybridLM(nnx.Module):
   `gate/<layer>/mean`, `gate/<layer>/min` of the KDA log-decay g.
 
   `moe_impl` overrides `config.moe_impl` (the MoE layers' expert path:
-  "ragged", "buffered" or "dense"); None keeps the config's. It changes no
-  parameter.
+  "ragged", "buffered" or "dense"); None keeps the config's. `expert_parallel`
+  (a `moe_path.ExpertParallel`) makes the MoE layers shard their routed
+  experts over its mesh axis when run under a mesh where it is > 1; None
+  runs them on each device's tokens. Neither changes a parameter.
   """
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe_impl: str | None = None):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe_impl: str | None = None,
+               expert_parallel: ExpertParallel | None = None):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"HybridLM needs a ModelConfig, got {type(config)}")
     self.config = config
     d, v, pdt = config.d_model, config.vocab_size, config.params_dtype
     self.embed = logical_param(rngs, jax.nn.initializers.normal(d ** -0.5), (v, d),
                                ("vocab", "embed"), pdt)
-    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, moe_impl=moe_impl)
+    self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, moe_impl=moe_impl,
+                                         expert_parallel=expert_parallel)
                             for i in range(config.num_layers)])
     self.residual = make_residual(config.residual, config.num_sublayers, d,
                                   block_size=config.attnres_block_size, param_dtype=pdt)

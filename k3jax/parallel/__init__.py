@@ -1,8 +1,9 @@
-"""Device-mesh parallelism: parallel config, expert- and context-parallel
-layers (see docs/sharding.md).
+"""Device-mesh parallelism: parallel config and context-parallel layers
+(see docs/sharding.md).
 
-Modules: `config` (ParallelConfig), `expert_parallel`, `context_parallel`,
-`layers` (mesh-aware KDA / MoE, `parallelize`). The mesh and the logical-axis
-rules live one level down, in `k3jax.sharding`; the sharded train state is
-`k3jax.train.sharded_state`.
+Modules: `config` (ParallelConfig), `context_parallel`, `layers`
+(mesh-aware KDA, `parallelize`). Expert parallelism is part of the MoE
+layer's execution path, `k3jax.layers.moe_path`. The mesh and the
+logical-axis rules live one level down, in `k3jax.sharding`; the sharded
+train state is `k3jax.train.sharded_state`.
 """

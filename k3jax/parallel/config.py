@@ -1,9 +1,9 @@
-"""ParallelConfig: mesh sizes, logical-axis rules and expert dispatch capacity, from config.
+"""ParallelConfig: mesh sizes, logical-axis rules and expert dispatch slots, from config.
 
 The trainer's flat `config.parallel` section (see `k3jax.train.defaults`):
 
     c.parallel.data, c.parallel.fsdp, c.parallel.expert, c.parallel.context = -1, 1, 2, 2
-    c.parallel.capacity_factor = 0.0                # 0: lossless
+    c.parallel.dispatch_slot_factor = 0.0           # 0: lossless
     c.parallel.rules.embed = "fsdp"                 # "a,b": several axes, "": replicated
 
     pconf = ParallelConfig.from_trainer_config(config.parallel)
@@ -13,7 +13,7 @@ The nested form (library use):
     c.parallel = ml_collections.ConfigDict()
     c.parallel.mesh = dict(data=-1, fsdp=1, expert=2, context=2)
     c.parallel.rules = dict(embed="fsdp", expert="expert", ...)   # optional; defaults
-    c.parallel.capacity_factor = 2.0                              # None: lossless
+    c.parallel.dispatch_slot_factor = 2.0                         # None: lossless
 
     pconf = ParallelConfig.from_dict(config.parallel.to_dict())
     mesh = pconf.make_mesh()
@@ -27,6 +27,7 @@ from typing import Any, Mapping
 from jax.sharding import Mesh
 
 from k3jax.configdict import to_plain as _to_plain
+from k3jax.layers.moe_path import ExpertParallel
 from k3jax.sharding import mesh as mesh_lib
 from k3jax.sharding import rules as rules_lib
 
@@ -39,46 +40,58 @@ class ParallelConfig:
     mesh: axis sizes (one may be -1).
     rules: logical-axis rules; the defaults shard batch over data/fsdp/expert,
       length over context, embed over fsdp, experts over expert.
-    capacity_factor: expert-parallel dispatch capacity; None is lossless.
+    dispatch_slot_factor: expert-parallel send slots per device pair, as a
+      multiple of an even split; None is lossless. (Not the router's
+      `capacity_factor`, which caps each expert's load over the batch.)
   """
 
   mesh: mesh_lib.MeshConfig = dataclasses.field(default_factory=mesh_lib.MeshConfig)
   rules: rules_lib.Rules = rules_lib.DEFAULT_RULES
-  capacity_factor: float | None = None
+  dispatch_slot_factor: float | None = None
 
   def __post_init__(self):
     if not isinstance(self.mesh, mesh_lib.MeshConfig):
       raise ValueError(f"ParallelConfig.mesh must be a MeshConfig, got {self.mesh!r}")
     object.__setattr__(self, "rules", rules_lib.make_rules(self.rules))
-    cf = self.capacity_factor
-    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
-      raise ValueError(f"ParallelConfig.capacity_factor={cf!r}; must be > 0 or None (lossless)")
+    f = self.dispatch_slot_factor
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or f <= 0):
+      raise ValueError(f"ParallelConfig.dispatch_slot_factor={f!r}; must be > 0 or None "
+                       "(lossless)")
+
+  def expert_parallel(self, expert_axis_size: int) -> ExpertParallel | None:
+    """The MoE layers' expert-parallel path on a mesh whose expert axis has this size
+    (None, local experts, when it is 1)."""
+    if expert_axis_size == 1:
+      return None
+    return ExpertParallel(axis=mesh_lib.EXPERT, dispatch_slot_factor=self.dispatch_slot_factor)
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any] | None) -> "ParallelConfig":
-    """From a plain mapping with optional keys mesh, rules, capacity_factor."""
+    """From a plain mapping with optional keys mesh, rules, dispatch_slot_factor."""
     d = dict(d or {})
-    unknown = sorted(set(d) - {"mesh", "rules", "capacity_factor"})
+    _check_renamed(d)
+    unknown = sorted(set(d) - {"mesh", "rules", "dispatch_slot_factor"})
     if unknown:
       raise ValueError(f"unknown parallel config keys {unknown}; allowed: "
-                       "['capacity_factor', 'mesh', 'rules']")
+                       "['dispatch_slot_factor', 'mesh', 'rules']")
     mesh = d.get("mesh")
     return cls(mesh=mesh if isinstance(mesh, mesh_lib.MeshConfig)
                else mesh_lib.MeshConfig.from_dict(mesh or {}),
                rules=rules_lib.make_rules(d.get("rules")),
-               capacity_factor=d.get("capacity_factor"))
+               dispatch_slot_factor=d.get("dispatch_slot_factor"))
 
   @classmethod
   def from_trainer_config(cls, section: Mapping[str, Any] | None) -> "ParallelConfig":
-    """From the trainer's flat section: data, fsdp, expert, context, capacity_factor, rules.
+    """From the trainer's flat section: data, fsdp, expert, context, dispatch_slot_factor, rules.
 
     Every key may be left out (defaults: data=-1, the others 1, lossless
-    dispatch, DEFAULT_RULES). `capacity_factor` 0 means lossless (None).
+    dispatch, DEFAULT_RULES). `dispatch_slot_factor` 0 means lossless (None).
     `rules` maps logical names to mesh axes and overrides only the names it
     lists; see `parse_rule_overrides`.
     """
     d = dict(_to_plain(section) or {})
-    allowed = (*mesh_lib.AXES, "capacity_factor", "rules")
+    _check_renamed(d)
+    allowed = (*mesh_lib.AXES, "dispatch_slot_factor", "rules")
     for key in d:
       if key not in allowed:
         raise ValueError(f"unknown parallel config key {key!r}{_did_you_mean(key, allowed)} "
@@ -89,15 +102,36 @@ class ParallelConfig:
       if isinstance(size, bool) or not isinstance(size, int):
         raise ValueError(f"parallel.{axis}={size!r}; must be a positive int or -1")
       sizes[axis] = size
-    cf = d.get("capacity_factor", 0.0)
-    if isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf < 0:
-      raise ValueError(f"parallel.capacity_factor={cf!r}; must be >= 0 (0 = lossless dispatch)")
+    f = d.get("dispatch_slot_factor", 0.0)
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or f < 0:
+      raise ValueError(f"parallel.dispatch_slot_factor={f!r}; must be >= 0 (0 = lossless "
+                       "dispatch)")
     return cls(mesh=mesh_lib.MeshConfig(**sizes), rules=parse_rule_overrides(d.get("rules")),
-               capacity_factor=float(cf) if cf else None)
+               dispatch_slot_factor=float(f) if f else None)
 
   def make_mesh(self, devices=None) -> Mesh:
     """The mesh over `devices` (default: all devices of all processes)."""
     return mesh_lib.make_mesh(self.mesh, devices=devices)
+
+
+# Parallel keys that were renamed: old name -> new name. Only the router's setting is
+# called capacity_factor; the dispatch's became dispatch_slot_factor.
+RENAMED = {"capacity_factor": "dispatch_slot_factor"}
+
+
+def renamed_message(old: str) -> str:
+  """Why `parallel.<old>` is refused: the key it was renamed to, and how to set it."""
+  new = RENAMED[old]
+  return (f"config 'parallel.{old}' was renamed 'parallel.{new}' (the same meaning: "
+          f"expert-parallel send slots per device pair relative to an even split, 0 = lossless; "
+          f"the router's capacity is model.router.capacity_factor). "
+          f"Use --config.parallel.{new}=VALUE (or set it there in the config file).")
+
+
+def _check_renamed(d: Mapping[str, Any]) -> None:
+  for old in RENAMED:
+    if old in d:
+      raise ValueError(renamed_message(old))
 
 
 def _did_you_mean(word: str, choices) -> str:

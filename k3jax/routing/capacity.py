@@ -9,9 +9,10 @@ def share(total: int, parts: int, factor: float, *, at_most: int) -> int:
   """ceil(factor * total / parts), clipped to [1, at_most]: the one capacity formula.
 
   `total` items spread over `parts` buffers, each sized `factor` times an even
-  share. Every buffer size in the package comes from here: an expert's
-  capacity (`expert_capacity`), the quantile router's balanced count, and
-  the expert-parallel slots per device pair and per local expert.
+  share. Every buffer size in the package comes from here, through the three
+  functions below: an expert's capacity (`expert_capacity`, also the quantile
+  router's balanced count at factor 1), and the expert-parallel slots per
+  device pair (`dispatch_slots`) and per local expert (`local_expert_capacity`).
   """
   return max(1, min(at_most, math.ceil(factor * total / parts)))
 
@@ -25,6 +26,31 @@ def expert_capacity(num_tokens: int, num_experts: int, k: int,
   if capacity_factor is None:
     return None
   return share(num_tokens * k, num_experts, capacity_factor, at_most=num_tokens)
+
+
+def dispatch_slots(n_local: int, top_k: int, n_shards: int, slot_factor: float | None) -> int:
+  """Expert-parallel send slots per (source device, destination shard) pair.
+
+  ceil(f * n_local * k / P), at most n_local * k; None sizes the block for the
+  worst case (every local assignment to one shard: nothing is dropped).
+  """
+  worst = n_local * top_k
+  if slot_factor is None:
+    return worst
+  if not slot_factor > 0:
+    raise ValueError(f"dispatch_slot_factor={slot_factor!r}; must be > 0 or None (lossless)")
+  return share(worst, n_shards, slot_factor, at_most=worst)
+
+
+def local_expert_capacity(rows: int, num_local: int, capacity_factor: float) -> int:
+  """Rows per local-expert buffer when `rows` real rows are expected for `num_local` experts.
+
+  ceil(cf * rows / E_l), at most `rows`: the router's formula applied to one
+  expert shard's share of the assignments.
+  """
+  if not capacity_factor > 0:
+    raise ValueError(f"capacity_factor={capacity_factor!r}; must be > 0 or None")
+  return share(rows, num_local, capacity_factor, at_most=rows)
 
 
 POSITIONS = ("auto", "sort", "count")

@@ -99,6 +99,12 @@ def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None, *,
   return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def current_mesh():
+  """The mesh set with `jax.set_mesh` (or `jax.sharding.use_mesh`), or None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else mesh
+
+
 def axis_size(mesh: Mesh | None, name: str) -> int:
   """Size of mesh axis `name`, 1 when there is no mesh or no such axis."""
   if mesh is None or name not in mesh.axis_names:

@@ -47,7 +47,7 @@ OPTIM: dict[str, Any] = {
 }
 # `parallel` may be left out (every device on the data axis); its keys may be too.
 PARALLEL: dict[str, Any] = {
-    "data": int, "fsdp": int, "expert": int, "context": int, "capacity_factor": _NUM, "rules": dict,
+    "data": int, "fsdp": int, "expert": int, "context": int, "dispatch_slot_factor": _NUM, "rules": dict,
 }
 RULE_TYPES = (str, list, tuple, type(None))
 DATA_KINDS = ("bytes", "token_file", "mqar")
@@ -96,6 +96,8 @@ def _unknown_key(where: str, key: str, allowed, sections: Mapping[str, list[str]
   `rest` is the remainder of an override's path below `key` (".name" of `router.name`).
   """
   dotted = where + key
+  if where == "parallel." and key in pconfig_lib.RENAMED:
+    return pconfig_lib.renamed_message(key)
   homes = [h for h in _homes(key, sections) if h != dotted]
   if homes:
     levels = " and ".join(f"{h!r}" + (" (top level)" if "." not in h else "") for h in homes)

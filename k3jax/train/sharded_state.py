@@ -6,9 +6,10 @@
     with jax.set_mesh(mesh):
       state, metrics = step(state, shard_batch(batch, mesh))
 
-`model_fn` is wrapped with `layers.parallelize`, so KDA and MoE layers take
-their context- and expert-parallel paths whenever the step runs under a mesh
-whose context / expert axes are > 1.
+`model_fn` is wrapped with `layers.parallelize`, so KDA layers take their
+context-parallel path whenever the step runs under a mesh whose context axis
+is > 1. MoE layers choose their expert-parallel path when `model_fn` builds
+them (`HybridLM(..., expert_parallel=...)`, `k3jax.layers.moe_path`).
 """
 from __future__ import annotations
 
@@ -26,16 +27,15 @@ from k3jax.sharding import rules as rules_lib
 from k3jax.train.state import TrainState
 
 
-def parallel_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module], *,
-                      capacity_factor: float | None = None) -> Callable[[nnx.Rngs], nnx.Module]:
-  """`model_fn` whose KDA / MoE layers are the mesh-aware variants."""
-  return lambda rngs: layers.parallelize(model_fn(rngs), capacity_factor=capacity_factor)
+def parallel_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module]
+                      ) -> Callable[[nnx.Rngs], nnx.Module]:
+  """`model_fn` whose KDA layers are the mesh-aware variant."""
+  return lambda rngs: layers.parallelize(model_fn(rngs))
 
 
 def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],
                                tx: optax.GradientTransformation, seed: int, mesh: Mesh,
-                               rules: rules_lib.Rules = rules_lib.DEFAULT_RULES, *,
-                               capacity_factor: float | None = None
+                               rules: rules_lib.Rules = rules_lib.DEFAULT_RULES
                                ) -> tuple[nnx.GraphDef, TrainState]:
   """Initialises a TrainState directly in its sharded layout (no full replica first).
 
@@ -45,7 +45,7 @@ def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],
   Returns:
     (graphdef of the mesh-aware model, TrainState on `mesh`).
   """
-  model_fn = parallel_model_fn(model_fn, capacity_factor=capacity_factor)
+  model_fn = parallel_model_fn(model_fn)
 
   def init() -> TrainState:
     _, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)

@@ -72,9 +72,10 @@ def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int):
   return tx, make_train_step(graphdef, tx, schedule), make_eval_step(graphdef)
 
 
-def _default_model(model_cfg, seq_len: int) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
+def _default_model(model_cfg, seq_len: int, expert_parallel
+                   ) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
   fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
-  return (lambda rngs: lm.HybridLM(model_cfg, rngs=rngs)), fpt
+  return (lambda rngs: lm.HybridLM(model_cfg, rngs=rngs, expert_parallel=expert_parallel)), fpt
 
 
 class _NoBar:
@@ -193,7 +194,8 @@ def train_and_evaluate(config: Any, workdir: str, *,
     config: the full ConfigDict (validated here before anything is computed).
     workdir: run directory.
     model_fn: optional `rngs -> nnx.Module` replacing `HybridLM(config.model)`; the
-      module maps tokens [B, T] to (float32 logits [B, T, V], aux dict).
+      module maps tokens [B, T] to (float32 logits [B, T, V], aux dict). Its MoE layers,
+      if any, run expert-parallel only if it builds them so (`moe_path.ExpertParallel`).
     flops_per_token: training FLOPs per token for MFU when `model_fn` is given.
     hooks: callables `hook(step, host_metrics)` run after every step (forces a
       host sync per step; meant for tests and notebooks).
@@ -265,7 +267,9 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   # Every check, the mesh's included, runs before anything is computed.
   model_cfg, pconf, sizes = parallel_config(config, len(devices))
   if model_fn is None:
-    model_fn, flops_per_token = _default_model(model_cfg, config.seq_len)
+    # The MoE layers' path is chosen here, once: expert-parallel when the mesh shards the experts.
+    model_fn, flops_per_token = _default_model(model_cfg, config.seq_len,
+                                               pconf.expert_parallel(sizes["expert"]))
   if model_cfg.kda_implementation == "pallas" and jax.default_backend() == "cpu":
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                 "use --config.model.kda_implementation=xla for CPU runs")
@@ -293,7 +297,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
   if sharded or _splits_kernel_calls(config, sizes):
-    model_fn = sharded_state.parallel_model_fn(model_fn, capacity_factor=pconf.capacity_factor)
+    model_fn = sharded_state.parallel_model_fn(model_fn)
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
