@@ -30,7 +30,7 @@ def test_every_sweep_config_validates(setting):
       model = validate(config)  # raises on a bad field or an unsafe (g_min, tile) pair
       assert config.seed == spec.seed
       if name in ("decay", "long") and model.gate == "bounded":
-        assert abs(model.g_min) * (model.kda_sub_chunk - 1) <= 85
+        assert abs(model.kda.lower_bound) * (model.kda.sub_chunk - 1) <= 85
       keys.append(spec.key)
   assert len(keys) == len(set(keys))
 

@@ -86,7 +86,7 @@ def test_gpu_presets_have_their_advertised_sizes():
   for name in ("gpu_150m", "gpu_1b"):
     c = load_config_file(os.path.join(ROOT, "configs", f"{name}.py"))
     m = validate(c)
-    assert m.dtype == "bfloat16" and m.kda_implementation == "pallas"
+    assert m.dtype == "bfloat16" and m.kda.implementation == "pallas"
     sizes[name] = lm.param_count(m)
   assert 1.3e8 < sizes["gpu_150m"] < 1.8e8
   assert 0.9e9 < sizes["gpu_1b"] < 1.3e9
@@ -173,7 +173,7 @@ def test_missing_key_raises():
     ({"optim.b2": 1.0}, r"optim.b2=1.0 must be in \[0, 1\)"),
     ({"optim.grad_clip": 0.0}, r"grad_clip=0.0 must be > 0"),
     ({"model.g_min": -10.0}, r"g_min=-10.0 with kda_sub_chunk=16"),
-    ({"model.gate": "softplus"}, r"softplus.*needs kda_diagonal='pairwise'"),
+    ({"model.gate": "softplus"}, r"kda_diagonal='dense' with gate='softplus'.*diagonal='pairwise'"),
     ({"model.param_dtype": "bfloat16"}, r"float32 master weights"),
     ({"model.vocab_size": 128}, r"model.vocab_size=128 is smaller than the data's vocabulary 256"),
     ({"model.top_k": 9}, r"top_k"),

@@ -11,6 +11,7 @@ from k3jax.models import lm
 from k3jax.models.config import ModelConfig
 from k3jax.routing import RouterConfig
 from k3jax.train.restore import restore_model
+from pallas_kernels.kda.spec import KdaSpec
 
 VOCAB = 32
 
@@ -21,7 +22,8 @@ def model(request):
   # kda_decode: "auto" is the fused jnp step on the CPU; "pallas" runs the
   # decode kernel interpreted.
   cfg = ModelConfig(vocab_size=VOCAB, d_model=16, num_layers=3, layer_pattern="KA", num_heads=2,
-                    head_dim=8, num_kv_heads=1, conv_size=3, kda_chunk_size=8, kda_sub_chunk=4,
+                    head_dim=8, num_kv_heads=1, conv_size=3,
+                    kda=KdaSpec(chunk_size=8, sub_chunk=4, lower_bound=-5.0),
                     num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1,
                     dense_hidden=32, router=RouterConfig(name="topk", capacity_factor=None),
                     residual="full_attnres", kda_decode=request.param)

@@ -66,27 +66,23 @@ def test_chunk_kda_with_a_spec_matches_its_keywords(implementation):
 def test_model_config_builds_the_spec_the_layers_hold():
   config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, layer_pattern="KA",
                        num_heads=2, head_dim=16, num_kv_heads=2, num_experts=0,
-                       kda_chunk_size=32, kda_sub_chunk=8, g_min=-4.0)
-  want = KdaSpec(chunk_size=32, sub_chunk=8, diagonal="dense", lower_bound=-4.0,
-                 implementation="xla")
-  assert config.kda_spec == want
+                       kda=KdaSpec(chunk_size=32, sub_chunk=8, lower_bound=-4.0))
+  flat = ModelConfig.from_dict(dict(config.to_dict()))
+  assert flat == config and config.to_dict()["g_min"] == -4.0
   model = HybridLM(config, rngs=nnx.Rngs(0))
-  assert model.layers[0].mixer.spec is config.kda_spec
-  softplus = dataclasses.replace(config, gate="softplus", kda_diagonal="pairwise")
-  assert softplus.kda_spec.lower_bound is None
-  with pytest.raises(ValueError, match=r"kda_sub_chunk=8 must divide|sub_chunk must divide"):
-    dataclasses.replace(config, kda_chunk_size=36)
+  assert model.layers[0].mixer.spec is config.kda
+  softplus = ModelConfig.from_dict(dict(config.to_dict(), gate="softplus", kda_diagonal="pairwise"))
+  assert softplus.kda.lower_bound is None and softplus.gate == "softplus"
+  with pytest.raises(ValueError, match=r"kda_sub_chunk=8, kda_chunk_size=36.*sub_chunk must divide"):
+    ModelConfig.from_dict(dict(config.to_dict(), kda_chunk_size=36))
 
 
-def test_layer_checks_the_spec_against_its_gate():
+def test_layer_takes_the_spec_whole():
   spec = KdaSpec(lower_bound=-5.0)
-  layer = KDA(16, 1, 8, g_min=-5.0, spec=spec, rngs=nnx.Rngs(0))
-  assert layer.spec is spec
-  with pytest.raises(ValueError, match="does not match the bounded gate's lower bound -4.0"):
-    KDA(16, 1, 8, g_min=-4.0, spec=spec, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="pass either spec or its fields"):
-    KDA(16, 1, 8, spec=spec, chunk_size=32, rngs=nnx.Rngs(0))
-  built = KDA(16, 1, 8, g_min=-4.0, chunk_size=32, sub_chunk=8, rngs=nnx.Rngs(0))
-  assert built.spec == KdaSpec(chunk_size=32, sub_chunk=8, lower_bound=-4.0)
+  layer = KDA(16, 1, 8, spec=spec, rngs=nnx.Rngs(0))
+  assert layer.spec is spec and layer.bounded
+  assert not KDA(16, 1, 8, spec=KdaSpec(diagonal="pairwise"), rngs=nnx.Rngs(0)).bounded
+  built = KDA(16, 1, 8, spec=KdaSpec(chunk_size=32, sub_chunk=8, lower_bound=-4.0),
+              rngs=nnx.Rngs(0))
   y, _ = built(jnp.ones((1, 5, 16)))
   assert y.shape == (1, 5, 16) and bool(jnp.all(jnp.isfinite(y)))

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from k3jax.layers import kda as kda_lib
+from pallas_kernels.kda.spec import KdaSpec
 
 D, H, K, W = 16, 2, 8, 3
 CHUNK, SUB = 8, 4
@@ -15,10 +16,10 @@ TOL = {jnp.float32: 1e-4, jnp.bfloat16: 6e-2}
 
 def _layer(gate="bounded", dtype=jnp.float32, implementation="xla", seed=0,
            decode_implementation="auto", fuse_gate=False):
-  diagonal = "dense" if gate == "bounded" else "pairwise"
-  return kda_lib.KDA(D, H, K, conv_size=W, gate=gate, g_min=-5.0, chunk_size=CHUNK,
-                     sub_chunk=SUB, diagonal=diagonal, implementation=implementation,
-                     decode_implementation=decode_implementation, fuse_gate=fuse_gate,
+  bounded = gate == "bounded"
+  spec = KdaSpec(chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense" if bounded else "pairwise",
+                 lower_bound=-5.0 if bounded else None, implementation=implementation)
+  return kda_lib.KDA(D, H, K, spec=spec, conv_size=W, decode_implementation=decode_implementation, fuse_gate=fuse_gate,
                      dtype=dtype, rngs=nnx.Rngs(seed))
 
 
@@ -48,8 +49,8 @@ def _reference(layer, x):
   k = l2(conv_silu(np.einsum("btd,dhk->bthk", x, p["wk"]), p["conv_k"]))
   v = conv_silu(np.einsum("btd,dhk->bthk", x, p["wv"]), p["conv_v"])
   z = np.einsum("btr,rhk->bthk", x @ p["wf_a"], p["wf_b"])
-  if layer.gate == "bounded":
-    g = layer.g_min * _sigmoid(z + p["f_bias"])
+  if layer.bounded:
+    g = layer.spec.lower_bound * _sigmoid(z + p["f_bias"])
   else:
     g = -np.exp(p["a_log"])[:, None] * np.log1p(np.exp(z + p["f_bias"]))
   beta = _sigmoid(np.einsum("btd,dh->bth", x, p["wb"]))
@@ -153,10 +154,10 @@ def test_gradients_are_finite_and_nonzero():
 
 
 def test_bad_configs():
-  with pytest.raises(ValueError, match="pairwise"):
-    kda_lib.KDA(D, H, K, gate="softplus", diagonal="dense", rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match="unknown KDA gate"):
-    kda_lib.KDA(D, H, K, gate="exp", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="use diagonal='pairwise' for an unbounded gate"):
+    kda_lib.KDA(D, H, K, spec=KdaSpec(diagonal="dense"), rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="spec must be a KdaSpec"):
+    kda_lib.KDA(D, H, K, spec={"lower_bound": -5.0}, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"\[B, T, 16\]"):
     _layer()(np.zeros((2, 3), np.float32))
   with pytest.raises(ValueError, match="decode implementation must be 'auto' or one of"):
@@ -171,7 +172,7 @@ def test_fused_gate_is_opt_in_and_bounded_only():
   assert not _layer(implementation="pallas").fuse_gate
   assert _layer(implementation="pallas", fuse_gate=True).fuse_gate
   with pytest.raises(ValueError, match="fuse_gate=True needs gate='bounded'"):
-    kda_lib.KDA(D, H, K, gate="softplus", diagonal="pairwise", fuse_gate=True, rngs=nnx.Rngs(0))
+    kda_lib.KDA(D, H, K, spec=KdaSpec(diagonal="pairwise"), fuse_gate=True, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
@@ -180,8 +181,8 @@ def test_fused_gate_layer_equals_unfused(implementation):
   x = _x(2, 19, seed=8)  # not a multiple of the chunk
   # The Pallas kernels need K and C >= 16 (tensor-core tiles).
   k, chunk, sub = (K, CHUNK, SUB) if implementation == "xla" else (16, 16, 16)
-  layers = [kda_lib.KDA(D, H, k, conv_size=W, g_min=-5.0, chunk_size=chunk, sub_chunk=sub,
-                        implementation=implementation, fuse_gate=fuse, rngs=nnx.Rngs(3))
+  spec = KdaSpec(chunk_size=chunk, sub_chunk=sub, lower_bound=-5.0, implementation=implementation)
+  layers = [kda_lib.KDA(D, H, k, spec=spec, conv_size=W, fuse_gate=fuse, rngs=nnx.Rngs(3))
             for fuse in (True, False)]
 
   def run(layer):

@@ -12,6 +12,7 @@ from flax import nnx
 from k3jax.models import lm
 from k3jax.models.config import ModelConfig
 from k3jax.routing import RouterConfig
+from pallas_kernels.kda.spec import KdaSpec
 
 CAUSAL_ROUTER = RouterConfig(name="topk", capacity_factor=None)  # dropless top-k: per token
 
@@ -22,7 +23,7 @@ def _config(**overrides):
               num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1, dense_hidden=32,
               router=CAUSAL_ROUTER, residual="block_attnres", attnres_block_size=2)
   base.update(overrides)
-  return ModelConfig(**base)
+  return ModelConfig.from_dict(base)
 
 
 def _tokens(b, t, vocab=32, seed=0):
@@ -44,9 +45,9 @@ def forward():
 
 def test_config_rejects_unsafe_g_min_for_sub_chunk():
   with pytest.raises(ValueError, match=r"g_min=-6.0 with kda_sub_chunk=16"):
-    ModelConfig(g_min=-6.0, kda_sub_chunk=16)
-  ModelConfig(g_min=-6.0, kda_sub_chunk=8)  # 6 * 7 = 42: safe
-  ModelConfig(g_min=-6.0, kda_sub_chunk=16, kda_diagonal="pairwise")  # no dense diagonal
+    ModelConfig.from_dict(dict(g_min=-6.0, kda_sub_chunk=16))
+  ModelConfig.from_dict(dict(g_min=-6.0, kda_sub_chunk=8))  # 6 * 7 = 42: safe
+  ModelConfig.from_dict(dict(g_min=-6.0, kda_sub_chunk=16, kda_diagonal="pairwise"))  # no dense diagonal
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -66,7 +67,7 @@ def test_config_rejects_unsafe_g_min_for_sub_chunk():
 ])
 def test_config_errors_name_the_field(field, value, match):
   with pytest.raises(ValueError, match=match):
-    ModelConfig(**{field: value})
+    ModelConfig.from_dict({field: value})
 
 
 def test_config_buffered_moe_needs_a_capacity():
@@ -76,9 +77,11 @@ def test_config_buffered_moe_needs_a_capacity():
 
 
 def test_config_softplus_needs_pairwise():
-  with pytest.raises(ValueError, match="pairwise"):
-    ModelConfig(gate="softplus")
-  ModelConfig(gate="softplus", kda_diagonal="pairwise")
+  with pytest.raises(ValueError, match="kda_diagonal='dense' with gate='softplus'.*diagonal='pairwise'"):
+    ModelConfig.from_dict(dict(gate="softplus"))
+  ModelConfig.from_dict(dict(gate="softplus", kda_diagonal="pairwise"))
+  with pytest.raises(ValueError, match="use diagonal='pairwise' for an unbounded gate"):
+    ModelConfig(kda=KdaSpec(lower_bound=None))
 
 
 def test_from_dict_rejects_unknown_keys_and_builds_router():
@@ -230,8 +233,8 @@ def test_gpu_pallas_and_xla_kda_models_agree():
               num_kv_heads=2, num_experts=4, expert_hidden=256, dense_hidden=512,
               router=CAUSAL_ROUTER, residual="block_attnres", dtype="bfloat16",
               kda_chunk_size=64, kda_sub_chunk=16, conv_size=4, layer_pattern="KKKA")
-  xla_model = lm.HybridLM(ModelConfig(**base, kda_implementation="xla"), rngs=nnx.Rngs(0))
-  pallas_model = lm.HybridLM(ModelConfig(**base, kda_implementation="pallas"), rngs=nnx.Rngs(0))
+  xla_model = lm.HybridLM(ModelConfig.from_dict(dict(base, kda_implementation="xla")), rngs=nnx.Rngs(0))
+  pallas_model = lm.HybridLM(ModelConfig.from_dict(dict(base, kda_implementation="pallas")), rngs=nnx.Rngs(0))
   tokens = _tokens(2, 1000, vocab=256, seed=9)
   fwd = nnx.jit(lambda m, t: m(t, deterministic=True)[0])
   a, b = np.asarray(fwd(xla_model, tokens)), np.asarray(fwd(pallas_model, tokens))

@@ -25,7 +25,7 @@ def _model(seed=0, **overrides):
   cfg = dict(vocab_size=VOCAB, d_model=16, num_layers=2, layer_pattern="KA", num_heads=2, head_dim=8,
              num_kv_heads=1, conv_size=3, kda_chunk_size=16, kda_sub_chunk=16, num_experts=0,
              dense_hidden=32, kda_implementation="xla", dtype="float32")
-  return lm.HybridLM(ModelConfig(**{**cfg, **overrides}), rngs=nnx.Rngs(seed))
+  return lm.HybridLM(ModelConfig.from_dict({**cfg, **overrides}), rngs=nnx.Rngs(seed))
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +275,7 @@ def test_gpu_decode_after_a_prefill_matches_the_full_forward_f32(model):
 def test_decode_accuracy_of_a_float32_model_against_its_twin_is_rounding():
   m = _model(num_layers=3, layer_pattern="KKA")
   twin = lc.float32_twin(m)
-  assert twin.config.kda_implementation == "naive" and twin.config.dtype == "float32"
+  assert twin.config.kda.implementation == "naive" and twin.config.dtype == "float32"
   out = lc.decode_accuracy(m, twin, _tokens(1, 80, 9), 60, window=8)
   assert out["num_new"] == 20 and set(out["cache"]) == {"kda_state", "kda_conv", "attn_kv"}
   errors = [out[k] for k in ("full_rel_max", "decoded_rel_max", "decoded_first", "decoded_last")]

@@ -8,6 +8,7 @@ import pytest
 from k3jax.parallel.context_parallel import chunk_kda_context_parallel
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda.spec import KdaSpec
 from tests.kda_inputs import assert_close, make_inputs
 
 # Relative L2 error allowed between two float32 evaluations of the same
@@ -138,7 +139,7 @@ def test_layer_with_fused_gate_runs_context_parallel():
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from k3jax.layers.kda import KDA  # pylint: disable=g-import-not-at-top
   from k3jax.parallel.layers import ContextParallelKDA  # pylint: disable=g-import-not-at-top
-  kw = dict(conv_size=3, g_min=-5.0, chunk_size=16, sub_chunk=8, implementation="xla")
+  kw = dict(conv_size=3, spec=KdaSpec(chunk_size=16, sub_chunk=8, lower_bound=-5.0))
   cp = ContextParallelKDA(16, 2, 8, fuse_gate=True, rngs=nnx.Rngs(0), **kw)
   plain = KDA(16, 2, 8, fuse_gate=False, rngs=nnx.Rngs(0), **kw)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))

@@ -20,6 +20,7 @@ from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train import checkpoint
 from k3jax.train.state import TrainState
 from k3jax.train.step import make_train_step
+from pallas_kernels.kda.spec import KdaSpec
 from tests.kda_inputs import assert_close
 
 # Relative L2 errors of float32 results whose only difference is the order
@@ -28,8 +29,8 @@ TOL = {jnp.dtype(jnp.float32): {"logits": 1e-5, "grad": 5e-5}}
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, num_layers=2, layer_pattern="KA", num_heads=2,
                      head_dim=16, num_kv_heads=2, num_experts=8, top_k=2, expert_hidden=16,
-                     dense_hidden=32, first_layer_dense=False, kda_chunk_size=16,
-                     kda_sub_chunk=8)
+                     dense_hidden=32, first_layer_dense=False,
+                     kda=KdaSpec(chunk_size=16, sub_chunk=8, lower_bound=-5.0))
 
 
 def _loss(model, tokens):

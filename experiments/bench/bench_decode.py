@@ -195,7 +195,7 @@ def _model_loop(cfg: ModelConfig, b: int, prompt: int, steps: int):
 
 def model_table(batches, impls, *, model_cfg: dict, dtype, prompt, steps, iters) -> list[dict]:
   """Times whole-model greedy decode steps; prints and returns one dict per row."""
-  base = ModelConfig(**dict(model_cfg, dtype=dtype))
+  base = ModelConfig.from_dict(dict(model_cfg, dtype=dtype))
   print(f"\n# model: {base.num_layers} layers '{base.layer_pattern}', d={base.d_model}, "
         f"H={base.num_heads}, head_dim={base.head_dim}, dtype={base.dtype}; prompt {prompt}, "
         f"{steps} steps per scan")

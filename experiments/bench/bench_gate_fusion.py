@@ -95,10 +95,12 @@ def layer_fns(b, t, h, d, implementation: str, lower_bound: float):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from k3jax.layers.kda import KDA  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda.spec import KdaSpec  # pylint: disable=g-import-not-at-top
   x = jax.random.normal(jax.random.PRNGKey(2), (b, t, h * d)).astype(jnp.bfloat16)
   fns, state = {}, None
   for name, fuse in (("unfused", False), ("fused", True)):
-    layer = KDA(h * d, h, d, g_min=lower_bound, implementation=implementation, fuse_gate=fuse,
+    layer = KDA(h * d, h, d, spec=KdaSpec(lower_bound=lower_bound, implementation=implementation),
+                fuse_gate=fuse,
                 dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graph, state = nnx.split(layer)
 

@@ -90,7 +90,7 @@ def main(argv):
   overrides = dict(PRESETS[FLAGS.preset], residual=FLAGS.residual)
   if FLAGS.dtype:
     overrides["dtype"] = FLAGS.dtype
-  base = ModelConfig(**overrides)
+  base = ModelConfig.from_dict(overrides)
   b, t = FLAGS.batch, FLAGS.seq_len
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, base.vocab_size, (b, t)), jnp.int32)
   total, active = lm.param_count(base), lm.active_param_count(base)
@@ -111,7 +111,7 @@ def main(argv):
   for name, flop_share in passes:
     first = None
     for impl in FLAGS.implementations:
-      cfg = dataclasses.replace(base, kda_implementation=impl)
+      cfg = dataclasses.replace(base, kda=dataclasses.replace(base.kda, implementation=impl))
       try:
         if impl not in cache:
           cache[impl] = _functions(cfg)

@@ -69,12 +69,12 @@ KDA_IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def _config(kda_implementation: str) -> ModelConfig:
-  return ModelConfig(
+  return ModelConfig.from_dict(dict(
       vocab_size=FLAGS.vocab_size, d_model=FLAGS.d_model, num_layers=FLAGS.num_layers,
       layer_pattern=FLAGS.layer_pattern, num_heads=FLAGS.num_heads, head_dim=FLAGS.head_dim,
       num_kv_heads=FLAGS.num_heads, num_experts=FLAGS.num_experts, top_k=FLAGS.top_k,
       expert_hidden=FLAGS.expert_hidden, dense_hidden=4 * FLAGS.d_model,
-      kda_implementation=kda_implementation, dtype=FLAGS.dtype)
+      kda_implementation=kda_implementation, dtype=FLAGS.dtype))
 
 
 def _median_time(fn, steps):
@@ -155,7 +155,7 @@ def main(argv):
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; model d={config.d_model} "
           f"L={config.num_layers} {config.layer_pattern} H={config.num_heads} hd={config.head_dim} "
           f"E={config.num_experts} k={config.top_k} eh={config.expert_hidden} {config.dtype}; "
-          f"kda={config.kda_implementation}; moe={FLAGS.moe_impl}; per device {FLAGS.batch_per_device} x "
+          f"kda={config.kda.implementation}; moe={FLAGS.moe_impl}; per device {FLAGS.batch_per_device} x "
           f"{FLAGS.seq_per_device} tokens; dispatch_slot_factor={FLAGS.dispatch_slot_factor}")
     header = ("mesh d,e,c", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
               "eff vs base", "loss", "compile s")

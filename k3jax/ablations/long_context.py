@@ -306,7 +306,8 @@ def float32_twin(model):
   The reference `decode_accuracy` measures a bf16 model against; evaluate it under
   `jax.default_matmul_precision("highest")` (decode_accuracy does), so no matmul takes TF32.
   """
-  config = dataclasses.replace(model.config, dtype="float32", kda_implementation="naive")
+  config = dataclasses.replace(model.config, dtype="float32",
+                               kda=dataclasses.replace(model.config.kda, implementation="naive"))
   twin = type(model)(config, rngs=nnx.Rngs(0))
   nnx.update(twin, nnx.state(model))
   return twin
@@ -399,7 +400,7 @@ def evaluate_run(workdir: str, *, multipliers: Sequence[int] = (1, 4, 16, 64),
   model, model_cfg, config, step = restore(workdir)
   train_len = int(config.seq_len)
   record: dict[str, Any] = {"workdir": workdir, "step": step, "data": config.data.kind,
-                            "train_len": train_len, "gate": model_cfg.gate, "g_min": model_cfg.g_min,
+                            "train_len": train_len, "gate": model_cfg.gate, "g_min": model_cfg.kda.lower_bound,
                             "layer_pattern": model_cfg.layer_pattern,
                             "ffn": (f"moe {model_cfg.router.name} cf={model_cfg.router.capacity_factor}"
                                     if model_cfg.num_experts else "dense")}

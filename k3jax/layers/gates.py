@@ -1,6 +1,7 @@
 """Log-decay gates for KDA / Gated DeltaNet layers.
 
-* bounded (default): g = g_min * sigmoid(z), so g in (g_min, 0). The bound
+* bounded (default): g = lower_bound * sigmoid(z), so g in (lower_bound, 0)
+  (`KdaSpec.lower_bound`, the model's g_min). The bound
   keeps intra-tile decay ratios inside the float range, which lets every
   causal tile run as a dense matmul (docs/design.md, "Why the bound matters").
 * softplus (baseline): g = -exp(A_log) * softplus(z + dt_bias), unbounded
@@ -14,19 +15,19 @@ import jax.numpy as jnp
 GATES = ("bounded", "softplus")
 
 
-def bounded_gate(z: jax.Array, g_min: float) -> jax.Array:
-  """g = g_min * sigmoid(z) in float32.
+def bounded_gate(z: jax.Array, lower_bound: float) -> jax.Array:
+  """g = lower_bound * sigmoid(z) in float32.
 
   Args:
     z: [..., K] (or [...] for a scalar gate) pre-activations, any float dtype.
-    g_min: negative lower bound.
+    lower_bound: negative lower bound.
 
   Returns:
-    float32 log-decay of z's shape, in (g_min, 0).
+    float32 log-decay of z's shape, in (lower_bound, 0).
   """
-  if not g_min < 0:
-    raise ValueError(f"g_min must be negative, got {g_min}")
-  return g_min * jax.nn.sigmoid(z.astype(jnp.float32))
+  if not lower_bound < 0:
+    raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+  return lower_bound * jax.nn.sigmoid(z.astype(jnp.float32))
 
 
 def softplus_gate(z: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:

@@ -8,8 +8,9 @@ Per head h (docs/design.md, "Model"):
     o       = chunk_kda(q, k, v, g, beta)  (K ** -0.5 folded into q)
     y       = (rms_norm_h(o) * sigmoid(x W_out_gate)) W_o
 
-The gate is the bounded `g_min * sigmoid(.)` (default) or the softplus
-baseline `-exp(A_log) * softplus(. + dt_bias)` from `k3jax.layers.gates`.
+The gate is the bounded `lower_bound * sigmoid(.)` (the spec has a lower
+bound) or the softplus baseline `-exp(A_log) * softplus(. + dt_bias)` (it has
+none), from `k3jax.layers.gates`.
 With `fuse_gate` the layer passes the pre-activation x W_fa W_fb and b_f to
 `chunk_kda(..., gate_activation="bounded_sigmoid")`, whose gate-cumsum kernels
 apply the sigmoid and its derivative, so the [B, T, H, K] float32 g is never
@@ -27,12 +28,11 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers import gates
-from k3jax.layers.gates import GATES
 from k3jax.layers.norms import l2_norm, rms_norm
 from k3jax.layers.params import fan_in_init, logical_param
 from pallas_kernels.kda import api as kda_api
 from pallas_kernels.kda import decode as kda_decode
-from pallas_kernels.kda import spec as kda_spec
+from pallas_kernels.kda.spec import KdaSpec
 
 
 def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array) -> jax.Array:
@@ -60,6 +60,13 @@ def _inv_sigmoid(p: np.ndarray) -> np.ndarray:
   return np.log(p) - np.log1p(-p)
 
 
+def check_fuse_gate(spec: KdaSpec, fuse_gate: bool) -> None:
+  """Raises ValueError when `fuse_gate` asks for the fused bounded gate without a bound."""
+  if fuse_gate and spec.lower_bound is None:
+    raise ValueError("fuse_gate=True needs gate='bounded' (the kernels fuse lower_bound * "
+                     "sigmoid), got gate='softplus' (a spec without lower_bound)")
+
+
 class KDA(nnx.Module):
   """Multi-head KDA layer. Input and output [B, T, D].
 
@@ -67,18 +74,14 @@ class KDA(nnx.Module):
     d_model: D.
     num_heads: H.
     head_dim: K = V (per-head key and value width).
+    spec: the `chunk_kda` choices (`KdaSpec`, validated when built;
+      `ModelConfig.kda`), held whole and passed to every call. Its lower bound
+      picks the gate: `lower_bound * sigmoid(.)` when set, the softplus
+      baseline when None (which KdaSpec allows on the pairwise diagonal only).
     conv_size: width of the short causal depthwise convolutions.
-    gate: "bounded" or "softplus".
-    g_min: lower bound of the bounded gate (negative).
-    spec: the `chunk_kda` choices (`KdaSpec`; `ModelConfig.kda_spec` builds
-      it), held whole and passed to every call. Its lower bound must be g_min
-      for the bounded gate and None for the softplus one. Without it, the
-      keyword choices build one (the lower bound from the gate).
     fuse_gate: hand the bounded gate's pre-activation to the kernel (see the
-      module docstring). Same values either way; the softplus gate cannot be
-      fused. Default off (`ModelConfig.kda_fuse_gate`).
-    chunk_size, sub_chunk, diagonal, implementation: KdaSpec fields, when no
-      spec is given (None: KdaSpec's defaults).
+      module docstring). Same values either way; the kernel refuses it without
+      a lower bound. Default off (`ModelConfig.kda_fuse_gate`).
     decode_implementation: how `decode` steps the state: "auto" (the fused jnp
       step on every backend; the Pallas kernel is opt-in) or one of
       `kda_decode.DECODE_IMPLEMENTATIONS` ("pallas" on the CPU runs the
@@ -87,38 +90,18 @@ class KDA(nnx.Module):
     param_dtype: parameter dtype.
   """
 
-  def __init__(self, d_model: int, num_heads: int, head_dim: int, *, conv_size: int = 4,
-               gate: str = "bounded", g_min: float = -5.0,
-               spec: kda_spec.KdaSpec | None = None, chunk_size: int | None = None,
-               sub_chunk: int | None = None, diagonal: str | None = None,
-               implementation: str | None = None, fuse_gate: bool = False,
-               decode_implementation: str = "auto",
+  def __init__(self, d_model: int, num_heads: int, head_dim: int, *, spec: KdaSpec,
+               conv_size: int = 4, fuse_gate: bool = False, decode_implementation: str = "auto",
                dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-    if gate not in GATES:
-      raise ValueError(f"unknown KDA gate {gate!r}; allowed: {GATES}")
+    if not isinstance(spec, KdaSpec):
+      raise TypeError(f"spec must be a KdaSpec, got {type(spec).__name__}")
     if conv_size < 1:
       raise ValueError(f"conv_size must be >= 1, got {conv_size}")
     kda_decode.resolve_decode(decode_implementation)  # fails early on an unknown name
-    if gate == "softplus" and (diagonal or (spec.diagonal if spec else "dense")) == "dense":
-      raise ValueError("the softplus gate is unbounded; it needs diagonal='pairwise', not 'dense'")
-    lower = float(g_min) if gate == "bounded" else None
-    if spec is None:
-      spec = kda_spec.resolve(None, chunk_size=chunk_size, sub_chunk=sub_chunk,
-                              diagonal=diagonal, implementation=implementation,
-                              lower_bound=lower)
-    else:
-      spec = kda_spec.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk,
-                              diagonal=diagonal, implementation=implementation)
-      if spec.lower_bound != lower:
-        raise ValueError(f"spec.lower_bound={spec.lower_bound} does not match the {gate} gate's "
-                         f"lower bound {lower}; build the spec with lower_bound={lower}")
     self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
-    self.conv_size, self.gate, self.g_min = conv_size, gate, float(g_min)
-    self.spec = spec
+    self.conv_size, self.spec = conv_size, spec
     self.decode_implementation = decode_implementation
-    if fuse_gate and gate != "bounded":
-      raise ValueError(f"fuse_gate=True needs gate='bounded' (the kernel's fused activation is "
-                       f"g_min * sigmoid), got gate={gate!r}")
+    check_fuse_gate(spec, fuse_gate)
     self.fuse_gate = bool(fuse_gate)
     self.dtype = dtype
     h, k = num_heads, head_dim
@@ -136,8 +119,8 @@ class KDA(nnx.Module):
     # Gate bias: initial per-channel decays spread log-uniformly over
     # g in [-0.5, -0.01] (forgetting horizons of ~2 to ~100 tokens).
     target = -np.exp(np.random.default_rng(0).uniform(np.log(0.01), np.log(0.5), (h, k)))
-    if gate == "bounded":
-      bias = _inv_sigmoid(np.clip(target / self.g_min, 1e-6, 1 - 1e-6))
+    if self.bounded:
+      bias = _inv_sigmoid(np.clip(target / spec.lower_bound, 1e-6, 1 - 1e-6))
       self.f_bias = logical_param(None, lambda *_: jnp.asarray(bias, param_dtype), (h, k),
                                   ("heads", "kv"), param_dtype)
     else:
@@ -171,8 +154,8 @@ class KDA(nnx.Module):
   def _gates(self, x_btd):
     """g [B, T, H, K] float32 log-decay and beta [B, T, H] float32."""
     z, beta = self._gate_preactivation(x_btd)
-    if self.gate == "bounded":
-      g = gates.bounded_gate(z + self.f_bias[...].astype(jnp.float32), self.g_min)
+    if self.bounded:
+      g = gates.bounded_gate(z + self.f_bias[...].astype(jnp.float32), self.spec.lower_bound)
     else:
       g = gates.softplus_gate(z, self.a_log[...].astype(jnp.float32)[:, None],
                               self.f_bias[...].astype(jnp.float32))
@@ -190,6 +173,11 @@ class KDA(nnx.Module):
     o = rms_norm(o_bthv.astype(jnp.float32)) * self.o_norm[...].astype(jnp.float32)
     o = (o * og.astype(jnp.float32)).astype(self.dtype)
     return jnp.einsum("bthk,hkd->btd", o, self.wo[...].astype(self.dtype))
+
+  @property
+  def bounded(self) -> bool:
+    """The bounded gate `lower_bound * sigmoid(.)` (else the softplus baseline)."""
+    return self.spec.lower_bound is not None
 
   @property
   def interpret(self) -> bool:
@@ -220,7 +208,7 @@ class KDA(nnx.Module):
       return g, None, beta, self._stats(g)
     z, beta = self._gate_preactivation(x_btd)
     bias = self.f_bias[...].astype(jnp.float32)
-    g = jax.lax.stop_gradient(gates.bounded_gate(z + bias, self.g_min))
+    g = jax.lax.stop_gradient(gates.bounded_gate(z + bias, self.spec.lower_bound))
     return z, bias, beta, self._stats(g)
 
   def _check(self, x_btd):

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Mapping
 
 import jax.numpy as jnp
 
 from k3jax.layers.gates import GATES
+from k3jax.layers.kda import check_fuse_gate
 from k3jax.layers.grouped_matmul import RAGGED_BACKENDS
 from k3jax.layers.moe import MOE_IMPLS
 from k3jax.layers.residual import STRATEGIES as RESIDUALS
@@ -17,6 +17,9 @@ from pallas_kernels.kda.spec import KdaSpec
 
 LAYER_KINDS = ("K", "A")  # K: KDA token mixer, A: softmax attention
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The model's KDA default: KdaSpec's tiling with the bounded gate at g_min = -5
+# (|-5| * (16 - 1) = 75 <= 85: dense diagonal tiles of 16 rows are safe).
+DEFAULT_KDA = KdaSpec(lower_bound=-5.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,24 +42,17 @@ class ModelConfig:
   num_kv_heads: int = 4
   # Width of KDA's short causal depthwise convolutions.
   conv_size: int = 4
-  # KDA log-decay gate: "bounded" (g_min * sigmoid) or "softplus" baseline.
-  gate: str = "bounded"
-  # Lower bound of the bounded gate; must be safe for kda_sub_chunk.
-  g_min: float = -5.0
-  # Chunk length of the chunked KDA scan.
-  kda_chunk_size: int = 64
-  # Diagonal sub-tile length inside a chunk (the tile the bound protects).
-  kda_sub_chunk: int = 16
-  # Diagonal-tile strategy: "dense" (needs the bounded gate) or "pairwise".
-  kda_diagonal: str = "dense"
-  # chunk_kda implementation: "xla", "pallas" or "naive" (recurrent loop;
-  # `pallas_kernels.kda.spec.IMPLEMENTATIONS`).
-  kda_implementation: str = "xla"
+  # KDA's chunk_kda choices, whole (`pallas_kernels.kda.spec.KdaSpec`): chunk and
+  # diagonal-tile lengths, diagonal strategy, implementation, and the gate's lower
+  # bound. A bound makes the gate the bounded `lower_bound * sigmoid(.)`; None makes
+  # it the unbounded softplus baseline, which needs diagonal="pairwise". The
+  # trainer config spells these fields flat (`TRAINER_KDA_KEYS`).
+  kda: KdaSpec = DEFAULT_KDA
   # How decoding steps the KDA state: "auto" (the fused jnp step), "pallas"
   # (the decode kernel, opt-in until timed on a GPU), "fused" or "naive" (the
   # reference token loop; `pallas_kernels.kda.decode`).
   kda_decode: str = "auto"
-  # Bounded gate with the pallas path only: apply g_min * sigmoid(.) inside the
+  # Bounded gate with the pallas path only: apply lower_bound * sigmoid(.) inside the
   # gate-cumsum kernels instead of writing the f32 gate (same values; off until
   # timed on a GPU, `experiments/bench/bench_gate_fusion.py`).
   kda_fuse_gate: bool = False
@@ -103,8 +99,8 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{name}={value!r}; must be a positive int")
 
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim",
-                 "num_kv_heads", "conv_size", "kda_chunk_size", "kda_sub_chunk",
-                 "expert_hidden", "dense_hidden", "attnres_block_size"):
+                 "num_kv_heads", "conv_size", "expert_hidden", "dense_hidden",
+                 "attnres_block_size"):
       positive(name)
     if not self.layer_pattern or set(self.layer_pattern) - set(LAYER_KINDS):
       raise ValueError(f"ModelConfig.layer_pattern={self.layer_pattern!r}; must be a non-empty "
@@ -112,26 +108,15 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide "
                        f"num_heads={self.num_heads}")
-    if self.gate not in GATES:
-      raise ValueError(f"ModelConfig.gate={self.gate!r}; allowed: {GATES}")
-    if self.gate == "bounded" and not self.g_min < 0:
-      raise ValueError(f"ModelConfig.g_min={self.g_min!r}; the bounded gate needs g_min < 0")
-    if self.gate == "softplus" and self.kda_diagonal == "dense":
-      raise ValueError("ModelConfig.gate='softplus' is unbounded and needs "
-                       "kda_diagonal='pairwise', got 'dense'")
-    try:
-      self.kda_spec  # pylint: disable=pointless-statement  (built and validated once)
-    except ValueError as e:
-      raise ValueError(f"ModelConfig.g_min={self.g_min} with kda_sub_chunk="
-                       f"{self.kda_sub_chunk}, kda_chunk_size={self.kda_chunk_size}, "
-                       f"kda_diagonal={self.kda_diagonal!r}, kda_implementation="
-                       f"{self.kda_implementation!r}: {e}") from None
+    if not isinstance(self.kda, KdaSpec):  # a KdaSpec checked itself when it was built
+      raise ValueError(f"ModelConfig.kda must be a KdaSpec, got {type(self.kda).__name__}")
     if self.kda_decode != "auto" and self.kda_decode not in DECODE_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.kda_decode={self.kda_decode!r}; allowed: 'auto', "
                        f"{', '.join(map(repr, DECODE_IMPLEMENTATIONS))}")
-    if self.kda_fuse_gate and self.gate != "bounded":
-      raise ValueError(f"ModelConfig.kda_fuse_gate=True needs gate='bounded' (the kernels fuse "
-                       f"g_min * sigmoid), got gate={self.gate!r}")
+    try:
+      check_fuse_gate(self.kda, self.kda_fuse_gate)
+    except ValueError as e:
+      raise ValueError(f"ModelConfig.kda_{e}") from None
     if not (isinstance(self.num_experts, int) and self.num_experts >= 0):
       raise ValueError(f"ModelConfig.num_experts={self.num_experts!r}; must be an int >= 0")
     if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:
@@ -158,14 +143,10 @@ class ModelConfig:
 
   # -- derived ---------------------------------------------------------------
 
-  @functools.cached_property
-  def kda_spec(self) -> KdaSpec:
-    """The KDA layers' chunk_kda choices, validated once (by `KdaSpec`); the
-    lower bound is g_min for the bounded gate, None for the unbounded one."""
-    return KdaSpec(chunk_size=self.kda_chunk_size, sub_chunk=self.kda_sub_chunk,
-                   diagonal=self.kda_diagonal,
-                   lower_bound=self.g_min if self.gate == "bounded" else None,
-                   implementation=self.kda_implementation)
+  @property
+  def gate(self) -> str:
+    """The KDA gate `kda.lower_bound` implies: "bounded" with a bound, else "softplus"."""
+    return "bounded" if self.kda.lower_bound is not None else "softplus"
 
   @property
   def layer_types(self) -> tuple[str, ...]:
@@ -194,16 +175,19 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-    """Builds a config from a plain mapping (e.g. an ml_collections dict).
+    """Builds a config from the trainer's flat mapping (e.g. an ml_collections dict).
 
-    `router` may be a RouterConfig or a mapping of its fields. Unknown keys are
+    The KDA spec comes from the flat keys of `TRAINER_KDA_KEYS` (`kda` itself
+    may be given instead, as a KdaSpec or a mapping of its fields); `router`
+    may be a RouterConfig or a mapping of its fields. Unknown keys are
     rejected by name.
     """
     d = dict(d)
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = set(trainer_keys()) | {"kda"}
     unknown = sorted(set(d) - known)
     if unknown:
       raise ValueError(f"unknown ModelConfig keys {unknown}; allowed: {sorted(known)}")
+    d["kda"] = _kda_from_flat(d)
     router = d.get("router")
     if router is not None and not isinstance(router, RouterConfig):
       router = dict(router)
@@ -215,5 +199,57 @@ class ModelConfig:
     return cls(**d)
 
   def to_dict(self) -> dict:
-    """Plain nested dict (router as a dict), the inverse of `from_dict`."""
-    return dataclasses.asdict(self)
+    """The trainer's flat form (KDA fields as in `TRAINER_KDA_KEYS`, router as a dict), the
+    inverse of `from_dict`."""
+    d = dataclasses.asdict(self)
+    kda = d.pop("kda")
+    d.update({key: kda[field] for key, field in TRAINER_KDA_KEYS.items() if field})
+    d["gate"] = self.gate
+    if kda["lower_bound"] is None:
+      d["g_min"] = None
+    return d
+
+
+# The trainer config's flat keys for `ModelConfig.kda`, each with its KdaSpec field;
+# `gate` picks whether g_min is the bound ("bounded") or there is none ("softplus").
+TRAINER_KDA_KEYS = {"gate": None, "g_min": "lower_bound", "kda_sub_chunk": "sub_chunk",
+                    "kda_chunk_size": "chunk_size", "kda_diagonal": "diagonal",
+                    "kda_implementation": "implementation"}
+
+
+def trainer_keys() -> list[str]:
+  """The keys of the trainer config's `model` section: every field, `kda` spelled flat."""
+  return [name for f in dataclasses.fields(ModelConfig)
+          for name in (TRAINER_KDA_KEYS if f.name == "kda" else (f.name,))]
+
+
+def _kda_from_flat(d: dict) -> KdaSpec:
+  """Pops the flat KDA keys of `d` and returns the KdaSpec they describe (or `d["kda"]`).
+
+  Keys left out take `DEFAULT_KDA`'s fields; g_min is read for the bounded gate only.
+  """
+  flat = {key: d.pop(key) for key in TRAINER_KDA_KEYS if key in d}
+  kda = d.get("kda")
+  if kda is not None and flat:
+    raise ValueError(f"ModelConfig: pass either kda or its flat keys {sorted(flat)}, not both")
+  if isinstance(kda, KdaSpec):
+    return kda
+  if kda is not None:
+    return KdaSpec(**kda)
+  gate = flat.pop("gate", "bounded")
+  if gate not in GATES:
+    raise ValueError(f"ModelConfig.gate={gate!r}; allowed: {GATES}")
+  fields = dict(dataclasses.asdict(DEFAULT_KDA),
+                **{TRAINER_KDA_KEYS[key]: value for key, value in flat.items()})
+  if gate == "softplus":
+    fields["lower_bound"] = None
+  try:
+    return KdaSpec(**fields)
+  except ValueError as e:
+    # Named as the trainer spells them, the field to change first.
+    shown = {key: fields[field] for key, field in TRAINER_KDA_KEYS.items() if field}
+    lead = "g_min" if gate == "bounded" else "kda_diagonal"
+    rest = ", ".join(f"{key}={value!r}" for key, value in shown.items() if key != lead)
+    if gate == "softplus":
+      rest = f"gate='softplus' (no bound), {rest.replace('g_min=None, ', '')}"
+    raise ValueError(f"ModelConfig.{lead}={shown[lead]!r} with {rest}: {e}") from None

@@ -74,9 +74,8 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | N
 def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
   dtype, pdt = config.compute_dtype, config.params_dtype
   if kind == "K":
-    return KDA(config.d_model, config.num_heads, config.head_dim, conv_size=config.conv_size,
-               gate=config.gate, g_min=config.g_min, spec=config.kda_spec,
-               decode_implementation=config.kda_decode, fuse_gate=config.kda_fuse_gate,
+    return KDA(config.d_model, config.num_heads, config.head_dim, spec=config.kda,
+               conv_size=config.conv_size, decode_implementation=config.kda_decode, fuse_gate=config.kda_fuse_gate,
                dtype=dtype, param_dtype=pdt, rngs=rngs)
   return CausalSelfAttention(config.d_model, config.num_heads, config.num_kv_heads,
                              config.head_dim, dtype=dtype, param_dtype=pdt, rngs=rngs)
@@ -328,7 +327,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
   d, v = config.d_model, config.vocab_size
   fwd = 2.0 * active_param_count(config, include_embeddings=False) + 2.0 * d * v
   h, hd = config.num_heads, config.head_dim
-  c = min(config.kda_chunk_size, seq_len)
+  c = min(config.kda.chunk_size, seq_len)
   for kind in config.layer_types:
     if kind == "A":
       fwd += 4.0 * h * hd * seq_len / 2

@@ -21,7 +21,7 @@ from k3jax.configdict import to_plain as _to_plain
 from k3jax.data.corpus import BYTE_VOCAB_SIZE
 from k3jax.data.mqar import check_mqar
 from k3jax.data.token_file import TOKEN_DTYPES
-from k3jax.models.config import ModelConfig
+from k3jax.models import config as model_config_lib
 from k3jax.parallel import config as pconfig_lib
 from k3jax.routing.config import RouterConfig
 from k3jax.sharding import mesh as mesh_lib
@@ -77,7 +77,7 @@ def _as_config_error(fn):
 def _section_fields() -> dict[str, list[str]]:
   """{section ("" = top level): its field names}, for every section a dotted config key can name."""
   return {"": [*TOP_LEVEL, "parallel"], "data": list(DATA), "optim": list(OPTIM), "parallel": list(PARALLEL),
-          "model": [f.name for f in dataclasses.fields(ModelConfig)],
+          "model": model_config_lib.trainer_keys(),
           "model.router": [f.name for f in dataclasses.fields(RouterConfig)]}
 
 
@@ -167,13 +167,12 @@ def model_config_from(model_section: Mapping[str, Any]):
   if router.get("overflow_choices", None) == -1:
     router["overflow_choices"] = None  # -1 means the router default (k)
   d["router"] = router
-  return ModelConfig.from_dict(d)
+  return model_config_lib.ModelConfig.from_dict(d)
 
 
 def _check_model_keys(model_section: Mapping[str, Any]) -> None:
   # Model fields left out take ModelConfig's defaults; unknown ones are errors.
-  fields = [f.name for f in dataclasses.fields(ModelConfig)]
-  _check_keys(model_section, fields, "model.", require_all=False)
+  _check_keys(model_section, model_config_lib.trainer_keys(), "model.", require_all=False)
   if isinstance(model_section.get("router"), Mapping):
     _check_keys(model_section["router"], [f.name for f in dataclasses.fields(RouterConfig)],
                 "model.router.", require_all=False)
@@ -281,10 +280,10 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
     _require(mesh_lib.CONTEXT not in batch_axes,
              f"config parallel.rules.batch={batch_axes} includes 'context', which shards the sequence")
     if "K" in model_cfg.layer_types:
-      span = n_ctx * model_cfg.kda_chunk_size
+      span = n_ctx * model_cfg.kda.chunk_size
       _require(c["seq_len"] % span == 0,
                f"config seq_len={c['seq_len']} must be divisible by parallel.context={n_ctx} x "
-               f"model.kda_chunk_size={model_cfg.kda_chunk_size} = {span}: each device's part of a "
+               f"model.kda_chunk_size={model_cfg.kda.chunk_size} = {span}: each device's part of a "
                "sequence must be whole KDA chunks")
   n_exp = sizes[mesh_lib.EXPERT]
   if n_exp > 1 and model_cfg.num_experts:

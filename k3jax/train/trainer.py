@@ -270,7 +270,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
     # The MoE layers' path is chosen here, once: expert-parallel when the mesh shards the experts.
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len,
                                                pconf.expert_parallel(sizes["expert"]))
-  if model_cfg.kda_implementation == "pallas" and jax.default_backend() == "cpu":
+  if model_cfg.kda.implementation == "pallas" and jax.default_backend() == "cpu":
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                 "use --config.model.kda_implementation=xla for CPU runs")
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")

@@ -55,10 +55,16 @@ class _Static:
   scale: float
   varlen: bool
   cfg: kernel_config.KernelConfig
-  # g_min of the fused gate: g is then the pre-activation (see _gate_cumsum).
-  fused_gate_bound: float | None = None
-  # Clamp g into [clamp_bound, 0] inside the cumsum passes (gradient 0 outside).
-  clamp_bound: float | None = None
+  # What g is and what the cumsum passes do with it: "log_decay"
+  # (summed as is), "clamp" (clamped into [lower_bound, 0] first, gradient 0
+  # outside) or "fused" (the pre-activation of lower_bound * sigmoid(.)).
+  gate_mode: str = "log_decay"
+  # The spec's lower bound (g_min), read by the "clamp" and "fused" modes.
+  lower_bound: float | None = None
+
+  @property
+  def fused(self) -> bool:
+    return self.gate_mode == "fused"
 
 
 def _kernel_layout(q, k, v, beta):
@@ -71,16 +77,16 @@ def _kernel_layout(q, k, v, beta):
 
 def _gate_cumsum(st: _Static, g, gate_bias, save: bool):
   """(G [B, Tp, H*K] f32, clamp record or None): the cumsum of g (clamped with
-  st.clamp_bound; the record, kept for the backward when `save`, says where),
+  st.lower_bound in the "clamp" mode; the record, kept for the backward when `save`, says where),
   or of the fused gate of pre-activation g."""
   b, tp, h, dk = g.shape
   g2 = g.reshape(b, tp, h * dk)
-  if st.fused_gate_bound is not None:
-    return kernel_gate_cumsum.gate_cumsum(g2, gate_bias.reshape(h * dk), st.fused_gate_bound,
+  if st.fused:
+    return kernel_gate_cumsum.gate_cumsum(g2, gate_bias.reshape(h * dk), st.lower_bound,
                                           st.chunk_size, cfg=st.cfg), None
-  if st.clamp_bound is None:
+  if st.gate_mode == "log_decay":
     return kernel_cumsum.chunk_cumsum(g2.astype(_F32), st.chunk_size, cfg=st.cfg), None
-  out = kernel_cumsum.clamped_cumsum(g2.astype(_F32), st.clamp_bound, st.chunk_size, cfg=st.cfg,
+  out = kernel_cumsum.clamped_cumsum(g2.astype(_F32), st.lower_bound, st.chunk_size, cfg=st.cfg,
                                      with_record=save)
   return out if save else (out, None)
 
@@ -131,7 +137,7 @@ def _core(st: _Static, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
 
   Args:
     q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g: [B, Tp, H, K] f32 log-decay,
-      or with st.fused_gate_bound the gate pre-activation (any float dtype);
+      or in the fused gate mode the gate pre-activation (any float dtype);
       beta: [B, Tp, H]; gate_bias: [H, K] f32 with the fused gate, else None;
       h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32.
 
@@ -154,7 +160,7 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
   token and head beyond the inputs, with bf16 inputs and bf16 M, states and
   V', that is 2K + 2C + 2C + 2KV/C + 2V + 4K bytes (G takes g's place):
   1792 bytes at K = V = 128, C = 64.
-  With the clamp (st.clamp_bound) the cumsum's record of where it acted is
+  With the clamp (gate mode "clamp") the cumsum's record of where it acted is
   kept too: int32 flags per cumsum block and an int8 mask [B, Tp, H*K] that
   only flagged blocks wrote (`kernel_cumsum.clamped_cumsum`).
   save_residuals=False keeps only the inputs and recomputes
@@ -173,7 +179,7 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
   for name in ("m", "hs", "v_new"):
     saved[name] = saved[name].astype(st.cfg.saved_state_dtype)
   # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
-  keep_g = g if st.fused_gate_bound is not None else None
+  keep_g = g if st.fused else None
   return (o, ht), (q, k, v, keep_g, beta, gate_bias, h0, meta, saved)
 
 
@@ -204,15 +210,15 @@ def _core_bwd(st, res, cts):
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
       grad_dtype=q.dtype if same else _F32, **kw)
-  if st.fused_gate_bound is None:
-    if st.clamp_bound is None:
+  if not st.fused:
+    if st.gate_mode == "log_decay":
       dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
     else:
       dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, r["clamp_record"], st.chunk_size, cfg=cfg)
     dg, dbias = dg.reshape(q.shape).astype(_F32), None
   else:
     dg, dbias = kernel_gate_cumsum.gate_cumsum_bwd(
-        dg_cum, g.reshape(b, tp, h * dk), gate_bias.reshape(h * dk), st.fused_gate_bound,
+        dg_cum, g.reshape(b, tp, h * dk), gate_bias.reshape(h * dk), st.lower_bound,
         st.chunk_size, cfg=cfg)
     dg, dbias = dg.reshape(g.shape), dbias.reshape(gate_bias.shape)
   # Only rows of sequences that start somewhere were written by the kernel.
@@ -293,16 +299,17 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     g_in = g
     if g_in.ndim == 3:
       g_in, bias = jnp.broadcast_to(g_in[..., None], q.shape), bias[:, None]
-    gate_bias, fused_gate_bound = jnp.broadcast_to(bias, (h, dk)), float(lower_bound)
+    gate_bias, gate_mode = jnp.broadcast_to(bias, (h, dk)), "fused"
   else:
-    g_in, gate_bias, fused_gate_bound = args.g.astype(_F32), None, None
+    g_in, gate_bias = args.g.astype(_F32), None
+    gate_mode = "clamp" if clamp_gates else "log_decay"
   if backend is None:
     backend = platform_lowering.host_backend(interpret)
   run = functools.partial(_chunk_kda_on, scale=args.scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
-                          fused_gate_bound=fused_gate_bound,
-                          clamp_bound=float(lower_bound) if clamp_gates else None)
+                          gate_mode=gate_mode,
+                          lower_bound=None if lower_bound is None else float(lower_bound))
   operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias)
   if backend is None:
     return platform_lowering.per_platform(run, *operands)
@@ -311,7 +318,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 
 def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                   output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                  config_overrides, fused_gate_bound, clamp_bound):
+                  config_overrides, gate_mode, lower_bound):
   """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] (f32
   log-decay, or the fused gate's pre-activation with gate_bias [H, K]).
 
@@ -329,13 +336,13 @@ def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bia
                           scale=scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
-                          fused_gate_bound=fused_gate_bound, clamp_bound=clamp_bound)
+                          gate_mode=gate_mode, lower_bound=lower_bound)
   return head_pad.unpad_outputs(o, ht, dk, dv)
 
 
 def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                     output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                    config_overrides, fused_gate_bound, clamp_bound):
+                    config_overrides, gate_mode, lower_bound):
   """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
@@ -344,14 +351,14 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
                                   block_v=block_v, state_programs=q.shape[0] * h,
                                   overrides=config_overrides)
   c = chunk_size
-  fused = fused_gate_bound is not None
+  fused = gate_mode == "fused"
   # Padded rows of a fused gate get -inf, where the gate is exactly 0 (an
   # explicit zero gate), and so is its derivative.
   g_pad = -jnp.inf if fused else 0.0
   varlen = cu_seqlens is not None
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
-               scale=float(scale), varlen=varlen, cfg=cfg, fused_gate_bound=fused_gate_bound,
-               clamp_bound=clamp_bound)
+               scale=float(scale), varlen=varlen, cfg=cfg, gate_mode=gate_mode,
+               lower_bound=lower_bound)
   tensors = (q, k, v, g, beta)
 
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)

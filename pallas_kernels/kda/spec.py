@@ -1,6 +1,6 @@
 """KdaSpec: the static choices of one chunked KDA call, validated once.
 
-The model config builds one (`ModelConfig.kda_spec`), the KDA layer holds it
+The model config holds one (`ModelConfig.kda`), the KDA layer holds it
 and `chunk_kda(..., spec=...)` and the context-parallel path take it whole.
 Direct callers may pass the same choices as `chunk_kda` keyword arguments;
 they are turned into a spec there.
