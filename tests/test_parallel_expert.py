@@ -32,19 +32,22 @@ def _loss_and_grads(layer, x):
   return nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layer, x)
 
 
-@pytest.mark.parametrize("mesh_shape, impl", [((2, 4), "ragged"), ((1, 8), "buffered")])
-def test_lossless_expert_parallel_equals_unsharded_layer(mesh_shape, impl, monkeypatch):
+@pytest.mark.parametrize("mesh_shape, impl, backend", [
+    ((2, 4), "ragged", "auto"), ((1, 8), "buffered", "auto"),
+    ((2, 4), "ragged", "pallas")])  # the grouped matmuls on the received rows
+def test_lossless_expert_parallel_equals_unsharded_layer(mesh_shape, impl, backend, monkeypatch):
   data, expert = mesh_shape
   mesh = make_mesh(MeshConfig(data=data, expert=expert))
   x = jax.random.normal(jax.random.key(1), (8, 8, 32), jnp.float32)
-  plain = _layer(impl=impl)
+  kw = dict(grouped_backend="pallas", expert_hidden=32) if backend == "pallas" else {}
+  plain = _layer(impl=impl, **kw)
   (_, y_ref), (g_ref, dx_ref) = nnx.jit(_loss_and_grads)(plain, x)
 
   calls = []
   real = moe_path.expert_parallel_swiglu
   monkeypatch.setattr(moe_path, "expert_parallel_swiglu",
                       lambda *a, **k: calls.append(1) or real(*a, **k))
-  ep = _layer(impl=impl, expert_parallel=moe_path.ExpertParallel())
+  ep = _layer(impl=impl, expert_parallel=moe_path.ExpertParallel(), **kw)
   graphdef, state = nnx.split(ep)
   state = rules.shard_tree(state, mesh)
   assert state["wi_gate"].get_value().sharding.spec == jax.sharding.PartitionSpec("expert")

@@ -21,7 +21,12 @@ One function, three backends:
   `routed_gmm`, not through `grouped_swiglu`, since it takes the token rows
   and the plan rather than dispatched rows.
 
-"auto" is einsum for the capacity layout and xla for the ragged layout.
+"auto" is einsum for the capacity layout. For the ragged layout it is
+pallas on NVIDIA GPUs, where the caller can run it (it reads token rows
+through a plan, so `routed_swiglu` can and `grouped_swiglu` cannot) and the
+widths are multiples of 16, since XLA's `ragged_dot` there materialises
+every group for every row (192 GiB at a 256-expert layer); xla elsewhere
+(TPUs lower `ragged_dot` to a grouped matmul; the CPU runs tests).
 
 Products take operands in the compute dtype and write the compute dtype
 (tensor cores accumulate in float32), so the backward's products run on the
@@ -36,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.ffn import silu_mul, swiglu
+from pallas_kernels.gmm import config as gmm_config
 
 BACKENDS = ("auto", "einsum", "xla", "tokamax", "pallas")
 # What the ragged (dropless) layout accepts.
@@ -47,12 +53,16 @@ def tokamax_available() -> bool:
   return importlib.util.find_spec("tokamax") is not None
 
 
-def resolve_backend(backend: str, *, capacity: int | None) -> str:
+def resolve_backend(backend: str, *, capacity: int | None,
+                    pallas_widths: tuple[int, ...] | None = None) -> str:
   """The backend "auto" stands for, checked against the layout.
 
   Args:
     backend: one of BACKENDS.
     capacity: the layout's slots per group, None for the ragged layout.
+    pallas_widths: the expert widths (d, h) when the caller can run the
+      "pallas" kernels (it holds the token rows and the plan); None when it
+      takes dispatched rows.
 
   Returns:
     "einsum", "xla", "tokamax" or "pallas".
@@ -60,7 +70,10 @@ def resolve_backend(backend: str, *, capacity: int | None) -> str:
   if backend not in BACKENDS:
     raise ValueError(f"grouped-matmul backend={backend!r}; allowed: {BACKENDS}")
   if backend == "auto":
-    return "einsum" if capacity is not None else "xla"
+    if capacity is not None:
+      return "einsum"
+    pallas_fits = pallas_widths is not None and all(w % 16 == 0 for w in pallas_widths)
+    return "pallas" if pallas_fits and gmm_config.on_gpu() else "xla"
   if backend == "einsum" and capacity is None:
     raise ValueError("grouped-matmul backend='einsum' needs the capacity layout (buffers); "
                      "the ragged (dropless) layout takes 'xla', 'tokamax' or 'auto'")

@@ -46,7 +46,8 @@ class MoEConfig:
       (dropless mode: grouped matmul on tokens sorted by expert) or "dense"
       (every expert on every token; the reference).
     grouped_backend: grouped-matmul backend, one of `grouped_matmul.BACKENDS`
-      ("auto": einsum for "buffered", XLA's ragged_dot for "ragged";
+      ("auto": einsum for "buffered"; for "ragged", "pallas" on NVIDIA
+      GPUs and XLA's ragged_dot elsewhere, `grouped_matmul.resolve_backend`;
       "tokamax" is opt-in, see `grouped_matmul`; "pallas": our grouped
       matmuls for either mode, `routed_gmm`).
     gmm_config: tiles of the "pallas" backend (None: the heuristic,

@@ -207,8 +207,9 @@ def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacit
   Returns:
     [N, d] float32: sum_j w[n, j] * expert_{idx[n, j]}(x[n]).
   """
-  num_experts = wi_gate_edh.shape[0]
-  if grouped_matmul.resolve_backend(backend, capacity=capacity) == "pallas":
+  num_experts, d, hidden = wi_gate_edh.shape
+  backend = grouped_matmul.resolve_backend(backend, capacity=capacity, pallas_widths=(d, hidden))
+  if backend == "pallas":
     cfg = routed_gmm.kernel_config(dtype, gmm_config)
     plan = moe_dispatch.plan_slots(idx_nk, w_nk > 0, num_experts, capacity, positions=positions,
                                    align=cfg.block_m)
@@ -289,7 +290,9 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
                                                                     local_capacity_factor))
     backend = "einsum"
   else:
-    local_cap, backend = None, grouped_backend
+    local_cap = None
+    backend = grouped_matmul.resolve_backend(grouped_backend, capacity=None,
+                                             pallas_widths=(d, wi_gate_edh.shape[2]))
 
   def local(x_nd, idx_nk, w_nk, wi_gate, wi_up, wo):
     expert_nk = idx_nk.astype(jnp.int32)
@@ -305,13 +308,19 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
     recv_e = recv_e.reshape(-1, 1)
     recv_kept = recv_e < e_local
     grouped = moe_dispatch.plan_slots(recv_e, recv_kept, e_local, local_cap)
-    rows = moe_dispatch.dispatch_rows(recv_x.reshape(-1, d), grouped.source_s, grouped.slot_nk)
-    y_sd = grouped_matmul.grouped_swiglu(rows, wi_gate, wi_up, wo,
-                                         group_sizes=grouped.group_sizes, capacity=local_cap,
-                                         backend=backend, dtype=dtype)
-    # Back to received order: with one slot per row this is the same gather
-    # with the roles of the two index maps exchanged.
-    y_r = moe_dispatch.dispatch_rows(y_sd, grouped.slot_nk[:, 0], grouped.source_s[:, None])
+    if backend == "pallas":
+      # The kernels read the received rows through their own plan and write
+      # them back in received order (weight 1 per kept row, 0 per empty slot).
+      y_r = routed_swiglu(recv_x.reshape(-1, d), recv_e, recv_kept.astype(jnp.float32), wi_gate,
+                          wi_up, wo, capacity=None, backend="pallas", dtype=dtype).astype(dtype)
+    else:
+      rows = moe_dispatch.dispatch_rows(recv_x.reshape(-1, d), grouped.source_s, grouped.slot_nk)
+      y_sd = grouped_matmul.grouped_swiglu(rows, wi_gate, wi_up, wo,
+                                           group_sizes=grouped.group_sizes, capacity=local_cap,
+                                           backend=backend, dtype=dtype)
+      # Back to received order: with one slot per row this is the same gather
+      # with the roles of the two index maps exchanged.
+      y_r = moe_dispatch.dispatch_rows(y_sd, grouped.slot_nk[:, 0], grouped.source_s[:, None])
     back = jax.lax.all_to_all(y_r.reshape(n_shards, cap, d), expert_axis, 0, 0, tiled=True)
     y_nd = moe_dispatch.combine_rows(back.reshape(n_shards * cap, d), w_nk, send.slot_nk,
                                      send.assign_s)
@@ -323,9 +332,10 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
 
   tok = P(t_axes if t_axes else None)
   wspec = P(expert_axis)
+  # pallas_call outputs carry no varying-axes type, which check_vma needs.
   y, counts = jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec, wspec),
-                            out_specs=(tok, P()))(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh,
-                                                  wo_ehd)
+                            out_specs=(tok, P()), check_vma=backend != "pallas")(
+                                x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd)
   if return_dropped:
     return y, counts[0] / jnp.maximum(counts[1], 1.0)
   return y

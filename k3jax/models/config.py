@@ -75,8 +75,9 @@ class ModelConfig:
   # the GPU presets' choice), "ragged" (dropless mode: grouped matmul on
   # tokens sorted by expert), "dense" (reference).
   moe_impl: str = "ragged"
-  # Grouped-matmul backend of the ragged mode: "auto" (= "xla", XLA's
-  # ragged_dot), "tokamax" (tokamax's kernel; opt-in, see grouped_matmul) or
+  # Grouped-matmul backend of the ragged mode: "auto" ("pallas" on NVIDIA
+  # GPUs, XLA's ragged_dot elsewhere; see grouped_matmul.resolve_backend),
+  # "xla", "tokamax" (tokamax's kernel; opt-in, see grouped_matmul) or
   # "pallas" (the project's grouped matmuls, `pallas_kernels.gmm`; the one
   # backend that also serves "buffered").
   moe_grouped_backend: str = "auto"
