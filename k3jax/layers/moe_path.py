@@ -31,8 +31,10 @@ axes) and E / P experts (P = expert-axis size). Per device:
 3. the received rows go through the local computation with the local experts
    as groups: "buffered" plans per-local-expert buffers of
    `capacity.local_expert_capacity` rows and runs the batched einsum;
-   "ragged" plans the ragged layout for a grouped matmul. The outputs are
-   gathered back into received order;
+   "ragged" plans the ragged layout for a grouped matmul (the "pallas"
+   kernels, which `"auto"` picks on NVIDIA GPUs, read the received rows
+   through that plan instead of a gathered copy). The outputs are gathered
+   back into received order;
 4. combine: the results travel back with the inverse `all_to_all`, and each
    token's k rows are gathered and summed with the combine weights.
 
