@@ -309,13 +309,15 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
     # Receive side: the local computation on the received rows.
     recv_e = recv_e.reshape(-1, 1)
     recv_kept = recv_e < e_local
-    grouped = moe_dispatch.plan_slots(recv_e, recv_kept, e_local, local_cap)
     if backend == "pallas":
-      # The kernels read the received rows through their own plan and write
-      # them back in received order (weight 1 per kept row, 0 per empty slot).
+      # The kernels read the received rows through their own (ragged) plan and
+      # write them back in received order (weight 1 per kept row, 0 per empty
+      # slot); a ragged layout drops nothing.
       y_r = routed_swiglu(recv_x.reshape(-1, d), recv_e, recv_kept.astype(jnp.float32), wi_gate,
                           wi_up, wo, capacity=None, backend="pallas", dtype=dtype).astype(dtype)
+      local_dropped = jnp.zeros((), jnp.float32)
     else:
+      grouped = moe_dispatch.plan_slots(recv_e, recv_kept, e_local, local_cap)
       rows = moe_dispatch.dispatch_rows(recv_x.reshape(-1, d), grouped.source_s, grouped.slot_nk)
       y_sd = grouped_matmul.grouped_swiglu(rows, wi_gate, wi_up, wo,
                                            group_sizes=grouped.group_sizes, capacity=local_cap,
@@ -323,10 +325,11 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
       # Back to received order: with one slot per row this is the same gather
       # with the roles of the two index maps exchanged.
       y_r = moe_dispatch.dispatch_rows(y_sd, grouped.slot_nk[:, 0], grouped.source_s[:, None])
+      local_dropped = grouped.overflow_count(recv_kept)
     back = jax.lax.all_to_all(y_r.reshape(n_shards, cap, d), expert_axis, 0, 0, tiled=True)
     y_nd = moe_dispatch.combine_rows(back.reshape(n_shards * cap, d), w_nk, send.slot_nk,
                                      send.assign_s)
-    dropped = send.overflow_count(kept_nk) + grouped.overflow_count(recv_kept)
+    dropped = send.overflow_count(kept_nk) + local_dropped
     counts = jnp.stack([dropped, jnp.sum(kept_nk.astype(jnp.float32))])
     if t_axes:
       counts = jax.lax.psum(counts, t_axes)
