@@ -93,6 +93,14 @@ class KernelConfig:
     save_residuals: the forward keeps M, W, A_qk, the entry states and V'
       (and the gated queries and keys of the GPU state pass) for the
       backward instead of recomputing them there. Default True.
+    segment_chunks: None, or the most chunks of a segment: a fixed-length
+      call whose sequences are longer runs them as a scan over segments
+      of at most this many chunks, each under `jax.checkpoint`, so the
+      backward holds one segment's residuals and temporaries at a time
+      (and reruns each segment's forward). Default: None while the call's
+      residuals (`residual_bytes`) fit in RESIDUAL_BUDGET_BYTES, else the
+      most chunks whose residuals fit (`segment_chunks_for`). Packed
+      sequences (cu_seqlens) are never segmented.
     level_anchors: how the pairwise diagonal picks each level's anchor rows
       of G; one of LEVEL_ANCHORS (`kernel_common.anchor_picker`). Default
       "gather" on the GPU, "select" on TPU (the only one Mosaic lowers).
@@ -111,6 +119,7 @@ class KernelConfig:
   intra_bwd_mm_dtype: jnp.dtype = jnp.float32
   save_residuals: bool = True
   level_anchors: str = "select"
+  segment_chunks: int | None = None
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -125,6 +134,10 @@ class KernelConfig:
     if self.is_tpu and self.level_anchors != "select":
       raise ValueError(f"level_anchors={self.level_anchors!r} is not lowered for TPU (backend "
                        f"{self.backend!r}); use 'select'")
+    if self.segment_chunks is not None and (not isinstance(self.segment_chunks, int)
+                                            or self.segment_chunks < 1):
+      raise ValueError(f"segment_chunks must be None or a positive int, got "
+                       f"{self.segment_chunks!r}")
     if self.intra_bwd == "split" and self.is_tpu:
       raise ValueError(f"intra_bwd='split' is not lowered for TPU (backend "
                        f"{self.backend!r}); use 'tiles'")
@@ -221,14 +234,49 @@ WHOLE_V_BWD_MIN_PROGRAMS = 128
 NARROW_BWD_MAX_PROGRAMS = 16
 
 
+# Most bytes of residuals (`residual_bytes`) that one call, or one segment of
+# a long sequence, keeps for its backward by default (`segment_chunks`). At
+# K = V = 128, C = 64 and 16-bit inputs a token-head pair keeps 1792 bytes, so
+# 8 GiB holds 4.8M token-heads: B T = 300k tokens at H = 16. Training shapes
+# stay far below it (B16 T2048 H16: 0.94 GB per layer) and run unsegmented.
+# Why segments and not `save_residuals=False`: on the H200 at B1 T = 2^19 H16
+# the forward+backward program took 45.2 GB saving its residuals and 43.2 GB
+# recomputing them (the recomputed residuals are live with the backward's own
+# temporaries), and at T = 2^20 neither fit; segments bound both
+# (docs/benchmarks.md, "Long sequences").
+RESIDUAL_BUDGET_BYTES = 8 * 2 ** 30
+
+
 class KernelShape(NamedTuple):
   """The sizes the defaults depend on: B * H (batch row, head) pairs, the
-  head dims and the tiles. state_programs None: unknown, taken as many."""
+  head dims and the tiles, and B * Tp * H token-head pairs on the chunk grid.
+  state_programs, token_heads None: unknown (many programs; residuals
+  saved)."""
   head_k: int
   head_v: int
   chunk_size: int
   sub_chunk: int
   state_programs: int | None = None
+  token_heads: int | None = None
+
+
+def residual_bytes(shape: KernelShape, cfg: "KernelConfig") -> int | None:
+  """Bytes the forward keeps for the backward with `save_residuals`, beyond its inputs.
+
+  Per token-head pair: W (K) and A_qk (C) in cfg.mm_dtype; M (C), the
+  per-chunk entry states (K V / C) and V' (V) in cfg.saved_state_dtype; the
+  GPU state pass's gated queries and keys (2 K) in cfg.mm_dtype. G (f32)
+  takes the place of the f32 gate, which is not kept, so it adds nothing.
+  None when shape.token_heads is unknown.
+  """
+  if shape.token_heads is None:
+    return None
+  k, v, c = shape.head_k, shape.head_v, shape.chunk_size
+  mm = jnp.dtype(cfg.mm_dtype).itemsize
+  saved = cfg.saved_state_dtype.itemsize
+  gated = 0 if cfg.is_tpu else 2 * k * mm
+  per_pair = (k + c) * mm + (c + k * v // c + v) * saved + gated
+  return shape.token_heads * per_pair
 
 
 def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
@@ -261,12 +309,26 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
       fields["rec_block_v"] = 32
       if programs <= NARROW_BWD_MAX_PROGRAMS:
         fields["bwd_block_v"] = 32
-  return KernelConfig(**fields)
+  cfg = KernelConfig(**fields)
+  return dataclasses.replace(cfg, segment_chunks=segment_chunks_for(shape, cfg))
+
+
+def segment_chunks_for(shape: KernelShape, cfg: KernelConfig,
+                       budget: int = RESIDUAL_BUDGET_BYTES) -> int | None:
+  """The default `segment_chunks`: None when the call's residuals fit in
+  `budget` bytes (or its size is unknown), else the most chunks per
+  sequence whose residuals, over all B * H rows, do (at least 1)."""
+  kept = residual_bytes(shape, cfg)
+  if kept is None or shape.state_programs is None or kept <= budget:
+    return None
+  chunks = shape.token_heads // (shape.state_programs * shape.chunk_size)
+  per_chunk = kept // max(chunks, 1)
+  return max(1, budget // per_chunk)
 
 
 def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: int,
                 sub_chunk: int, block_v: int | None = None, state_programs: int | None = None,
-                overrides: dict | None = None) -> KernelConfig:
+                token_heads: int | None = None, overrides: dict | None = None) -> KernelConfig:
   """Checks the tile shapes for `backend` and returns its KernelConfig.
 
   Args:
@@ -276,6 +338,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V tile of the state kernels (same as overriding it).
     state_programs: B * H (None: unknown, taken as many).
+    token_heads: B * Tp * H on the chunk grid, which sets the default of
+      save_residuals (None: unknown, residuals saved).
     overrides: KernelConfig fields to set over `heuristic_config`'s.
       `num_warps` there may name only some stages; the others keep their
       defaults. A block_v given here or as the argument sets the reverse
@@ -293,8 +357,8 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
       raise ValueError(f"{name} must be a power of two >= 8 for the pallas kernels, got {n}")
   if chunk_size < 16:
     raise ValueError(f"chunk_size must be >= 16 (tensor-core tile), got {chunk_size}")
-  cfg = heuristic_config(KernelShape(head_k, head_v, chunk_size, sub_chunk, state_programs),
-                         dtype, backend)
+  cfg = heuristic_config(KernelShape(head_k, head_v, chunk_size, sub_chunk, state_programs,
+                                     token_heads), dtype, backend)
   overrides = dict(overrides or {})
   if block_v is not None:
     overrides.setdefault("block_v", block_v)

@@ -234,6 +234,46 @@ def _core_bwd(st, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
+def segment_layout(num_chunks: int, segment_chunks: int | None) -> tuple[int, int]:
+  """(segments, chunks per segment) of a fixed-length call of `num_chunks`
+  chunks: one segment unless `segment_chunks` (KernelConfig) is smaller,
+  else as few segments as allowed, of equal length (the last ones may end
+  in padding chunks)."""
+  if segment_chunks is None or segment_chunks >= num_chunks:
+    return 1, num_chunks
+  segments = -(-num_chunks // segment_chunks)
+  return segments, -(-num_chunks // segments)
+
+
+def _segmented_core(st: _Static, tensors, gate_bias, h0, meta, segments: int):
+  """`_core` over `segments` equal segments of the time axis, in order.
+
+  A `lax.scan` carries the state from one segment to the next; each step is
+  under `jax.checkpoint`, so the forward keeps only the states entering the
+  segments and the backward reruns one segment's forward (saving its
+  residuals as `_core_fwd` does) before that segment's backward. Memory then
+  scales with one segment, at the cost of a second forward pass.
+
+  Args:
+    tensors: q, k, v, g, beta on the grid, [B, S * Ts, H, ...].
+    h0: [B, H, K, V] f32. meta: one segment's (first_n, last_n, seq_n).
+
+  Returns:
+    o [B, S * Ts, H, V], ht [B, H, K, V].
+  """
+  def split(x):  # [B, S * Ts, ...] -> [S, B, Ts, ...] (a reshape when B == 1)
+    return jnp.moveaxis(x.reshape(x.shape[0], segments, -1, *x.shape[2:]), 1, 0)
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def step(state, xs):
+    o, ht = _core(st, *xs, gate_bias, state, *meta)
+    return ht, o
+
+  ht, o = jax.lax.scan(step, h0, [split(x) for x in tensors])
+  o = jnp.moveaxis(o, 0, 1)
+  return o.reshape(o.shape[0], -1, *o.shape[3:]), ht
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
@@ -346,16 +386,20 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
   """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
+  c = chunk_size
+  varlen = cu_seqlens is not None
+  # Chunks on the grid: T padded to whole chunks, or the packed layout's
+  # static ceil(T / C) + N (`tiling.pack_varlen`).
+  grid_chunks = -(-t_len // c) + (cu_seqlens.shape[0] - 1 if varlen else 0)
   cfg = kernel_config.make_config(backend=backend, dtype=q.dtype, head_k=dk, head_v=dv,
                                   chunk_size=chunk_size, sub_chunk=sub_chunk,
                                   block_v=block_v, state_programs=q.shape[0] * h,
+                                  token_heads=b * grid_chunks * c * h,
                                   overrides=config_overrides)
-  c = chunk_size
   fused = gate_mode == "fused"
   # Padded rows of a fused gate get -inf, where the gate is exactly 0 (an
   # explicit zero gate), and so is its derivative.
   g_pad = -jnp.inf if fused else 0.0
-  varlen = cu_seqlens is not None
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
                scale=float(scale), varlen=varlen, cfg=cfg, gate_mode=gate_mode,
                lower_bound=lower_bound)
@@ -364,16 +408,20 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)
 
   if not varlen:
-    if t_len % c:
-      tensors = [jnp.pad(x, [(0, 0), (0, (-t_len) % c)] + [(0, 0)] * (x.ndim - 2),
+    segments, seg_chunks = segment_layout(grid_chunks, cfg.segment_chunks)
+    tp = segments * seg_chunks * c
+    if tp != t_len:
+      tensors = [jnp.pad(x, [(0, 0), (0, tp - t_len)] + [(0, 0)] * (x.ndim - 2),
                          constant_values=fill) for x, fill in zip(tensors, fills)]
-    nc = tensors[0].shape[1] // c
-    chunk = jnp.arange(nc, dtype=jnp.int32)
-    meta = ((chunk == 0).astype(jnp.int32), (chunk == nc - 1).astype(jnp.int32),
-            jnp.zeros((nc,), jnp.int32))
+    chunk = jnp.arange(seg_chunks, dtype=jnp.int32)
+    meta = ((chunk == 0).astype(jnp.int32), (chunk == seg_chunks - 1).astype(jnp.int32),
+            jnp.zeros((seg_chunks,), jnp.int32))
     h0 = (jnp.zeros((b, h, dk, dv), _F32) if initial_state is None
           else initial_state.astype(_F32))
-    o, ht = _core(st, *tensors, gate_bias, h0, *meta)
+    if segments == 1:
+      o, ht = _core(st, *tensors, gate_bias, h0, *meta)
+    else:
+      o, ht = _segmented_core(st, tensors, gate_bias, h0, meta, segments)
     o = o[:, :t_len]
     return o, (ht if output_final_state else None)
 
