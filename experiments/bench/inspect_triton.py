@@ -48,6 +48,7 @@ _OVERRIDES = flags.DEFINE_list("overrides", [], "KernelConfig fields, as bench_k
 _COMPILE = flags.DEFINE_bool("compile", False, "Compile each kernel with the installed triton "
                              "package and print registers, spills and the SASS mix.")
 _KERNELS = flags.DEFINE_string("kernels", ".", "Regex on kernel names to compile.")
+_SUB = flags.DEFINE_integer("sub_chunk", 16, "Diagonal tile length L.")
 _FUSED_GATE = flags.DEFINE_bool("fused_gate", False, "Lower with the gate activation fused "
                                 "into the gate cumsums (gate_activation='bounded_sigmoid').")
 _ATTRIBUTE = flags.DEFINE_bool("attribute", False, "Also count SASS instructions per Triton IR "
@@ -65,7 +66,7 @@ def main(argv):
     raise app.UsageError(f"--shape must be BxTxHxD, got {_SHAPE.value!r}")
   entries = triton_ir.lower_kernels(_OUT.value, shape, _DIAGONAL.value,
                                     bench.parse_overrides(_OVERRIDES.value) or None,
-                                    fused_gate=_FUSED_GATE.value)
+                                    fused_gate=_FUSED_GATE.value, sub_chunk=_SUB.value)
   for entry in entries:
     print(f"{entry['name']:20s} warps={entry['num_warps']} stages={entry['num_stages']} "
           f"{entry['file']}")

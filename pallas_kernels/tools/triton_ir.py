@@ -29,7 +29,8 @@ _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
 
 
 def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str = "dense",
-                  overrides: dict | None = None, fused_gate: bool = False) -> list[dict]:
+                  overrides: dict | None = None, fused_gate: bool = False,
+                  sub_chunk: int = 16) -> list[dict]:
   """Lowers the bf16 forward+VJP for CUDA (sm_90) and writes each kernel's Triton IR.
 
   The kernels are those `api.chunk_kda` runs on a traced gate: on the dense
@@ -41,6 +42,8 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
     overrides: KernelConfig fields (`bench.parse_overrides` output).
     fused_gate: lower with gate_activation="bounded_sigmoid" (a bf16 gate
       pre-activation and an [H, K] bias in place of the f32 log-decay).
+    sub_chunk: L, the diagonal tile (the dense diagonal's bound is scaled
+      to the largest one L allows).
 
   Returns:
     One dict per pallas_call, in launch order: name, num_warps, num_stages,
@@ -51,7 +54,9 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
   with capture_cuda_lowering() as (modules, params):
     b, t, h, d = shape
 
-    gate = dict(lower_bound=-5.0, **(dict(gate_activation="bounded_sigmoid") if fused_gate else {}))
+    bound = -5.0 if sub_chunk <= 16 else -80.0 / (sub_chunk - 1)
+    gate = dict(lower_bound=bound, sub_chunk=sub_chunk,
+                **(dict(gate_activation="bounded_sigmoid") if fused_gate else {}))
 
     def loss(q, k, v, g, beta, *bias):
       # As `api.chunk_kda` runs a traced gate: the dense path clamps it inside the cumsums.
