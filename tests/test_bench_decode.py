@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "bench"))
 import bench_decode  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pallas_kernels.kda import decode  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _finite_positive(row, keys):
@@ -15,7 +16,7 @@ def _finite_positive(row, keys):
 
 
 def test_tilings_parse():
-  assert bench_decode.parse_tilings(["32:4", "128"]) == [(32, 4), (128, 4)]
+  assert bench_decode.parse_tilings(["32:4", "128"]) == [(32, 4), (128, decode.DEFAULT_NUM_WARPS)]
   with pytest.raises(ValueError, match="'32x4' is not BV or BV:num_warps"):
     bench_decode.parse_tilings(["32x4"])
 

@@ -62,7 +62,7 @@ def _define_flags():
   flags.DEFINE_list("implementations", ["naive", "fused", "pallas"],
       f"Decode implementations ({', '.join(decode.DECODE_IMPLEMENTATIONS)}).")
   flags.DEFINE_list("pallas", [f"{decode.DEFAULT_BLOCK_V}:{decode.DEFAULT_NUM_WARPS}",
-      "128:8"],
+      "32:4"],
       "Tilings of the pallas rows, one row each: BV:num_warps (V tile "
       "and warps per program) or BV (default warps).")
   flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "q/k/v/beta dtype.")

@@ -82,8 +82,9 @@ class KDA(nnx.Module):
     fuse_gate: hand the bounded gate's pre-activation to the kernel (see the
       module docstring). Same values either way; the kernel refuses it without
       a lower bound. Default off (`ModelConfig.kda_fuse_gate`).
-    decode_implementation: how `decode` steps the state: "auto" (the fused jnp
-      step on every backend; the Pallas kernel is opt-in) or one of
+    decode_implementation: how `decode` steps the state: "auto" (on the GPU
+      the Pallas kernel for steps of 2 or more tokens, else the fused jnp
+      step; `kda_decode.resolve_decode`) or one of
       `kda_decode.DECODE_IMPLEMENTATIONS` ("pallas" on the CPU runs the
       kernel interpreted).
     dtype: compute dtype of projections and the kernel's q/k/v.
@@ -281,7 +282,7 @@ class KDA(nnx.Module):
       new_cache[name] = window[:, t_new:]
     q, k, v = self._activate(*acts)
     g, beta = self._gates(x_btd)
-    impl = kda_decode.resolve_decode(self.decode_implementation)
+    impl = kda_decode.resolve_decode(self.decode_implementation, t_new, self.head_dim)
     o, state = kda_decode.kda_decode_step(
         q, k, v, g, beta, cache["state"].astype(jnp.float32), implementation=impl,
         interpret=impl == "pallas" and jax.default_backend() == "cpu")

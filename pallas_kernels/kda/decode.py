@@ -20,8 +20,12 @@ memory bandwidth (`state_roofline_s`). Implementations (`DECODE_IMPLEMENTATIONS`
 * "naive": `reference.naive_recurrent_kda` (a `lax.scan` of einsums), the
   source of truth.
 
-"auto" is "fused" on every backend (`resolve_decode`): the kernel is opt-in
-until `experiments/bench/bench_decode.py` has timed both on the GPU.
+"auto" (`resolve_decode`) picks what measured fastest: on the GPU the kernel
+for steps of 2 or more tokens and the fused step for single tokens, the fused
+step elsewhere. On one H200 (H16, K = V = 128, bf16; docs/benchmarks.md,
+"Decode step") the kernel with BV 128 and 8 warps took 0.78x / 0.72x the
+fused step's time at 4 tokens (B 8 / 64) and 0.53x at 16 (B 8), and 1.31x /
+0.97x at 1 token.
 """
 from __future__ import annotations
 
@@ -39,17 +43,28 @@ DECODE_IMPLEMENTATIONS = ("pallas", "fused", "naive")
 # Tokens per call: the kernel unrolls its token loop, so the step is meant for
 # decoding and short drafts; longer spans belong to the chunked prefill.
 MAX_DECODE_TOKENS = 16
-DEFAULT_BLOCK_V = 32
-DEFAULT_NUM_WARPS = 4
+# The kernel's default tiling: V tiles of up to 128 columns, 8 warps (on the
+# H200 2.0x faster than BV 32 with 4 warps at 1 token, 1.6x at 4, B 8).
+DEFAULT_BLOCK_V = 128
+DEFAULT_NUM_WARPS = 8
 
 _F32 = jnp.float32
 
 
-def resolve_decode(implementation: str) -> str:
-  """"auto" -> "fused" (the kernel has not been timed against it on a GPU yet);
-  others are checked and returned."""
+def resolve_decode(implementation: str, t_new: int | None = None, head_k: int | None = None,
+                   platform: str | None = None) -> str:
+  """The implementation a step of `t_new` tokens at head width `head_k` runs on `platform`.
+
+  "auto" is "pallas" on the GPU ("gpu") for t_new >= 2 when K is a power of
+  two (the kernel's Triton tiles), else "fused" (module docstring); t_new
+  None (unknown) resolves like 1. platform defaults to
+  `jax.default_backend()`. Other names are checked and returned.
+  """
   if implementation == "auto":
-    return "fused"
+    platform = jax.default_backend() if platform is None else platform
+    multi = t_new is not None and t_new >= 2
+    tiles = head_k is None or _is_pow2(head_k)
+    return "pallas" if platform == "gpu" and multi and tiles else "fused"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"decode implementation must be 'auto' or one of {DECODE_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
@@ -101,7 +116,7 @@ def kda_decode_step(q, k, v, g, beta, state, *, scale=None, implementation: str 
     scale: multiplies q; defaults to K ** -0.5.
     implementation: "auto" or one of DECODE_IMPLEMENTATIONS (module docstring).
     block_v: "pallas" only: V tile BV of one program (a power of two dividing
-      V; default min(DEFAULT_BLOCK_V, V)).
+      V; default the largest power of two dividing V, at most DEFAULT_BLOCK_V).
     num_warps: "pallas" on the GPU only: warps per program (default
       DEFAULT_NUM_WARPS).
     interpret: "pallas" only: run the kernel interpreted (CPU tests).
@@ -110,7 +125,7 @@ def kda_decode_step(q, k, v, g, beta, state, *, scale=None, implementation: str 
     (o [B, T_new, H, V] in q.dtype, new state [B, H, K, V] float32).
   """
   scale, g = _validate(q, k, v, g, beta, state, scale)
-  impl = resolve_decode(implementation)
+  impl = resolve_decode(implementation, q.shape[1], q.shape[-1])
   if impl != "pallas" and (block_v is not None or num_warps is not None):
     raise ValueError(f"block_v / num_warps tune the 'pallas' decode kernel; implementation="
                      f"{implementation!r} resolved to {impl!r}")
@@ -177,7 +192,7 @@ def decode_step_pallas(q, k, v, g, beta, state, *, scale: float, block_v: int | 
   """
   b, t_new, h, dk = q.shape
   dv = v.shape[-1]
-  bv = min(DEFAULT_BLOCK_V, dv) if block_v is None else block_v
+  bv = min(DEFAULT_BLOCK_V, dv & -dv) if block_v is None else block_v
   if not (isinstance(bv, int) and _is_pow2(bv) and dv % bv == 0):
     raise ValueError(f"block_v must be a power of two dividing V={dv}, got {block_v!r}")
   if not _is_pow2(dk):
