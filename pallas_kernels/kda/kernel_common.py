@@ -300,7 +300,7 @@ def state_decay_grad(ds, s, g_last):
 
 
 def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig,
-                    score_dtype, tile_product, qk_diagonal):
+                    score_dtype, tile_product, qk_diagonal, levels: bool = True):
   """Adds the gradients through a chunk's anchored score products (all row tiles).
 
   Scores: A_qk = sum_r (q row_r)(k col_r)^T, A_kk = beta (k row_r)(k col_r)^T,
@@ -339,6 +339,8 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
       blocks (`same_block`); operands rounded to the score dtype; x [C, K']
       in the score dtype, result [C, K'] f32.
     qk_diagonal(): [C, 1] f32, the diagonal of dA_qk (`pairwise` only).
+    levels: pairwise only: add the diagonal tiles' terms (the levels and
+      A_qk's diagonal) here; False when `kernel_diag.diag_grads` has.
 
   Returns:
     grads plus the score terms: dq += the row side of dA_qk; dk += both
@@ -373,7 +375,7 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
   for r in range(1 if diagonal == "pairwise" else 0, c // ell):
     anchor = g_ref[pl.ds(r * ell, 1), :]
     fold(*tile_factors(g, anchor, r, ell, diagonal), None)
-  if diagonal == "pairwise":
+  if diagonal == "pairwise" and levels:
     for s in pair_levels(ell):
       fold(*level_factors(g, s, anchor_picker(cfg, g_ref)), 2 * s)
     d_qk = qk_diagonal()           # A_qk[i, i] = q_i . k_i: no decay, no dG term

@@ -43,11 +43,11 @@ LEVEL_ANCHORS = ("gather", "reshape", "select")
 # "state_rec" then "output_fwd", the TPU one "state_fwd"; the split intra
 # backward is "intra_bwd_cc" then "intra_bwd_k", the one-program one "intra_bwd").
 STAGES = ("cumsum", "intra_fwd", "state_fwd", "state_rec", "output_fwd", "state_bwd",
-          "intra_bwd", "intra_bwd_cc", "intra_bwd_k")
+          "intra_bwd", "intra_bwd_cc", "intra_bwd_k", "diag_fwd", "diag_bwd")
 
 _DEFAULT_WARPS = (("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("state_rec", 4),
                   ("output_fwd", 4), ("state_bwd", 4), ("intra_bwd", 8), ("intra_bwd_cc", 4),
-                  ("intra_bwd_k", 4))
+                  ("intra_bwd_k", 4), ("diag_fwd", 4), ("diag_bwd", 4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +104,13 @@ class KernelConfig:
     level_anchors: how the pairwise diagonal picks each level's anchor rows
       of G; one of LEVEL_ANCHORS (`kernel_common.anchor_picker`). Default
       "gather" on the GPU, "select" on TPU (the only one Mosaic lowers).
+    diag_kernels: the pairwise diagonal's tiles in kernels of their own
+      (`kernel_diag`: one L-row tile at a time, [L, L] and [L, block_k]
+      products), the intra-chunk kernels doing only the off-diagonal tiles;
+      False: the intra-chunk kernels form them too, as [C, C] masked
+      products per level. Needs the blocked inverse and the split backward.
+      Default True wherever those are the defaults (the GPU at
+      sub_chunk >= 16). Only read with diagonal="pairwise".
   """
   backend: str
   block_v: int
@@ -120,6 +127,7 @@ class KernelConfig:
   save_residuals: bool = True
   level_anchors: str = "select"
   segment_chunks: int | None = None
+  diag_kernels: bool = False
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -138,6 +146,10 @@ class KernelConfig:
                                             or self.segment_chunks < 1):
       raise ValueError(f"segment_chunks must be None or a positive int, got "
                        f"{self.segment_chunks!r}")
+    if self.diag_kernels and (self.inverse != "blocked" or self.intra_bwd != "split"):
+      raise ValueError(f"diag_kernels=True needs inverse='blocked' and intra_bwd='split' (the "
+                       f"bodies that take their tiles), got inverse={self.inverse!r}, "
+                       f"intra_bwd={self.intra_bwd!r}; use diag_kernels=False")
     if self.intra_bwd == "split" and self.is_tpu:
       raise ValueError(f"intra_bwd='split' is not lowered for TPU (backend "
                        f"{self.backend!r}); use 'tiles'")
@@ -298,7 +310,8 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
       intra_bwd="split" if not on_tpu and ell >= 16 else "tiles",
       mm_dtype=mm_dtype,
       intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32),
-      level_anchors="select" if on_tpu else "gather")
+      level_anchors="select" if on_tpu else "gather",
+      diag_kernels=not on_tpu and ell >= 16)
   # Measured with 16-bit operands only; f32 ones double the pipelined buffers.
   if not on_tpu and dk == dv == 128 and mm_dtype != jnp.float32:
     programs = shape.state_programs
@@ -374,6 +387,9 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
       raise ValueError(f"num_warps names unknown stages {sorted(unknown)}; stages are {STAGES}")
     base = _DEFAULT_WARPS if "block_v" in overrides else cfg.num_warps
     overrides["num_warps"] = tuple({**dict(base), **dict(overrides["num_warps"])}.items())
+  if "diag_kernels" not in overrides and (overrides.get("inverse", cfg.inverse) != "blocked" or
+                                          overrides.get("intra_bwd", cfg.intra_bwd) != "split"):
+    overrides["diag_kernels"] = False     # the other bodies form the diagonal tiles themselves
   cfg = dataclasses.replace(cfg, **overrides)
   if not is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")

@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_score_grads, chunk_specs, dot,
                                               exp, iota, k_slices, same_block,
                                               state_decay_grad)
+from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -137,16 +138,19 @@ def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, 
 
 
 def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, vn_ref, du_ref,
-                        da_ref, daq_ref, dat_ref, daqt_ref, dq_ref, dk_ref, dg_ref, dbeta_ref,
-                        *, scale, ell, diagonal, cfg):
+                        da_ref, daq_ref, dat_ref, daqt_ref, *refs, scale, ell, diagonal, cfg,
+                        diag_grads):
   """Per-channel gradients of one K slice of one chunk (kernel 2). Block shapes:
 
   q_ref, k_ref, g_ref [C, BK] (BK = cfg.bwd_block_k); beta_ref [C, 1]; do_ref,
   vn_ref, du_ref [C, V]; hs_ref, dhs_ref [BK, V] (rows of the entry state and
   of the exit-state gradient); da_ref, daq_ref, dat_ref, daqt_ref [C, C].
-  Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32 (this
-  slice's part).
+  With `diag_grads`, three more [C, BK] f32 refs: the pairwise diagonal
+  tiles' dq, dk and dG (`kernel_diag.diag_grads`), where the accumulators
+  start. Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32
+  (this slice's part).
   """
+  init, (dq_ref, dk_ref, dg_ref, dbeta_ref) = (refs[:3], refs[3:]) if diag_grads else (None, refs)
   sdt = cfg.mm_dtype       # the score products' operands, as in the forward
   cfg = cfg.backward()
   c = q_ref.shape[0]
@@ -159,6 +163,8 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   row_c = iota((c, 1), 0)
   dq, dk, dgc, dbeta, dglast = state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref,
                                                 s, ds, cfg, last_row=True)
+  if init is not None:
+    dq, dk, dgc = (acc + ref[...] for acc, ref in zip((dq, dk, dgc), init))
 
   # Scores (`kernel_common.add_score_grads`): every product reads a whole stored
   # [C, C] gradient; the row side's plain products, the column side's the
@@ -178,7 +184,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   dq, dk, dbeta, dgc = add_score_grads(
       (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
       diagonal=diagonal, cfg=cfg, score_dtype=sdt, tile_product=tile_product,
-      qk_diagonal=qk_diagonal)
+      qk_diagonal=qk_diagonal, levels=not diag_grads)
   dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
 
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -210,9 +216,16 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     raise ValueError(f"sub_chunk must divide chunk_size={chunk_size}, got {sub_chunk}")
   dv, dbeta_v, *cc = intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, heads=heads,
                                   chunk_size=chunk_size, cfg=cfg, dv_dtype=grad_dtype)
+  diag = None
+  if diagonal == "pairwise" and cfg.diag_kernels:
+    *diag, dbeta_d = kernel_diag.diag_grads(q, k, g_cum, beta, *cc[1:], heads=heads,
+                                            chunk_size=chunk_size, sub_chunk=sub_chunk,
+                                            scale=scale, cfg=cfg)
+    dbeta_v = dbeta_v + dbeta_d
   dq, dk, dg, dbeta_k = intra_bwd_k(
       q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads, chunk_size=chunk_size,
-      sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg, grad_dtype=grad_dtype)
+      sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg, grad_dtype=grad_dtype,
+      diag=diag)
   return IntraBwdOut(dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2))
 
 
@@ -247,10 +260,14 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
 
 
 def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *, heads,
-                chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32):
+                chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32,
+                diag=None):
   """Kernel 2 of the split backward, grid (B, H, NC, K / bwd_block_k).
 
-  Args: as `intra_bwd_split`, plus kernel 1's dU~, dA, dAqk, dA^T, dAqk^T.
+  Args: as `intra_bwd_split`, plus kernel 1's dU~, dA, dAqk, dA^T, dAqk^T;
+    diag: None, or the pairwise diagonal tiles' (dq, dk, dG) [B, Tp, H*K]
+    f32 from `kernel_diag.diag_grads` (this kernel then adds only the
+    off-diagonal tiles' terms to them).
 
   Returns:
     dq, dk [B, Tp, H*K] (grad_dtype), dG [B, Tp, H*K] f32, dbeta's per-slice
@@ -269,13 +286,15 @@ def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *
   srows = pl.BlockSpec((None, None, bk, dv_), lambda ib, ih, ic, ik: (ib, ih, ic * nk + ik, 0))
   bpart = pl.BlockSpec((None, None, None, c, 1), lambda ib, ih, ic, ik: (ib, ih, ik, ic, 0))
   kernel = functools.partial(_intra_bwd_k_kernel, scale=scale, ell=sub_chunk,
-                             diagonal=diagonal, cfg=cfg)
+                             diagonal=diagonal, cfg=cfg, diag_grads=diag is not None)
+  diag = list(diag or ())
   return pl.pallas_call(
       kernel, grid=(b, h, nc, nk),
-      in_specs=[kslice, kslice, kslice, bfull, vfull, srows, srows, vfull, vfull] + [cfull] * 4,
+      in_specs=[kslice, kslice, kslice, bfull, vfull, srows, srows, vfull, vfull] + [cfull] * 4
+      + [kslice] * len(diag),
       out_specs=[kslice] * 3 + [bpart],
       out_shape=[jax.ShapeDtypeStruct((b, tp, hk), grad_dtype)] * 2
       + [jax.ShapeDtypeStruct((b, tp, hk), _F32), jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
       compiler_params=cfg.compiler_params("intra_bwd_k", grid_rank=4),
       interpret=cfg.interpret, name="kda_intra_bwd_k",
-  )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt)
+  )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *diag)

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices,
                                               anchor_picker, level_factors, pair_levels,
                                               same_block, tile_factors)
+from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -156,7 +157,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
 
 
 def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell,
-                          diagonal, cfg):
+                          diagonal, cfg, levels=True):
   """Adds one K slice's anchored score products to the [C, C] accumulators.
 
   The decay e^{G_i - G_j} is a per-channel product, so the scores
@@ -168,12 +169,15 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
       diagonal; the caller masks).
     ks: static `pl.ds` of the slice's BK channels.
 
+    levels: pairwise only: form the diagonal tiles here; False when
+      `kernel_diag.diag_scores` has formed them.
+
   Returns:
     (p_qk, p_kk) plus this slice's diagonal-tile products (dense: one
-    anchored product per score; pairwise: `_level_slice_scores`) and
-    off-diagonal-tile products.
+    anchored product per score; pairwise: `_level_slice_scores`, with
+    `levels`) and off-diagonal-tile products.
   """
-  if diagonal == "pairwise":
+  if diagonal == "pairwise" and levels:
     # First, while none of the anchored operands below is live.
     p_qk, p_kk = _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
                                      scale=scale, ell=ell, cfg=cfg)
@@ -239,17 +243,20 @@ def _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale,
   return p_qk + jnp.where(eye, jnp.sum(xq * k, axis=1, keepdims=True), 0.0), p_kk
 
 
-def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
-                              *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
+def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, ell, diagonal,
+                              cfg, save_m, save_gated, diag_tiles):
   """K-sliced scores and the blocked inverse (`inverse="blocked"`), then W and U:
-  `blocked_scores_inverse` followed by `write_w_u` in one program."""
+  `blocked_scores_inverse` followed by `write_w_u` in one program. With
+  `diag_tiles` the first two refs are `kernel_diag.diag_scores`' [C, L] tiles."""
+  tiles, (w_ref, u_ref, aqk_ref, *opt_refs) = (refs[:2], refs[2:]) if diag_tiles else (None, refs)
   m = blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, scale=scale, ell=ell,
-                             diagonal=diagonal, cfg=cfg)
+                             diagonal=diagonal, cfg=cfg, diag_tiles=tiles)
   write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, scale=scale,
                 cfg=cfg, save_m=save_m, save_gated=save_gated)
 
 
-def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell, diagonal, cfg):
+def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell, diagonal, cfg,
+                           diag_tiles=None):
   """One chunk's anchored scores and M = (I + A_kk)^-1; writes A_qk.
 
   Scores, with a_r = G[r L] the first row of tile r and t(i) the tile of row i:
@@ -274,6 +281,8 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     q_ref, k_ref, g_ref: [C, K] refs of one chunk; beta_ref [C, 1];
     aqk_ref: [C, C] output ref of A_qk (lower triangle, zero above).
     cfg: the kernel config.
+    diag_tiles: pairwise only: None (form the diagonal tiles here), or the
+      [C, L] refs of their A_qk and A_kk from `kernel_diag.diag_scores`.
 
   Returns:
     M [C, C] f32.
@@ -284,10 +293,14 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     raise ValueError(f"block_k must divide K={dk}, got {bk}")
   slices = k_slices(cfg, dk)
   row, col = iota((c, 1), 0), iota((1, c), 1)
-  p_qk = p_kk = jnp.zeros((c, c), _F32)
+  if diag_tiles is None:
+    p_qk = p_kk = jnp.zeros((c, c), _F32)
+  else:
+    p_qk, p_kk = (kernel_diag.expand_tiles(ref, ell) for ref in diag_tiles)
   for ks in slices:
     p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
-                                       scale=scale, ell=ell, diagonal=diagonal, cfg=cfg)
+                                       scale=scale, ell=ell, diagonal=diagonal, cfg=cfg,
+                                       levels=diag_tiles is None)
   aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
   return recursive_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
                                       dtype=cfg.mm_dtype)
@@ -346,6 +359,9 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
               m_dtype=_F32):
   """Runs the intra-chunk kernel (body by `cfg.inverse`).
 
+  With the pairwise diagonal and `cfg.diag_kernels`, `kernel_diag.diag_scores`
+  forms the diagonal tiles first and the blocked body adds them.
+
   Args:
     q, k: [B, Tp, H*K]; v: [B, Tp, H*V]; g_cum: [B, Tp, H*K] f32 within-chunk
       cumsum; beta: [B, H, Tp, 1] f32.
@@ -375,16 +391,26 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
   if save_gated:
     out_shape += [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * 2
     out_specs += [kspec] * 2
-  body = _intra_fwd_blocked_kernel if cfg.inverse == "blocked" else _intra_fwd_kernel
-  kernel = functools.partial(body, scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg,
-                             save_m=save_m, save_gated=save_gated)
+  kw = dict(scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg, save_m=save_m,
+            save_gated=save_gated)
+  args, in_specs = [q, k, v, g_cum, beta], [kspec, kspec, vspec, kspec, bspec]
+  if cfg.inverse == "blocked":
+    diag_tiles = diagonal == "pairwise" and cfg.diag_kernels
+    kernel = functools.partial(_intra_fwd_blocked_kernel, diag_tiles=diag_tiles, **kw)
+    if diag_tiles:
+      args += kernel_diag.diag_scores(q, k, g_cum, beta, heads=h, chunk_size=c,
+                                      sub_chunk=sub_chunk, scale=scale, cfg=cfg)
+      in_specs += [pl.BlockSpec((None, None, c, sub_chunk),
+                                lambda ib, ih, ic: (ib, ih, ic, 0))] * 2
+  else:
+    kernel = functools.partial(_intra_fwd_kernel, **kw)
   w, u, a_qk, *rest = pl.pallas_call(
       kernel, grid=(b, h, nc),
-      in_specs=[kspec, kspec, vspec, kspec, bspec],
+      in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=cfg.compiler_params("intra_fwd"),
       interpret=cfg.interpret, name="kda_intra_fwd",
-  )(q, k, v, g_cum, beta)
+  )(*args)
   m = rest.pop(0) if save_m else None
   kg, qg = rest if save_gated else (None, None)
   return IntraFwdOut(w, u, a_qk, m, kg, qg)

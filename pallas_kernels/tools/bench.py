@@ -6,6 +6,7 @@ timing happens at import.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda import api
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
+from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda import kernel_gate_cumsum
 from pallas_kernels.kda import kernel_intra_bwd
 from pallas_kernels.kda import kernel_intra_bwd_split
@@ -139,7 +141,9 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   XLA's plain one, for comparison), intra_fwd, state_fwd, the training forward's variants
   (intra_fwd with M, state_fwd saving the entry states and V'), state_bwd,
   intra_bwd, when the split backward runs its two kernels alone
-  (intra_bwd_cc, intra_bwd_k), and the reverse cumsum giving dg
+  (intra_bwd_cc, intra_bwd_k; with the pairwise diagonal's own kernels,
+  `KernelConfig.diag_kernels`, also diag_fwd, inside intra_fwd, and
+  diag_bwd, before intra_bwd_k), and the reverse cumsum giving dg
   (dg_cumsum). With the split forward state pass (`kernel_state_split`),
   state_fwd is its two kernels together, also timed alone (state_rec and
   output_fwd, with the storage dtypes of training). `interpret` runs the
@@ -236,7 +240,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   sb_args = (*(gated_qk or (q2, k2)), g_cum, w, a_qk, do2, h0)
   sb = jax.jit(lambda *a: kernel_state_bwd.state_bwd(meta, *a, varlen=False,
                                                      gated=gated_qk is not None, **kw))
-  needs_bwd = stages is None or {"state_bwd", "intra_bwd", "intra_bwd_cc",
+  needs_bwd = stages is None or {"state_bwd", "intra_bwd", "intra_bwd_cc", "diag_bwd",
                                  "intra_bwd_k"} & set(stages)
   dv_new, dhs, _ = sb(*sb_args) if needs_bwd else (None, None, None)
   intra_bwd = (kernel_intra_bwd_split.intra_bwd_split if cfg.intra_bwd == "split"
@@ -248,14 +252,24 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
     cc_args = (k2, v2, g_cum, beta_t, do2, hs, v_new, dv_new, m)
     cc_kw = {n: kw[n] for n in ("heads", "chunk_size", "cfg")}
     cc_fn = jax.jit(lambda *a: kernel_intra_bwd_split.intra_bwd_cc(*a, **cc_kw))
-    k_fn = jax.jit(lambda *a: kernel_intra_bwd_split.intra_bwd_k(
-        *a, sub_chunk=sub_chunk, diagonal=diagonal, **kw))
     split = {"intra_bwd_cc": (cc_fn, *cc_args)}
-    if want("intra_bwd_k"):
-      split["intra_bwd_k"] = (k_fn, q2, k2, g_cum, beta_t, do2, hs, dhs, v_new,
-                              *cc_fn(*cc_args)[2:])
+    pairwise_tiles = diagonal == "pairwise" and cfg.diag_kernels
+    if want("intra_bwd_k") or (pairwise_tiles and want("diag_bwd")):
+      cc = cc_fn(*cc_args)[2:]
+      diag = None
+      if pairwise_tiles:
+        diag_fn = jax.jit(lambda *a: kernel_diag.diag_grads(*a, sub_chunk=sub_chunk, **kw))
+        split["diag_bwd"] = (diag_fn, q2, k2, g_cum, beta_t, *cc[1:])
+        diag = diag_fn(q2, k2, g_cum, beta_t, *cc[1:])[:3]
+      k_fn = jax.jit(lambda *a, diag: kernel_intra_bwd_split.intra_bwd_k(
+          *a, sub_chunk=sub_chunk, diagonal=diagonal, diag=diag, **kw))
+      split["intra_bwd_k"] = (functools.partial(k_fn, diag=diag), q2, k2, g_cum, beta_t, do2,
+                              hs, dhs, v_new, *cc)
   timed("cumsum", cums, g2)
   timed("cumsum_xla", cums_xla, g2)
+  if diagonal == "pairwise" and cfg.diag_kernels:
+    timed("diag_fwd", jax.jit(lambda *a: kernel_diag.diag_scores(*a, sub_chunk=sub_chunk, **kw)),
+          q2, k2, g_cum, beta_t)
   timed("intra_fwd", intra, q2, k2, v2, g_cum, beta_t)
   timed("state_fwd", state, *args)
   timed("intra_fwd+M", intra_m, q2, k2, v2, g_cum, beta_t)
@@ -271,9 +285,9 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
 
 
 # Every stage `stage_times_ms` can time, in its order.
-ALL_STAGES = ("cumsum", "cumsum_xla", "intra_fwd", "state_fwd", "intra_fwd+M", "state_fwd+save",
-              "state_rec", "output_fwd", "state_bwd", "intra_bwd", "intra_bwd_cc",
-              "intra_bwd_k", "dg_cumsum")
+ALL_STAGES = ("cumsum", "cumsum_xla", "diag_fwd", "intra_fwd", "state_fwd", "intra_fwd+M",
+              "state_fwd+save", "state_rec", "output_fwd", "state_bwd", "intra_bwd",
+              "intra_bwd_cc", "diag_bwd", "intra_bwd_k", "dg_cumsum")
 
 
 def parse_overrides(items):
