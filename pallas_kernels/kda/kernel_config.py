@@ -111,6 +111,8 @@ class KernelConfig:
       products per level. Needs the blocked inverse and the split backward.
       Default True wherever those are the defaults (the GPU at
       sub_chunk >= 16). Only read with diagonal="pairwise".
+    diag_block_k: K slice of both `kernel_diag` kernels; a power of two
+      dividing K. Default min(K, 64).
   """
   backend: str
   block_v: int
@@ -128,6 +130,7 @@ class KernelConfig:
   level_anchors: str = "select"
   segment_chunks: int | None = None
   diag_kernels: bool = False
+  diag_block_k: int = 64
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -311,7 +314,8 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
       mm_dtype=mm_dtype,
       intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32),
       level_anchors="select" if on_tpu else "gather",
-      diag_kernels=not on_tpu and ell >= 16)
+      diag_kernels=not on_tpu and ell >= 16,
+      diag_block_k=min(dk, 64))
   # Measured with 16-bit operands only; f32 ones double the pipelined buffers.
   if not on_tpu and dk == dv == 128 and mm_dtype != jnp.float32:
     programs = shape.state_programs
@@ -399,7 +403,7 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
                               or (backend == "triton" and width < 16)):
       raise ValueError(f"{name} must be None or a power of two dividing V={head_v} (>= 16 on "
                        f"the GPU: a dot dim), got {width}")
-  for name in ("block_k", "bwd_block_k"):
+  for name in ("block_k", "bwd_block_k", "diag_block_k"):
     width = getattr(cfg, name)
     if not is_pow2(width) or head_k % width or (backend == "triton" and width < 16):
       raise ValueError(f"{name} must be a power of two dividing K={head_k} (>= 16 on the "

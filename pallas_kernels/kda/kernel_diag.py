@@ -6,8 +6,8 @@ of `kernel_common.level_factors`: log2(L) levels, one masked product per
 level and score. Inside the intra-chunk kernels those products are [C, C]
 (every level of every tile at once) and run next to all the other terms of
 the chunk, at the register cap. Here they run alone, one diagonal tile at a
-time: every operand is [L, block_k] and every product [L, L] (forward) or
-[L, block_k] (backward), so the tile's levels fit in registers. The
+time: every operand is [L, diag_block_k] and every product [L, L] (forward)
+or [L, diag_block_k] (backward), so the tile's levels fit in registers. The
 intra-chunk kernels then do only what the dense diagonal does off the
 diagonal tiles, and take these kernels' results:
 
@@ -45,13 +45,13 @@ def _tile_scores(q_ref, k_ref, g_ref, beta_ref, start, *, scale, ell, cfg):
   """(A_qk, A_kk) [L, L] f32 of the diagonal tile whose first row is `start`.
 
   A_qk holds j <= i (its diagonal q_i . k_i, no decay), A_kk j < i; both
-  summed over K slices of cfg.block_k, one masked product per level and slice.
+  summed over K slices of cfg.diag_block_k, one masked product per level and slice.
   """
   rows = pl.ds(start, ell)
   beta = beta_ref[rows, :]
   s_qk = s_kk = jnp.zeros((ell, ell), _F32)
   eye = iota((ell, 1), 0) == iota((1, ell), 1)
-  for ks in k_slices(cfg, q_ref.shape[1]):
+  for ks in k_slices(cfg, q_ref.shape[1], cfg.diag_block_k):
     g = g_ref[rows, ks]
     q = q_ref[rows, ks].astype(_F32) * scale
     k = k_ref[rows, ks].astype(_F32)
@@ -133,7 +133,7 @@ def _diag_grads_kernel(q_ref, k_ref, g_ref, beta_ref, da_ref, daq_ref, dat_ref, 
     d_qk = jnp.sum(jnp.where(eye, blocks["q_row"].astype(_F32), 0.0), axis=1, keepdims=True)
     beta = beta_ref[rows, :]
     dbeta = jnp.zeros((ell, 1), _F32)
-    for ks in k_slices(cfg, q_ref.shape[1]):
+    for ks in k_slices(cfg, q_ref.shape[1], cfg.diag_block_k):
       g = g_ref[rows, ks]
       q = q_ref[rows, ks].astype(_F32) * scale
       k = k_ref[rows, ks].astype(_F32)
