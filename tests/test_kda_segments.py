@@ -56,9 +56,29 @@ def test_segments_match_naive(segment_chunks):
     assert err < 2e-5, f"{name}: {err:.2e}"
 
 
+def test_segments_with_the_fused_gate():
+  """The gate's pre-activation and bias through three segments: outputs and
+  the gradients of the pre-activation and the bias equal one whole call's."""
+  x = make_inputs(38, batch=1, seq_len=100, heads=2, dk=16, dv=16)
+  pre = jax.random.normal(jax.random.key(39), x.g.shape)
+  bias = 0.5 * jax.random.normal(jax.random.key(40), (2, 16))
+  do = jax.random.normal(jax.random.key(41), x.v.shape)
+
+  def run(segment_chunks):
+    fn = _pallas(segment_chunks, interpret=True, chunk_size=16,
+                 gate_activation="bounded_sigmoid")
+    o, vjp = jax.vjp(lambda q, g, b: fn(q, x.k, x.v, g, x.beta, gate_bias=b)[0], x.q, pre, bias)
+    return o, vjp(do)
+
+  whole, seg = jax.jit(lambda: run(None))(), jax.jit(lambda: run(3))()
+  for name, a, r in zip(("o", "dq", "dg", "dbias"), jax.tree.leaves(seg), jax.tree.leaves(whole)):
+    assert rel_err(a, r, jnp.float32) < 1e-5, name
+
+
 def test_segments_bound_the_backward_temporaries():
   """The compiled gradient program's temporaries shrink with the segment:
-  one 32-chunk segment of 256 keeps well under half of the whole call's."""
+  with 32-chunk segments of 256 they are under a fifth of the whole call's
+  (3.2 against 17.8 MB when written)."""
   x = make_inputs(33, batch=1, seq_len=4096, heads=2, dk=16, dv=16)
 
   def temp_bytes(segment_chunks):
@@ -68,7 +88,7 @@ def test_segments_bound_the_backward_temporaries():
     return compiled.memory_analysis().temp_size_in_bytes
 
   whole, segmented = temp_bytes(None), temp_bytes(32)
-  assert segmented < 0.5 * whole, (segmented, whole)
+  assert segmented < 0.2 * whole, (segmented, whole)
 
 
 def _default(b, t, h, d, dtype=jnp.bfloat16, backend="triton"):
@@ -79,15 +99,15 @@ def _default(b, t, h, d, dtype=jnp.bfloat16, backend="triton"):
 
 def test_policy_segments_the_million_token_shape():
   """B1 T = 2^20 H16 K = V = 128 bf16 keeps 28 GiB of residuals (1792 bytes a
-  token-head): four segments of 2^18 tokens, 7 GiB each; training and
-  benchmark shapes stay whole."""
+  token-head): two segments of 2^19 tokens, 14 GiB each; training and
+  benchmark shapes, and T = 2^19 itself, stay whole."""
   shape, cfg = _default(1, 2 ** 20, 16, 128)
   assert kernel_config.residual_bytes(shape, cfg) == 2 ** 20 * 16 * 1792
   assert cfg.segment_chunks == kernel_config.RESIDUAL_BUDGET_BYTES // (16 * 64 * 1792)
   segments, chunks = pallas_op.segment_layout(2 ** 20 // 64, cfg.segment_chunks)
-  assert (segments, chunks * 64) == (4, 2 ** 18)
+  assert (segments, chunks * 64) == (2, 2 ** 19)
   assert 16 * chunks * 64 * 1792 <= kernel_config.RESIDUAL_BUDGET_BYTES
-  for b, t in ((16, 2048), (4, 8192), (1, 32768), (16, 8192)):
+  for b, t in ((16, 2048), (4, 8192), (1, 32768), (16, 8192), (1, 2 ** 19)):
     assert _default(b, t, 16, 128)[1].segment_chunks is None, (b, t)
   # An explicit choice wins over the policy.
   cfg = kernel_config.make_config(backend="triton", dtype=jnp.bfloat16, head_k=128, head_v=128,
@@ -125,7 +145,7 @@ def test_gpu_segments_equal_the_whole_call():
 @pytest.mark.whole_gpu
 def test_gpu_million_tokens_train_by_default():
   """B1 T = 2^20 H16 K = V = 128 bf16, forward and backward with the default
-  config (four checkpointed segments): it fits and every output is finite."""
+  config (two segments): it fits and every output is finite."""
   b, t, h, d = 1, 2 ** 20, 16, 128
   keys = jax.random.split(jax.random.key(37), 6)
 

@@ -96,10 +96,11 @@ class KernelConfig:
       (and the gated queries and keys of the GPU state pass) for the
       backward instead of recomputing them there. Default True.
     segment_chunks: None, or the most chunks of a segment: a fixed-length
-      call whose sequences are longer runs them as a scan over segments
-      of at most this many chunks, each under `jax.checkpoint`, so the
-      backward holds one segment's residuals and temporaries at a time
-      (and reruns each segment's forward). Default: None while the call's
+      call whose sequences are longer runs them as equal segments of at
+      most this many chunks, the state handed from one to the next, and
+      its backward reruns one segment's forward at a time, so it holds one
+      segment's residuals and temporaries (`pallas_op._segmented_core`).
+      Default: None while the call's
       residuals (`residual_bytes`) fit in RESIDUAL_BUDGET_BYTES, else the
       most chunks whose residuals fit (`segment_chunks_for`). Packed
       sequences (cu_seqlens) are never segmented.
@@ -254,14 +255,15 @@ NARROW_BWD_MAX_PROGRAMS = 16
 # Most bytes of residuals (`residual_bytes`) that one call, or one segment of
 # a long sequence, keeps for its backward by default (`segment_chunks`). At
 # K = V = 128, C = 64 and 16-bit inputs a token-head pair keeps 1792 bytes, so
-# 8 GiB holds 4.8M token-heads: B T = 300k tokens at H = 16. Training shapes
-# stay far below it (B16 T2048 H16: 0.94 GB per layer) and run unsegmented.
-# Why segments and not `save_residuals=False`: on the H200 at B1 T = 2^19 H16
-# the forward+backward program took 45.2 GB saving its residuals and 43.2 GB
-# recomputing them (the recomputed residuals are live with the backward's own
-# temporaries), and at T = 2^20 neither fit; segments bound both
-# (docs/benchmarks.md, "Long sequences").
-RESIDUAL_BUDGET_BYTES = 8 * 2 ** 30
+# 16 GiB holds 9.6M token-heads: B T = 599k tokens at H = 16. On the H200 the
+# whole forward+backward program at B1 T = 2^19 H16 (14 GiB of residuals)
+# took 45.2 GB and ran faster than segments (which rerun the forward); at
+# T = 2^20 (28 GiB) the whole program does not fit (docs/benchmarks.md,
+# "Long sequences"). Training shapes stay far below it
+# (B16 T2048 H16: 0.94 GB per layer). Why segments and not
+# `save_residuals=False`: at T = 2^19 that program took 43.2 GB against 45.2
+# (the recomputed residuals are live with the backward's own temporaries).
+RESIDUAL_BUDGET_BYTES = 16 * 2 ** 30
 
 
 class KernelShape(NamedTuple):

@@ -245,33 +245,80 @@ def segment_layout(num_chunks: int, segment_chunks: int | None) -> tuple[int, in
   return segments, -(-num_chunks // segments)
 
 
-def _segmented_core(st: _Static, tensors, gate_bias, h0, meta, segments: int):
-  """`_core` over `segments` equal segments of the time axis, in order.
+def _segment(x, s, seg_len: int):
+  """Time slice s of x [B, S * Ts, ...] (Ts = seg_len)."""
+  return jax.lax.dynamic_slice_in_dim(x, s * seg_len, seg_len, axis=1)
 
-  A `lax.scan` carries the state from one segment to the next; each step is
-  under `jax.checkpoint`, so the forward keeps only the states entering the
-  segments and the backward reruns one segment's forward (saving its
-  residuals as `_core_fwd` does) before that segment's backward. Memory then
-  scales with one segment, at the cost of a second forward pass.
 
-  Args:
-    tensors: q, k, v, g, beta on the grid, [B, S * Ts, H, ...].
-    h0: [B, H, K, V] f32. meta: one segment's (first_n, last_n, seq_n).
+def _segmented_forward(st: _Static, segments: int, tensors, gate_bias, h0, meta):
+  """The forward over `segments` equal time segments, in order, keeping no
+  residuals: (o [B, S * Ts, H, V], ht, the state entering each segment [S, Nh, H, K, V])."""
+  q, v = tensors[0], tensors[2]
+  seg_len = q.shape[1] // segments
 
-  Returns:
-    o [B, S * Ts, H, V], ht [B, H, K, V].
+  def body(s, carry):
+    h, o, entry = carry
+    entry = entry.at[s].set(h)
+    o_s, h = _forward(st, *(_segment(x, s, seg_len) for x in tensors), gate_bias, h, meta)
+    return h, jax.lax.dynamic_update_slice_in_dim(o, o_s, s * seg_len, axis=1), entry
+
+  o = jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
+  entry = jnp.zeros((segments,) + h0.shape, _F32)
+  ht, o, entry = jax.lax.fori_loop(0, segments, body, (h0, o, entry))
+  return o, ht, entry
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _segmented_core(st: _Static, segments: int, q, k, v, g, beta, gate_bias, h0, first_n,
+                    last_n, seq_n):
+  """`_core` over `segments` equal segments of the time axis, the state
+  handed from one to the next (fixed-length sequences only).
+
+  The backward walks the segments in reverse: it reruns one segment's
+  forward from its saved entry state (keeping that segment's residuals, as
+  `_core_fwd` does), takes its backward, and writes the segment's gradients
+  into whole-length buffers in place. So beyond the inputs, outputs and
+  gradients, memory holds one segment's residuals and temporaries, at the
+  cost of a second forward pass. Shapes as `_core`, with Tp = S * Ts.
   """
-  def split(x):  # [B, S * Ts, ...] -> [S, B, Ts, ...] (a reshape when B == 1)
-    return jnp.moveaxis(x.reshape(x.shape[0], segments, -1, *x.shape[2:]), 1, 0)
+  o, ht, _ = _segmented_forward(st, segments, (q, k, v, g, beta), gate_bias, h0,
+                                (first_n, last_n, seq_n))
+  return o, ht
 
-  @functools.partial(jax.checkpoint, prevent_cse=False)
-  def step(state, xs):
-    o, ht = _core(st, *xs, gate_bias, state, *meta)
-    return ht, o
 
-  ht, o = jax.lax.scan(step, h0, [split(x) for x in tensors])
-  o = jnp.moveaxis(o, 0, 1)
-  return o.reshape(o.shape[0], -1, *o.shape[3:]), ht
+def _segmented_core_fwd(st, segments, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
+  tensors = (q, k, v, g, beta)
+  meta = (first_n, last_n, seq_n)
+  o, ht, entry = _segmented_forward(st, segments, tensors, gate_bias, h0, meta)
+  return (o, ht), (tensors, gate_bias, entry, meta)
+
+
+def _segmented_core_bwd(st, segments, res, cts):
+  tensors, gate_bias, entry, meta = res
+  do, dht = cts
+  seg_len = tensors[0].shape[1] // segments
+
+  def body(i, carry):
+    s = segments - 1 - i
+    dh, grads, dbias = carry
+    core = lambda *xs, gb, h: _core(st, *xs, gb, h, *meta)
+    _, vjp = jax.vjp(lambda *a: core(*a[:5], gb=a[5], h=a[6]),
+                     *(_segment(x, s, seg_len) for x in tensors), gate_bias, entry[s])
+    *d_seg, d_bias, dh = vjp((_segment(do, s, seg_len), dh))
+    grads = tuple(jax.lax.dynamic_update_slice_in_dim(buf, d.astype(buf.dtype), s * seg_len,
+                                                      axis=1)
+                  for buf, d in zip(grads, d_seg))
+    if dbias is not None:
+      dbias = dbias + d_bias
+    return dh, grads, dbias
+
+  grads = tuple(jnp.zeros_like(x) for x in tensors)
+  dbias = None if gate_bias is None else jnp.zeros_like(gate_bias)
+  dh0, grads, dbias = jax.lax.fori_loop(0, segments, body, (dht, grads, dbias))
+  return (*grads, dbias, dh0, None, None, None)
+
+
+_segmented_core.defvjp(_segmented_core_fwd, _segmented_core_bwd)
 
 
 def _next_pow2(n: int) -> int:
@@ -421,7 +468,7 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
     if segments == 1:
       o, ht = _core(st, *tensors, gate_bias, h0, *meta)
     else:
-      o, ht = _segmented_core(st, tensors, gate_bias, h0, meta, segments)
+      o, ht = _segmented_core(st, segments, *tensors, gate_bias, h0, *meta)
     o = o[:, :t_len]
     return o, (ht if output_final_state else None)
 
