@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices,
                                               anchor_picker, level_factors, pair_levels,
-                                              same_block, tile_factors)
+                                              same_block, tile_factors, width_slices)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -279,9 +279,6 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     M [C, C] f32.
   """
   c, dk = q_ref.shape
-  bk = cfg.block_k
-  if bk > dk:
-    raise ValueError(f"block_k must divide K={dk}, got {bk}")
   slices = k_slices(cfg, dk)
   row, col = iota((c, 1), 0), iota((1, c), 1)
   p_qk = p_kk = jnp.zeros((c, c), _F32)
@@ -296,8 +293,9 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
 def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
   """W = M (beta k e^G) per K slice and U = M (beta v) per V slice.
 
-  The V slices are block_k wide when K is sliced, else the whole V (one
-  slice, as on TPU, keeps one product each). Operands are read per slice, so
+  The V slices are at most block_k wide when K is sliced, else the whole V
+  (one slice, as on TPU, keeps one product each), cut into powers of two
+  (`width_slices`: 64 + 32 at V = 96). Operands are read per slice, so
   nothing [C, K]-sized is live next to M.
 
   Args:
@@ -313,7 +311,6 @@ def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
   dk, dv = k_ref.shape[1], v_ref.shape[1]
   bk = cfg.block_k
   slices = k_slices(cfg, dk)
-  bv = min(bk, dv) if bk < dk else dv
   last = pl.ds(k_ref.shape[0] - 1, 1)
   for ks in slices:
     k = k_ref[:, ks].astype(_F32)
@@ -324,8 +321,7 @@ def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
       q_ref, scale, kg_ref, qg_ref = gated
       kg_ref[:, ks] = (k * exp(g_ref[last, ks] - g)).astype(kg_ref.dtype)
       qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * scale * e_g).astype(qg_ref.dtype)
-  for vb in range(dv // bv):
-    vs = pl.ds(vb * bv, bv)
+  for vs in width_slices(dv, bk if bk < dk else None):
     u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
 
 
