@@ -20,6 +20,7 @@ from pallas_kernels.kda import api
 from pallas_kernels.kda import head_pad
 from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
+from pallas_kernels.kda import pallas_op
 from pallas_kernels.kda import reference
 from tests.kda_inputs import make_inputs, rel_err
 
@@ -123,6 +124,29 @@ class TestHeadWidthsGpu(HeadWidthChecks):
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_r):
       err = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
       assert err < 1e-2, f"{name}: {err:.2e}"
+
+
+def test_tpu_path_pads_to_lane_tiles():
+  """The TPU lowering (`tpu_interpret`: its semantics on the CPU) at H = 2 and
+  K, V = 96, 48, which it runs padded to 128 (Mosaic's lane tile): o, final
+  state and all six gradients against the f32 recurrence, fixed length off
+  the chunk grid."""
+  x = make_inputs(23, batch=1, seq_len=40, heads=2, dk=96, dv=48, gate="mixed")
+  k1, k2 = jax.random.split(jax.random.key(24))
+  do = jax.random.normal(k1, x.v.shape)
+  dht = jax.random.normal(k2, x.h0.shape)
+
+  def tpu(q, k, v, g, beta, **kw):
+    return pallas_op.chunk_kda_pallas(q, k, v, g, beta, chunk_size=16, lower_bound=LOWER_BOUND,
+                                      backend="tpu_interpret", **kw)
+  xs = (*x.args(), x.h0)
+  (o, ht), grads = _fwd_vjp(tpu, xs, do, dht)
+  (o_r, ht_r), grads_r = _fwd_vjp(reference.naive_recurrent_kda, xs, do, dht)
+  for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+                        (o, ht, *grads), (o_r, ht_r, *grads_r)):
+    assert a.shape == r.shape, name
+    err = rel_err(a, r, jnp.float32)
+    assert err < TOL["interpret"], f"{name}: {err:.2e}"
 
 
 def test_padded_widths():
