@@ -39,33 +39,40 @@ def _fwd_vjp(fn, xs, do, dht):
   return jax.jit(run)(xs, do, dht)
 
 
+def _assert_matches_naive(fn, x, seed: int, tol: float, cu_seqlens=None):
+  """o, final state and the six gradients of `fn` (a chunk_kda with the head
+  widths of `x`) within `tol` (relative max) of the f32 naive recurrence,
+  under random cotangents."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  do = jax.random.normal(k1, x.v.shape)
+  dht = jax.random.normal(k2, x.h0.shape)
+  naive = functools.partial(reference.naive_recurrent_kda, cu_seqlens=cu_seqlens)
+  xs = (*x.args(), x.h0)
+  (o, ht), grads = _fwd_vjp(fn, xs, do, dht)
+  (o_r, ht_r), grads_r = _fwd_vjp(naive, xs, do, dht)
+  for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+                        (o, ht, *grads), (o_r, ht_r, *grads_r)):
+    assert a.shape == r.shape, name
+    err = rel_err(a, r, jnp.float32)
+    assert err < tol, f"{name}: {err:.2e}"
+
+
 class HeadWidthChecks:
   interpret: bool
   backend: str
   seq_len: int
   chunk: int
 
+  def _pallas(self, **kw):
+    return functools.partial(api.chunk_kda, implementation="pallas", interpret=self.interpret,
+                             chunk_size=self.chunk, **kw)
+
   @pytest.mark.parametrize("dk,dv,gdn", NO_COPY_WIDTHS + PADDED_WIDTHS)
   def test_matches_naive(self, dk, dv, gdn):
     """o, final state and all six gradients, with and without the pad copy."""
     x = make_inputs(11, batch=1, seq_len=self.seq_len, heads=2, dk=dk, dv=dv, gate="mixed",
                     scalar_gate=gdn)
-    k1, k2 = jax.random.split(jax.random.key(12))
-    do = jax.random.normal(k1, x.v.shape)
-    dht = jax.random.normal(k2, x.h0.shape)
-    pallas = functools.partial(api.chunk_kda, implementation="pallas", interpret=self.interpret,
-                               chunk_size=self.chunk, lower_bound=LOWER_BOUND)
-    xs = (*x.args(), x.h0)
-    (o, ht), grads = _fwd_vjp(pallas, xs, do, dht)
-    (o_r, ht_r), grads_r = _fwd_vjp(reference.naive_recurrent_kda, xs, do, dht)
-    assert o.shape == o_r.shape and ht.shape == ht_r.shape
-    tol = TOL[self.backend]
-    assert rel_err(o, o_r, jnp.float32) < tol
-    assert rel_err(ht, ht_r, jnp.float32) < tol
-    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_r):
-      assert a.shape == r.shape, name
-      err = rel_err(a, r, jnp.float32)
-      assert err < tol, f"{name}: {err:.2e}"
+    _assert_matches_naive(self._pallas(lower_bound=LOWER_BOUND), x, 12, TOL[self.backend])
 
   @pytest.mark.parametrize("dk,dv", [(96, 48), (24, 40)])
   def test_varlen_matches_naive(self, dk, dv):
@@ -73,21 +80,13 @@ class HeadWidthChecks:
     t = self.seq_len
     cu = jnp.asarray([0, 5, t // 2 + 3, t], jnp.int32)
     x = make_inputs(13, batch=1, seq_len=t, heads=2, dk=dk, dv=dv, num_states=3)
-    k1, k2 = jax.random.split(jax.random.key(14))
-    do = jax.random.normal(k1, x.v.shape)
-    dht = jax.random.normal(k2, x.h0.shape)
-    pallas = functools.partial(api.chunk_kda, implementation="pallas", interpret=self.interpret,
-                               chunk_size=self.chunk, lower_bound=LOWER_BOUND, cu_seqlens=cu)
-    naive = functools.partial(reference.naive_recurrent_kda, cu_seqlens=cu)
-    xs = (*x.args(), x.h0)
-    (o, ht), grads = _fwd_vjp(pallas, xs, do, dht)
-    (o_r, ht_r), grads_r = _fwd_vjp(naive, xs, do, dht)
-    tol = TOL[self.backend]
-    assert rel_err(o, o_r, jnp.float32) < tol
-    assert rel_err(ht, ht_r, jnp.float32) < tol
-    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_r):
-      err = rel_err(a, r, jnp.float32)
-      assert err < tol, f"{name}: {err:.2e}"
+    _assert_matches_naive(self._pallas(lower_bound=LOWER_BOUND, cu_seqlens=cu), x, 14,
+                          TOL[self.backend], cu_seqlens=cu)
+
+  def test_pairwise_without_copy(self):
+    """The pairwise diagonal at K, V = 96, 48 (its level products per 64 + 32 K slice)."""
+    x = make_inputs(25, batch=1, seq_len=self.seq_len, heads=2, dk=96, dv=48, gate="mixed")
+    _assert_matches_naive(self._pallas(diagonal="pairwise"), x, 26, TOL[self.backend])
 
 
 class TestHeadWidthsInterpret(HeadWidthChecks):
@@ -103,6 +102,12 @@ class TestHeadWidthsGpu(HeadWidthChecks):
   backend = "triton"
   seq_len = 300
   chunk = 64
+
+  def test_whole_tile_bodies_pad(self):
+    """sub_chunk = 8 on the GPU takes the whole-tile bodies, which pad 96 to 128."""
+    x = make_inputs(27, batch=1, seq_len=self.seq_len, heads=2, dk=96, dv=96, gate="mixed")
+    _assert_matches_naive(self._pallas(sub_chunk=8, lower_bound=LOWER_BOUND), x, 28,
+                          TOL[self.backend])
 
   @pytest.mark.parametrize("dk,dv", [(128, 48), (128, 96), (128, 192), (96, 96), (48, 80),
                                      (192, 64)])
@@ -128,25 +133,13 @@ class TestHeadWidthsGpu(HeadWidthChecks):
 
 def test_tpu_path_pads_to_lane_tiles():
   """The TPU lowering (`tpu_interpret`: its semantics on the CPU) at H = 2 and
-  K, V = 96, 48, which it runs padded to 128 (Mosaic's lane tile): o, final
-  state and all six gradients against the f32 recurrence, fixed length off
-  the chunk grid."""
+  K, V = 96, 48, which it runs padded to 128 (Mosaic's lane tile), fixed
+  length off the chunk grid."""
   x = make_inputs(23, batch=1, seq_len=40, heads=2, dk=96, dv=48, gate="mixed")
-  k1, k2 = jax.random.split(jax.random.key(24))
-  do = jax.random.normal(k1, x.v.shape)
-  dht = jax.random.normal(k2, x.h0.shape)
-
-  def tpu(q, k, v, g, beta, **kw):
-    return pallas_op.chunk_kda_pallas(q, k, v, g, beta, chunk_size=16, lower_bound=LOWER_BOUND,
-                                      backend="tpu_interpret", **kw)
-  xs = (*x.args(), x.h0)
-  (o, ht), grads = _fwd_vjp(tpu, xs, do, dht)
-  (o_r, ht_r), grads_r = _fwd_vjp(reference.naive_recurrent_kda, xs, do, dht)
-  for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
-                        (o, ht, *grads), (o_r, ht_r, *grads_r)):
-    assert a.shape == r.shape, name
-    err = rel_err(a, r, jnp.float32)
-    assert err < TOL["interpret"], f"{name}: {err:.2e}"
+  assert head_pad.padded_widths(96, 48, "tpu_interpret", heads=2) == (128, 128)
+  tpu = functools.partial(pallas_op.chunk_kda_pallas, chunk_size=16, lower_bound=LOWER_BOUND,
+                          backend="tpu_interpret")
+  _assert_matches_naive(tpu, x, 24, TOL["interpret"])
 
 
 def test_padded_widths():
