@@ -7,7 +7,7 @@ and the gated keys and queries, when asked). `KernelConfig.inverse` selects
 the body:
 
 * "blocked" (the GPU's): whole-tile score products summed over K slices of
-  `KernelConfig.block_k` channels, then M by recursive 2 x 2 blocking, every
+  at most `KernelConfig.block_k` channels, then M by recursive 2 x 2 blocking, every
   step a tensor-core product;
 * "substitution" (the TPU's, and the GPU's when sub_chunk < 16): scores per
   [L, C] row block, then forward substitution over the whole [C, C] tile,
@@ -264,7 +264,7 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
     all factors <= 1.
   Anchors are first rows of tiles at or before every row using them. Both
-  are summed over K slices of cfg.block_k channels (`_blocked_slice_scores`),
+  are summed over K slices of at most cfg.block_k channels (`_blocked_slice_scores`),
   so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
   each score matrix takes C/L products of [C, BK] x [BK, C] (dense), or
   C/L - 1 + log2(L) (pairwise). Then

@@ -161,7 +161,7 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool, gated: bool = False):
   """Runs the reverse state kernel.
 
-  Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
+  Each program carries dS [K, BV] as K slices of [<= block_k, BV] and
   does the per-channel work on [C, block_k] tiles (`kernel_common.k_slices`).
 
   Args:

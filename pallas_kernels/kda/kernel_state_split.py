@@ -112,7 +112,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
                        hs_ref, vn_ref, ht_ref, *, chunk_size, cfg, varlen):
   """Block shapes: w_ref, kg_ref, g_ref [Tp, K]; u_ref, vn_ref [Tp, BV];
   h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]. The state is carried as
-  K/block_k slices of [block_k, BV] f32 (`kernel_common.k_slices`)."""
+  K slices of [<= block_k, BV] f32 (`kernel_common.k_slices`)."""
   tp, dk = w_ref.shape
   slices = k_slices(cfg, dk)
 
