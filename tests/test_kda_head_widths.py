@@ -39,14 +39,14 @@ def _fwd_vjp(fn, xs, do, dht):
   return jax.jit(run)(xs, do, dht)
 
 
-def _assert_matches_naive(fn, x, seed: int, tol: float, cu_seqlens=None):
+def _assert_matches_naive(fn, x, seed: int, tol: float, cu_seqlens=None, naive=None):
   """o, final state and the six gradients of `fn` (a chunk_kda with the head
-  widths of `x`) within `tol` (relative max) of the f32 naive recurrence,
-  under random cotangents."""
+  widths of `x`) within `tol` (relative max) of the f32 naive recurrence
+  (`naive`, default `reference.naive_recurrent_kda`), under random cotangents."""
   k1, k2 = jax.random.split(jax.random.key(seed))
   do = jax.random.normal(k1, x.v.shape)
   dht = jax.random.normal(k2, x.h0.shape)
-  naive = functools.partial(reference.naive_recurrent_kda, cu_seqlens=cu_seqlens)
+  naive = functools.partial(naive or reference.naive_recurrent_kda, cu_seqlens=cu_seqlens)
   xs = (*x.args(), x.h0)
   (o, ht), grads = _fwd_vjp(fn, xs, do, dht)
   (o_r, ht_r), grads_r = _fwd_vjp(naive, xs, do, dht)
@@ -87,6 +87,16 @@ class HeadWidthChecks:
     """The pairwise diagonal at K, V = 96, 48 (its level products per 64 + 32 K slice)."""
     x = make_inputs(25, batch=1, seq_len=self.seq_len, heads=2, dk=96, dv=48, gate="mixed")
     _assert_matches_naive(self._pallas(diagonal="pairwise"), x, 26, TOL[self.backend])
+
+  def test_fused_gate_without_copy(self):
+    """The gate activation fused into the gate cumsums (g the pre-activation,
+    an [H, K] bias) at K, V = 96, 48, against the naive form of the same options."""
+    x = make_inputs(29, batch=1, seq_len=self.seq_len, heads=2, dk=96, dv=48)
+    x.g = jax.random.normal(jax.random.key(30), x.q.shape)
+    gate = dict(gate_activation="bounded_sigmoid", lower_bound=LOWER_BOUND,
+                gate_bias=0.5 * jax.random.normal(jax.random.key(31), (2, 96)))
+    naive = functools.partial(api.chunk_kda, implementation="naive", **gate)
+    _assert_matches_naive(self._pallas(**gate), x, 32, TOL[self.backend], naive=naive)
 
 
 class TestHeadWidthsInterpret(HeadWidthChecks):
