@@ -28,7 +28,8 @@ _H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=Abstrac
     device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 
-def _fwd_bwd(dk, dv, varlen=False):
+def _fwd_bwd(dk, dv, varlen=False, heads=1):
+  """A jitted forward and VJP of the op (one program: both in one export) and its bf16 inputs."""
   fn = functools.partial(api.chunk_kda, implementation="pallas", chunk_size=64,
                          lower_bound=-5.0, output_final_state=True,
                          cu_seqlens=jnp.asarray([0, 50, 128], jnp.int32) if varlen else None)
@@ -36,17 +37,34 @@ def _fwd_bwd(dk, dv, varlen=False):
   def run(q, k, v, g, beta):
     (o, ht), vjp = jax.vjp(lambda *xs: fn(*xs), q, k, v, g, beta)
     return o, ht, vjp((o, ht))
-  x = make_inputs(21, batch=1, seq_len=128, heads=1, dk=dk, dv=dv, dtype=jnp.bfloat16,
+  x = make_inputs(21, batch=1, seq_len=128, heads=heads, dk=dk, dv=dv, dtype=jnp.bfloat16,
                   num_states=2 if varlen else None)
   return jax.jit(run), x.args()
 
 
-@pytest.mark.parametrize("dk,dv,varlen", [(128, 128, False), (48, 96, True)])
-def test_exports_for_tpu(dk, dv, varlen):
-  fn, args = _fwd_bwd(dk, dv, varlen)
+def _tpu_module(dk, dv, varlen=False, heads=1) -> str:
+  fn, args = _fwd_bwd(dk, dv, varlen, heads)
   text = jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
   assert "tpu_custom_call" in text
   assert "xla.gpu.triton" not in text
+  return text
+
+
+@pytest.mark.parametrize("dk,dv,varlen", [(48, 96, True), (256, 192, False)])
+def test_exports_for_tpu(dk, dv, varlen):
+  _tpu_module(dk, dv, varlen, heads=2 if dk == 256 else 1)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4])
+@pytest.mark.parametrize("width", [32, 64, 96, 128])
+def test_exports_for_tpu_any_heads(heads, width):
+  """K = V = width at H heads, forward and backward in one export. Mosaic
+  blocks of the [B, T, H*K] layout need 128 lanes or the whole array, so
+  with H > 1 the TPU path pads narrower widths to 128; with H = 1 only a
+  width that is not a power of two is padded (T is a multiple of C here)."""
+  text = _tpu_module(width, width, heads=heads)
+  padded = width % 128 != 0 if heads > 1 else width == 96
+  assert ("stablehlo.pad" in text) == padded
 
 
 @pytest.mark.parametrize("dk,dv", [(128, 128), (48, 96)])
@@ -62,8 +80,9 @@ def test_exports_for_cuda(dk, dv):
   assert 'name = "kda_clamped_cumsum"' in text and 'name = "kda_clamped_cumsum_bwd"' in text
   assert "stablehlo.select" not in text
   assert "tpu_custom_call" not in text
-  # T is a multiple of C: only non-kernel head widths are padded.
-  assert ("stablehlo.pad" in text) == ((dk, dv) != (128, 128))
+  # T is a multiple of C, and widths that are multiples of 16 run in the
+  # kernels as they are: no pad copy at all.
+  assert "stablehlo.pad" not in text
 
 
 def test_cpu_run_raises_clear_error():

@@ -79,7 +79,9 @@ def test_k_slices():
   assert [(s.start, s.size) for s in slices] == [(0, 8), (8, 8), (16, 8), (24, 8)]
   # block_k wider than K: one slice of all of K.
   assert [(s.start, s.size) for s in kernel_common.k_slices(cfg, 4)] == [(0, 4)]
-  with pytest.raises(ValueError, match="slice width must divide K=12"):
-    kernel_common.k_slices(cfg, 12)
+  # K not a multiple of block_k: power-of-two slices, widest first.
+  assert [(s.start, s.size) for s in kernel_common.k_slices(cfg, 12)] == [(0, 8), (8, 4)]
+  with pytest.raises(ValueError, match="slice width must be a power of two, got 12"):
+    kernel_common.k_slices(cfg, DK, 12)
   # An explicit width (the split backward's bwd_block_k) replaces block_k.
   assert [(s.start, s.size) for s in kernel_common.k_slices(cfg, DK, 16)] == [(0, 16), (16, 16)]

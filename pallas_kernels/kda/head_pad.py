@@ -1,7 +1,16 @@
-"""Zero-padding of the head widths K and V up to the kernels' power-of-two tiles.
+"""Zero-padding of the head widths K and V that the kernels do not run as they are.
 
-The Pallas kernels (Triton tensors in particular) take power-of-two widths.
-Any K, V <= MAX_PADDED_WIDTH is run at the next allowed width with
+Which widths the kernels run is `kernel_config.width_rule`'s:
+
+* GPU (and interpret mode): powers of two, and any multiple of 16 through
+  power-of-two slices inside the kernels (no copy). Other widths are padded
+  to the next width it takes (a multiple of 16, or a power of two below 16);
+  with the whole-tile bodies (sub_chunk < 16) to the next power of two.
+* TPU: powers of two, and multiples of 128 when H > 1 (Mosaic blocks of the
+  [B, T, H*K] layout span 128 lanes or the whole array), so with H > 1 a
+  narrower width is padded to 128.
+
+A width is padded with
 
 * q, k and g padded with zeros along K: a zero key channel never writes the
   state and a zero query channel never reads it, and a zero log-decay (a
@@ -12,8 +21,8 @@ Any K, V <= MAX_PADDED_WIDTH is run at the next allowed width with
 * the outputs and final state sliced back; autodiff of the pad and slice
   gives the gradients of the real entries.
 
-At allowed widths nothing is padded, so those calls run the same program as
-without this module.
+At widths the kernels run nothing is padded, so those calls run the same
+program as without this module.
 """
 from __future__ import annotations
 
@@ -21,33 +30,35 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import kernel_config
 
-# Widest non-power-of-two head width padded inside the op.
+# Widest head width padded inside the op (every backend runs 256 as it is).
 MAX_PADDED_WIDTH = 256
 
-# Narrowest K and V of the kernels: 8 (16 for K on the GPU, where K slices
-# are dot dims of at least 16).
-_MIN_WIDTH = 8
-_MIN_TRITON_K = 16
 
-
-def padded_widths(head_k: int, head_v: int, backend: str) -> tuple[int, int]:
+def padded_widths(head_k: int, head_v: int, backend: str, *, heads: int = 1,
+                  sliced: bool = True) -> tuple[int, int]:
   """(K', V'): the widths the kernels run at for head widths K, V on `backend`.
 
-  Raises ValueError for a non-power-of-two width above MAX_PADDED_WIDTH.
+  Each is the narrowest width >= the given one that `kernel_config.width_rule`
+  accepts for `heads` (H) and `sliced` bodies (`kernel_config.sliced_bodies`).
+
+  Raises ValueError for a width the kernels do not run above MAX_PADDED_WIDTH.
   """
   out = []
-  for name, n, low in (("K", head_k, _MIN_TRITON_K if backend == "triton" else _MIN_WIDTH),
-                       ("V", head_v, _MIN_WIDTH)):
+  for name, n in (("K", head_k), ("V", head_v)):
     if n < 1:
       raise ValueError(f"{name} must be >= 1, got {n}")
-    if kernel_config.is_pow2(n) and n >= low:
+    rule = lambda w: kernel_config.width_rule(name, w, backend=backend, heads=heads,
+                                              sliced=sliced)
+    reason = rule(n)
+    if reason is None:
       out.append(n)
       continue
     if n > MAX_PADDED_WIDTH:
-      raise ValueError(f"{name} = {n} is not a power of two; the pallas kernels pad head widths "
-                       f"up to {MAX_PADDED_WIDTH} only. Use a power of two, {name} <= "
-                       f"{MAX_PADDED_WIDTH}, or implementation='xla'")
-    out.append(max(low, 1 << (n - 1).bit_length()))
+      raise ValueError(f"{reason}; the pallas kernels pad head widths up to "
+                       f"{MAX_PADDED_WIDTH} only. Use a width they run as it is "
+                       f"(kernel_config.width_rule), {name} <= {MAX_PADDED_WIDTH}, or "
+                       "implementation='xla'")
+    out.append(next(w for w in range(n, MAX_PADDED_WIDTH + 1) if rule(w) is None))
   return out[0], out[1]
 
 

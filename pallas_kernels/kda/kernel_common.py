@@ -1,6 +1,7 @@
 """In-kernel helpers shared by the Pallas KDA stages.
 
-* matmuls and exponentials: `dot`, `exp`, `iota`, `k_slices`;
+* matmuls and exponentials: `dot`, `exp`, `iota`, `add_all`; static slices
+  of the head widths: `k_slices`, `width_slices`;
 * the anchored decay factors of a row sub-tile (`tile_factors`) and of the
   pairwise diagonal's levels (`pair_levels`, `level_factors`, `anchor_picker`,
   `same_block`);
@@ -68,8 +69,9 @@ def exp(x):
 
 
 def k_slices(cfg: KernelConfig, dk: int, width: int | None = None) -> list:
-  """Static `pl.ds` K slices of `width` (default cfg.block_k) channels covering
-  K = dk (one slice if width >= dk).
+  """Static `pl.ds` K slices of at most `width` (default cfg.block_k) channels
+  covering K = dk (`width_slices`: width each at a power of two K, 64 + 32 at
+  K = 96 and width 64).
 
   The blocked intra forward, the state kernels and the split intra backward
   do every per-channel (K) element-wise operation on [C, block_k] tiles (the
@@ -79,10 +81,38 @@ def k_slices(cfg: KernelConfig, dk: int, width: int | None = None) -> list:
   contraction is a sum over slices, so slicing changes no algebra.
   """
   width = cfg.block_k if width is None else width
-  bk = min(width, dk)
-  if dk % bk:
-    raise ValueError(f"the K slice width must divide K={dk}, got {width}")
-  return [pl.ds(kb * bk, bk) for kb in range(dk // bk)]
+  if not (width > 0 and width & (width - 1) == 0):
+    raise ValueError(f"the K slice width must be a power of two, got {width}")
+  return width_slices(dk, width)
+
+
+def width_slices(n: int, cap: int | None = None) -> list:
+  """Static `pl.ds` slices covering an axis of n channels: powers of two,
+  widest first, each at most `cap` (a power of two; None: no cap).
+
+  Triton tensors must have power-of-two sizes, so kernels touch K or V data
+  of other widths through these: 96 -> 64 + 32 (with cap 32: 3 x 32),
+  80 -> 64 + 16; at a power of two n, n / cap slices of cap (or the whole
+  axis). Every start is a multiple of its slice's width.
+  """
+  out, start = [], 0
+  while start < n:
+    size = 1 << ((n - start).bit_length() - 1)     # the widest power of two that fits
+    if cap is not None:
+      size = min(size, cap)
+    out.append(pl.ds(start, size))
+    start += size
+  return out
+
+
+def add_all(terms):
+  """The sum of a non-empty iterable of arrays, without a zero to start from
+  (one term is returned as it is, so a single slice adds no op)."""
+  terms = iter(terms)
+  total = next(terms)
+  for term in terms:
+    total = total + term
+  return total
 
 
 def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):

@@ -60,12 +60,17 @@ class KernelConfig:
   Attributes:
     backend: the lowering; one of BACKENDS ("tpu_interpret": CPU emulation
       with TPU semantics).
-    block_v: V tile of the state kernels; a power of two dividing V.
-      Default min(V, 64), V on TPU.
-    block_k: K slice of the intra forward's and the state kernels'
-      element-wise work; a power of two dividing K. Default min(K, 64), K on TPU.
+    block_v: V tile of the state kernels (one program per tile); a power
+      of two dividing V. Default `pow2_part(V)` capped at 64 (min(V, 64) at
+      a power of two; 32 at V = 96), V on TPU.
+    block_k: widest K slice of the intra forward's, the state kernels' and
+      the first split intra backward kernel's element-wise work, a power of
+      two <= K: K is cut into power-of-two slices of at most block_k,
+      widest first (`kernel_common.width_slices`; 64 + 32 at K = 96).
+      Default min(64, the widest power of two <= K), K on TPU.
     bwd_block_k: K slice of the split intra backward's second kernel (one
-      program per slice); a power of two dividing K. Default min(K, 32).
+      program per slice); a power of two dividing K. Default `pow2_part(K)`
+      capped at 32.
     rec_block_v: V tile of the GPU forward recurrence; None (block_v) or a
       power of two dividing V. Default 32 at K = V = 128, 16-bit inputs and
       fewer than WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs, else None.
@@ -90,8 +95,8 @@ class KernelConfig:
       take bf16 operands unless it is f32.
     intra_bwd_mm_dtype: operand dtype of the intra backward's matmuls, and
       storage dtype of the saved M, entry states, V' and the per-chunk dS.
-      Default the input dtype on the GPU at K * V >= 128 * 128 (f32 operands
-      overflow shared memory there), else f32.
+      Default the input dtype on the GPU at K * V > 64 * 128 (f32 operands
+      overflow shared memory at 128 x 128), else f32.
     save_residuals: the forward keeps M, W, A_qk, the entry states and V'
       (and the gated queries and keys of the GPU state pass) for the
       backward instead of recomputing them there. Default True.
@@ -115,7 +120,8 @@ class KernelConfig:
       Default True wherever those are the defaults (the GPU at
       sub_chunk >= 16). Only read with diagonal="pairwise".
     diag_block_k: K slice of both `kernel_diag` kernels; a power of two
-      dividing K. Default min(K, 64).
+      at most K (dividing it when K is one). Default min(K, 64) at power-of-two K,
+      else the widest power of two below K, at most 64 (as block_k).
   """
   backend: str
   block_v: int
@@ -227,6 +233,78 @@ def is_pow2(n: int) -> bool:
   return n > 0 and (n & (n - 1)) == 0
 
 
+def pow2_part(n: int) -> int:
+  """The largest power of two dividing n > 0 (n itself at a power of two)."""
+  return n & -n
+
+
+# Narrowest head widths of the kernels: 8, and 16 for K on the GPU, where K
+# slices are dot dims.
+MIN_WIDTH = 8
+MIN_TRITON_K = 16
+# The GPU's sliced bodies run any head width that is a multiple of this:
+# Triton needs power-of-two sizes for every tensor a kernel loads, stores or
+# computes, not for block shapes, and these bodies touch [*, K] and [*, V]
+# data only through power-of-two slices, here at least 16 wide (a dot dim).
+SLICE_MULTIPLE = 16
+# Mosaic (TPU) blocks must span a multiple of 128 lanes in their last dim, or
+# the whole array dim: the kernels' [B, Tp, H*K] layouts take [C, K] blocks,
+# so with H > 1 a head width must be a multiple of 128.
+TPU_LANES = 128
+
+
+def _default_bodies(backend: str, sub_chunk: int) -> dict:
+  """The default `inverse` and `intra_bwd` of `backend` at sub_chunk L: the
+  GPU's tensor-core bodies need L >= 16."""
+  gpu_tiles = backend not in ("tpu", "tpu_interpret") and sub_chunk >= 16
+  return dict(inverse="blocked" if gpu_tiles else "substitution",
+              intra_bwd="split" if gpu_tiles else "tiles")
+
+
+def sliced_bodies(backend: str, sub_chunk: int, overrides: dict | None = None) -> bool:
+  """Whether the kernels `backend` runs (defaults, then `overrides`) read and
+  write [*, K] and [*, V] data only through power-of-two slices: the GPU's
+  blocked intra forward with the split intra backward. The substitution
+  forward and the one-program backward (TPU; sub_chunk < 16) take whole
+  [C, K] and [C, V] tiles."""
+  bodies = _default_bodies(backend, sub_chunk)
+  bodies.update({name: value for name, value in (overrides or {}).items() if name in bodies})
+  return (backend not in ("tpu", "tpu_interpret") and bodies["inverse"] == "blocked"
+          and bodies["intra_bwd"] == "split")
+
+
+def width_rule(name: str, n: int, *, backend: str, heads: int | None = None,
+               sliced: bool = True) -> str | None:
+  """Why the kernels cannot run head width `n` as it is, or None when they can.
+
+  The kernels run: on the GPU (and in interpret mode, which runs the GPU's
+  programs) a power of two >= MIN_WIDTH (K >= MIN_TRITON_K on the GPU) or,
+  with `sliced` bodies (`sliced_bodies`), any multiple of SLICE_MULTIPLE; on
+  TPU a power of two >= MIN_WIDTH, and a multiple of TPU_LANES when H > 1.
+
+  Args:
+    name: "K" or "V". heads: H (None: not checked against TPU_LANES).
+  """
+  low = MIN_TRITON_K if name == "K" and backend == "triton" else MIN_WIDTH
+  if n < low:
+    return f"{name} = {n} is below {low}"
+  if backend in ("tpu", "tpu_interpret"):
+    if not is_pow2(n):
+      return f"{name} = {n} is not a power of two (the TPU kernels take whole [C, {name}] tiles)"
+    if heads is not None and heads > 1 and n % TPU_LANES:
+      return (f"{name} = {n} is not a multiple of {TPU_LANES} at H = {heads} (TPU blocks of the "
+              f"[B, T, H*{name}] layout must span {TPU_LANES} lanes or the whole array)")
+    return None
+  if is_pow2(n):
+    return None
+  if not sliced:
+    return (f"{name} = {n} is not a power of two, which the substitution inverse and the "
+            "one-program intra backward (sub_chunk < 16) need")
+  if n % SLICE_MULTIPLE:
+    return f"{name} = {n} is neither a power of two nor a multiple of {SLICE_MULTIPLE}"
+  return None
+
+
 def default_backend(interpret: bool) -> str:
   """The backend a call runs on: interpret mode, or the default JAX platform."""
   if interpret:
@@ -307,19 +385,25 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
   on_tpu = backend in ("tpu", "tpu_interpret")
   dk, dv, ell = shape.head_k, shape.head_v, shape.sub_chunk
   mm_dtype = jnp.dtype(jnp.float32) if dtype == jnp.float32 else dtype
-  wide = not on_tpu and dk * dv >= 128 * 128
+  # f32 intra-backward operands overflow shared memory at K = V = 128; a
+  # width between 64 x 128 and that (96 x 96) takes the input dtype too, as
+  # 128 does, and as it did when it was padded to 128.
+  wide = not on_tpu and dk * dv > 64 * 128
   fields = dict(
       backend=backend,
-      block_v=dv if on_tpu else min(dv, 64),   # Mosaic: a lane dim of 128 or the whole array
-      block_k=dk if on_tpu else min(dk, 64),
-      bwd_block_k=dk if on_tpu else min(dk, 32),
-      inverse="blocked" if not on_tpu and ell >= 16 else "substitution",
-      intra_bwd="split" if not on_tpu and ell >= 16 else "tiles",
+      # Mosaic: a lane dim of 128 or the whole array. GPU: the V tiles and
+      # the split backward's K slices are grid axes of equal power-of-two
+      # tiles; the in-kernel K slices need only fit (min(width, cap) at a
+      # power of two).
+      block_v=dv if on_tpu else min(pow2_part(dv), 64),
+      block_k=dk if on_tpu else min(1 << (dk.bit_length() - 1), 64),
+      bwd_block_k=dk if on_tpu else min(pow2_part(dk), 32),
+      **_default_bodies(backend, ell),
       mm_dtype=mm_dtype,
       intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32),
       level_anchors="select" if on_tpu else "gather",
       diag_kernels=not on_tpu and ell >= 16,
-      diag_block_k=min(dk, 64))
+      diag_block_k=min(1 << (dk.bit_length() - 1), 64))
   # Measured with 16-bit operands only; f32 ones double the pipelined buffers.
   if not on_tpu and dk == dv == 128 and mm_dtype != jnp.float32:
     programs = shape.state_programs
@@ -349,13 +433,15 @@ def segment_chunks_for(shape: KernelShape, cfg: KernelConfig,
 
 def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: int,
                 sub_chunk: int, block_v: int | None = None, state_programs: int | None = None,
-                token_heads: int | None = None, overrides: dict | None = None) -> KernelConfig:
+                token_heads: int | None = None, overrides: dict | None = None,
+                heads: int | None = None) -> KernelConfig:
   """Checks the tile shapes for `backend` and returns its KernelConfig.
 
   Args:
     backend: one of BACKENDS.
     dtype: dtype of q/k/v (bf16, f16 or f32).
-    head_k, head_v: K and V head dims.
+    head_k, head_v: K and V head dims, widths the chosen bodies run
+      (`width_rule`; `chunk_kda` pads other widths, `head_pad`).
     chunk_size: C; sub_chunk: L (divides C).
     block_v: V tile of the state kernels (same as overriding it).
     state_programs: B * H (None: unknown, taken as many).
@@ -365,17 +451,17 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
       `num_warps` there may name only some stages; the others keep their
       defaults. A block_v given here or as the argument sets the reverse
       state and recurrence tiles too, unless they are overridden as well.
+    heads: H, for the TPU's rule on head widths (None: not checked).
   """
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   dtype = jnp.dtype(dtype)
   if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
     raise ValueError(f"the pallas KDA kernels take bf16/f16/f32 q, k, v; got {dtype}")
-  for name, n in (("K", head_k), ("V", head_v), ("chunk_size", chunk_size),
-                  ("sub_chunk", sub_chunk)):
+  for name, n in (("chunk_size", chunk_size), ("sub_chunk", sub_chunk)):
     # Triton tensors must have power-of-two sizes; keep one rule everywhere.
-    if not is_pow2(n) or n < 8 and name != "sub_chunk":
-      raise ValueError(f"{name} must be a power of two >= 8 for the pallas kernels, got {n}")
+    if not is_pow2(n):
+      raise ValueError(f"{name} must be a power of two for the pallas kernels, got {n}")
   if chunk_size < 16:
     raise ValueError(f"chunk_size must be >= 16 (tensor-core tile), got {chunk_size}")
   cfg = heuristic_config(KernelShape(head_k, head_v, chunk_size, sub_chunk, state_programs,
@@ -399,6 +485,12 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
                                           overrides.get("intra_bwd", cfg.intra_bwd) != "split"):
     overrides["diag_kernels"] = False     # the other bodies form the diagonal tiles themselves
   cfg = dataclasses.replace(cfg, **overrides)
+  for name, n in (("K", head_k), ("V", head_v)):
+    rule = width_rule(name, n, backend=backend, heads=heads,
+                      sliced=sliced_bodies(backend, sub_chunk, overrides))
+    if rule:
+      raise ValueError(f"{rule}: not a head width of the pallas kernels (chunk_kda zero-pads "
+                       "such widths inside the op, pallas_kernels.kda.head_pad)")
   if not is_pow2(cfg.block_v) or head_v % cfg.block_v:
     raise ValueError(f"block_v must be a power of two dividing V={head_v}, got {cfg.block_v}")
   for name in ("rec_block_v", "bwd_block_v"):
@@ -407,11 +499,15 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
                               or (backend == "triton" and width < 16)):
       raise ValueError(f"{name} must be None or a power of two dividing V={head_v} (>= 16 on "
                        f"the GPU: a dot dim), got {width}")
-  for name in ("block_k", "bwd_block_k", "diag_block_k"):
+  for name, grid_axis in (("block_k", False), ("bwd_block_k", True), ("diag_block_k", False)):
+    # bwd_block_k is a grid axis of equal slices; block_k and diag_block_k cap
+    # the in-kernel slices, which at a power-of-two K are equal too.
     width = getattr(cfg, name)
-    if not is_pow2(width) or head_k % width or (backend == "triton" and width < 16):
-      raise ValueError(f"{name} must be a power of two dividing K={head_k} (>= 16 on the "
-                       f"GPU: a dot dim), got {width}")
+    dividing = grid_axis or is_pow2(head_k)
+    if (not is_pow2(width) or (head_k % width if dividing else width > head_k)
+        or (backend == "triton" and width < 16)):
+      raise ValueError(f"{name} must be a power of two {'dividing' if dividing else 'at most'} "
+                       f"K={head_k} (>= 16 on the GPU: a dot dim), got {width}")
   if backend == "triton" and sub_chunk < 16:
     for name, value in (("inverse", "blocked"), ("intra_bwd", "split")):
       if getattr(cfg, name) == value:

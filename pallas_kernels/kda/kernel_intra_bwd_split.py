@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_score_grads, chunk_specs, dot,
-                                              exp, iota, k_slices, same_block,
-                                              state_decay_grad)
+from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_all, add_score_grads,
+                                              chunk_specs, dot, exp, iota, k_slices,
+                                              width_slices, same_block, state_decay_grad)
 from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -62,12 +62,16 @@ def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: K
   (k e^{G_last - G})^T V', and W = M (beta k e^G), whose gradient
   d(beta k e^G) = M^T dW = -dU~ S^T.
 
+  Every V contraction is a sum over `width_slices(V)` (one slice at a power
+  of two).
+
   Args:
     q (scaled), k, g: [R, K'] f32 rows of the chunk; beta: [R, 1] f32.
     g_ref: [C, K'] ref of the chunk's G (its last row is G_last).
     do_ref, vn_ref, du_ref: [R, V] refs of dO, V' and dU~ of those rows.
-    s, ds: [K', V] the slice's rows of the entry state and of the exit-state
-      gradient (either dtype). cfg: the intra-backward config.
+    s, ds: the slice's rows of the entry state and of the exit-state
+      gradient (either dtype), each a tuple of [K', BV'] column slices, one
+      per `width_slices(V)`. cfg: the intra-backward config.
     last_row: also return dG's last-row term from the state decay,
       sum_rows (k e^{G_last - G}) * (V' dS^T) + (sum_v dS * S)^T e^{G_last}
       (meaningful only when the R rows are the whole chunk).
@@ -76,23 +80,26 @@ def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: K
     dq [R, K'] (w.r.t. the scaled q), dk [R, K'], dG [R, K'], dbeta [R, 1],
     all f32; then the [1, K'] last-row term if last_row.
   """
+  vslices = width_slices(do_ref.shape[1])
+  if len(s) != len(vslices) or len(ds) != len(vslices):
+    raise ValueError(f"s and dS need {len(vslices)} V slices, got {len(s)} and {len(ds)}")
   eg = exp(g)
   g_last = g_ref[pl.ds(g_ref.shape[0] - 1, 1), :]
   kdec = exp(g_last - g)
   # O += (q e^G) S.
-  dqt = dot(do_ref[...], s, cfg, tb=True)
+  dqt = add_all(dot(do_ref[:, vs], s_v, cfg, tb=True) for vs, s_v in zip(vslices, s))
   dq = eg * dqt
   dgc = q * eg * dqt
   # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
-  dkt = dot(vn_ref[...], ds, cfg, tb=True)
+  dkt = add_all(dot(vn_ref[:, vs], ds_v, cfg, tb=True) for vs, ds_v in zip(vslices, ds))
   kk = k * kdec
   dk = kdec * dkt
   dgc = dgc - kk * dkt
   if last_row:
     dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
-              + state_decay_grad(ds, s, g_last))
+              + add_all(state_decay_grad(ds_v, s_v, g_last) for s_v, ds_v in zip(s, ds)))
   # W = M (beta k e^G): d(beta k e^G) = M^T dW = -dU~ S^T.
-  dbkg = -dot(du_ref[...], s, cfg, tb=True)
+  dbkg = -add_all(dot(du_ref[:, vs], s_v, cfg, tb=True) for vs, s_v in zip(vslices, s))
   dbeta = jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
   dk = dk + beta * eg * dbkg
   dgc = dgc + beta * k * eg * dbkg
@@ -107,28 +114,35 @@ def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, 
   k_ref, g_ref [C, K]; v_ref, do_ref, vn_ref, dvn_ref [C, V]; beta_ref [C, 1];
   hs_ref [K, V] (entry state); m_ref [C, C]. Outputs: dv_ref [C, V] f32,
   dbeta_ref [C, 1] f32, du_ref [C, V], da_ref / daq_ref / dat_ref / daqt_ref
-  [C, C].
+  [C, C]. [C, V] data is read and written in `width_slices(V)` (the whole V
+  at a power of two), and V contractions are sums over them.
   """
   cfg = cfg.backward()
   c, dk = k_ref.shape
+  vslices = width_slices(v_ref.shape[1])
   beta = beta_ref[...]
-  v = v_ref[...].astype(_F32)
+  v = [v_ref[:, vs].astype(_F32) for vs in vslices]
   # z = beta v - (beta k e^G) S, summed over K slices: no [C, K] f32 tile.
-  z = beta * v
+  z = [beta * v_v for v_v in v]
   for ks in k_slices(cfg, dk):
     bkg = beta * k_ref[:, ks].astype(_F32) * exp(g_ref[:, ks])
-    z = z - dot(bkg, hs_ref[ks, :], cfg)
+    z = [z_v - dot(bkg, hs_ref[ks, vs], cfg) for vs, z_v in zip(vslices, z)]
   m = m_ref[...]
-  dvn = dvn_ref[...]
-  dm = dot(dvn, z, cfg, tb=True)
+  dvn = [dvn_ref[:, vs] for vs in vslices]
+  dm = add_all(dot(dvn_v, z_v, cfg, tb=True) for dvn_v, z_v in zip(dvn, z))
   row, col = iota((c, c), 0), iota((c, c), 1)
   # M = (I + A_kk)^-1  =>  dA = -M^T dM M^T on the strictly lower part.
   da = jnp.where(row > col, -dot(dot(m, dm, cfg, ta=True), m, cfg, tb=True), 0.0)
-  daq = jnp.where(row >= col, dot(do_ref[...], vn_ref[...], cfg, tb=True), 0.0)
-  du = dot(m, dvn, cfg, ta=True)       # dU~ = M^T dV' = d(beta v), also feeds d(beta k e^G)
-  dv_ref[...] = (beta * du).astype(dv_ref.dtype)
-  dbeta_ref[...] = jnp.sum(du * v, axis=1, keepdims=True)
-  du_ref[...] = du.astype(du_ref.dtype)
+  daq = jnp.where(row >= col, add_all(dot(do_ref[:, vs], vn_ref[:, vs], cfg, tb=True)
+                                      for vs in vslices), 0.0)
+  # dU~ = M^T dV' = d(beta v), also feeds d(beta k e^G)
+  du = [dot(m, dvn_v, cfg, ta=True) for dvn_v in dvn]
+  for vs, du_v in zip(vslices, du):
+    dv_ref[:, vs] = (beta * du_v).astype(dv_ref.dtype)
+  dbeta_ref[...] = add_all(jnp.sum(du_v * v_v, axis=1, keepdims=True)
+                           for du_v, v_v in zip(du, v))
+  for vs, du_v in zip(vslices, du):
+    du_ref[:, vs] = du_v.astype(du_ref.dtype)
   da_ref[...] = da.astype(da_ref.dtype)
   daq_ref[...] = daq.astype(daq_ref.dtype)
   # Exact transposes (not recomputed products): the row and column sides of
@@ -148,7 +162,8 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   With `diag_grads`, three more [C, BK] f32 refs: the pairwise diagonal
   tiles' dq, dk and dG (`kernel_diag.diag_grads`), where the accumulators
   start. Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32
-  (this slice's part).
+  (this slice's part). [*, V] data is read in `width_slices(V)`
+  (`state_term_grads`).
   """
   init, (dq_ref, dk_ref, dg_ref, dbeta_ref) = (refs[:3], refs[3:]) if diag_grads else (None, refs)
   sdt = cfg.mm_dtype       # the score products' operands, as in the forward
@@ -158,8 +173,9 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   k = k_ref[...].astype(_F32)
   g = g_ref[...]
   beta = beta_ref[...]
-  s = hs_ref[...]           # [BK, V] rows of the state entering the chunk
-  ds = dhs_ref[...]         # [BK, V] rows of the gradient of the state leaving it
+  vslices = width_slices(hs_ref.shape[1])
+  s = tuple(hs_ref[:, vs] for vs in vslices)     # [BK, V]: rows of the entry state
+  ds = tuple(dhs_ref[:, vs] for vs in vslices)   # [BK, V]: of the exit state's gradient
   row_c = iota((c, 1), 0)
   dq, dk, dgc, dbeta, dglast = state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref,
                                                 s, ds, cfg, last_row=True)

@@ -7,7 +7,7 @@ and the gated keys and queries, when asked). `KernelConfig.inverse` selects
 the body:
 
 * "blocked" (the GPU's): whole-tile score products summed over K slices of
-  `KernelConfig.block_k` channels, then M by recursive 2 x 2 blocking, every
+  at most `KernelConfig.block_k` channels, then M by recursive 2 x 2 blocking, every
   step a tensor-core product;
 * "substitution" (the TPU's, and the GPU's when sub_chunk < 16): scores per
   [L, C] row block, then forward substitution over the whole [C, C] tile,
@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices,
                                               anchor_picker, level_factors, pair_levels,
-                                              same_block, tile_factors)
+                                              same_block, tile_factors, width_slices)
 from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -271,7 +271,7 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     such row and column): (x e^{G - a_t(i)} e^{a_t(i) - a_{s+1}}) (k e^{a_{s+1} - G})^T,
     all factors <= 1.
   Anchors are first rows of tiles at or before every row using them. Both
-  are summed over K slices of cfg.block_k channels (`_blocked_slice_scores`),
+  are summed over K slices of at most cfg.block_k channels (`_blocked_slice_scores`),
   so the element-wise work holds [C, BK] tiles, never [C, K] ones; per slice
   each score matrix takes C/L products of [C, BK] x [BK, C] (dense), or
   C/L - 1 + log2(L) (pairwise). Then
@@ -288,9 +288,6 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     M [C, C] f32.
   """
   c, dk = q_ref.shape
-  bk = cfg.block_k
-  if bk > dk:
-    raise ValueError(f"block_k must divide K={dk}, got {bk}")
   slices = k_slices(cfg, dk)
   row, col = iota((c, 1), 0), iota((1, c), 1)
   if diag_tiles is None:
@@ -309,8 +306,9 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
 def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
   """W = M (beta k e^G) per K slice and U = M (beta v) per V slice.
 
-  The V slices are block_k wide when K is sliced, else the whole V (one
-  slice, as on TPU, keeps one product each). Operands are read per slice, so
+  The V slices are at most block_k wide when K is sliced, else the whole V
+  (one slice, as on TPU, keeps one product each), cut into powers of two
+  (`width_slices`: 64 + 32 at V = 96). Operands are read per slice, so
   nothing [C, K]-sized is live next to M.
 
   Args:
@@ -326,7 +324,6 @@ def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
   dk, dv = k_ref.shape[1], v_ref.shape[1]
   bk = cfg.block_k
   slices = k_slices(cfg, dk)
-  bv = min(bk, dv) if bk < dk else dv
   last = pl.ds(k_ref.shape[0] - 1, 1)
   for ks in slices:
     k = k_ref[:, ks].astype(_F32)
@@ -337,8 +334,7 @@ def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
       q_ref, scale, kg_ref, qg_ref = gated
       kg_ref[:, ks] = (k * exp(g_ref[last, ks] - g)).astype(kg_ref.dtype)
       qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * scale * e_g).astype(qg_ref.dtype)
-  for vb in range(dv // bv):
-    vs = pl.ds(vb * bv, bv)
+  for vs in width_slices(dv, bk if bk < dk else None):
     u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
 
 

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, state_grid,
                                               state_launch_options)
-from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
 
 _F32 = jnp.float32
 
@@ -99,9 +99,10 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
       seq = seq_ref[i]
       ds = tuple(jnp.where(last_ref[i] != 0, dht_ref[seq, ks, :].astype(_F32), ds_kb)
                  for ks, ds_kb in zip(slices, ds))
-    base = pl.multiple_of(i * dk, dk)
+    base = pl.multiple_of(i * dk, pow2_part(dk))
     for ks, ds_kb in zip(slices, ds):
-      dhs_ref[pl.ds(pl.multiple_of(base + ks.start, ks.size), ks.size), :] = (
+      align = min(ks.size, pow2_part(dk))    # of base + ks.start: widest slices come first
+      dhs_ref[pl.ds(pl.multiple_of(base + ks.start, align), ks.size), :] = (
           ds_kb.astype(dhs_ref.dtype))
     start = pl.multiple_of(i * c, c)
     ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
@@ -160,7 +161,7 @@ def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
               cfg: KernelConfig, varlen: bool, gated: bool = False):
   """Runs the reverse state kernel.
 
-  Each program carries dS [K, BV] as K/block_k slices of [block_k, BV] and
+  Each program carries dS [K, BV] as K slices of [<= block_k, BV] and
   does the per-channel work on [C, block_k] tiles (`kernel_common.k_slices`).
 
   Args:

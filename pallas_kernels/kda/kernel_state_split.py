@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import dot, exp, k_slices, state_grid
-from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_common import dot, exp, k_slices, width_slices, state_grid
+from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
 
 _F32 = jnp.float32
 
@@ -84,9 +84,10 @@ def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chun
     v_new, s_next = chunk_fn(s, rows, pl.ds(start + c - 1, 1))
     if save_refs:
       hs_ref, vn_ref = save_refs
-      base = pl.multiple_of(i * dk, dk)
+      base = pl.multiple_of(i * dk, pow2_part(dk))
       for ks, s_kb in zip(slices, s):
-        at = pl.multiple_of(base + ks.start, ks.size)
+        # base + ks.start is a multiple of this: the widest slices come first.
+        at = pl.multiple_of(base + ks.start, min(ks.size, pow2_part(dk)))
         hs_ref[pl.ds(at, ks.size), :] = s_kb.astype(hs_ref.dtype)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
     if varlen:
@@ -111,7 +112,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
                        hs_ref, vn_ref, ht_ref, *, chunk_size, cfg, varlen):
   """Block shapes: w_ref, kg_ref, g_ref [Tp, K]; u_ref, vn_ref [Tp, BV];
   h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]. The state is carried as
-  K/block_k slices of [block_k, BV] f32 (`kernel_common.k_slices`)."""
+  K slices of [<= block_k, BV] f32 (`kernel_common.k_slices`)."""
   tp, dk = w_ref.shape
   slices = k_slices(cfg, dk)
 
@@ -168,9 +169,15 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
 
 def _output_kernel(qg_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, cfg):
   """Block shapes: qg_ref [C, K]; aqk_ref [C, C]; hs_ref [K, BV]; vn_ref,
-  o_ref [C, BV]. O = A_qk V' + qg S."""
-  o = dot(aqk_ref[...], vn_ref[...], cfg) + dot(qg_ref[...], hs_ref[...], cfg)
-  o_ref[...] = o.astype(o_ref.dtype)
+  o_ref [C, BV]. O = A_qk V' + qg S, per `width_slices` of K and V (the
+  whole widths at powers of two)."""
+  dk, bv = hs_ref.shape
+  aqk = aqk_ref[...]
+  for vs in width_slices(bv):
+    o = dot(aqk, vn_ref[:, vs], cfg)
+    for ks in width_slices(dk):
+      o = o + dot(qg_ref[:, ks], hs_ref[ks, vs], cfg)
+    o_ref[:, vs] = o.astype(o_ref.dtype)
 
 
 def output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg: KernelConfig, out_dtype):

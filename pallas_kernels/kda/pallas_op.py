@@ -334,8 +334,10 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 
   Args:
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] or [B, T, H] float32
-    log-decay; beta: [B, T, H]. K, V: powers of two, or any width up to
-    `head_pad.MAX_PADDED_WIDTH` (zero-padded inside the op, exact).
+    log-decay; beta: [B, T, H]. K, V: widths the kernels run
+    (`kernel_config.width_rule`: on the GPU powers of two and multiples of
+    16), or any other width up to `head_pad.MAX_PADDED_WIDTH` (zero-padded
+    inside the op, exact).
     scale: multiplies q; defaults to K ** -0.5.
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final states.
@@ -415,7 +417,9 @@ def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bia
   """
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
-  dk_run, dv_run = head_pad.padded_widths(dk, dv, backend)
+  dk_run, dv_run = head_pad.padded_widths(
+      dk, dv, backend, heads=h,
+      sliced=kernel_config.sliced_bodies(backend, sub_chunk, config_overrides))
   q, k, v, g, initial_state = head_pad.pad_heads(q, k, v, g, initial_state, dk_run, dv_run)
   if gate_bias is not None and dk_run != dk:
     gate_bias = jnp.pad(gate_bias, ((0, 0), (0, dk_run - dk)))
@@ -442,7 +446,7 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
                                   chunk_size=chunk_size, sub_chunk=sub_chunk,
                                   block_v=block_v, state_programs=q.shape[0] * h,
                                   token_heads=b * grid_chunks * c * h,
-                                  overrides=config_overrides)
+                                  overrides=config_overrides, heads=h)
   fused = gate_mode == "fused"
   # Padded rows of a fused gate get -inf, where the gate is exactly 0 (an
   # explicit zero gate), and so is its derivative.
