@@ -8,7 +8,7 @@ import bench_kda_memory  # noqa: E402
 
 
 def test_default_column_names_the_segments_of_the_policy():
-  assert bench_kda_memory.default_choice(1, 2 ** 20, 16, 128) == (2, 2 ** 20 * 16 * 1792)
+  assert bench_kda_memory.default_choice(1, 2 ** 20, 16, 128) == (4, 2 ** 20 * 16 * 1792)
   assert bench_kda_memory.default_choice(1, 2 ** 15, 16, 128) == (1, 2 ** 15 * 16 * 1792)
 
 

@@ -114,8 +114,12 @@ class TestHeadWidthsGpu(HeadWidthChecks):
   chunk = 64
 
   def test_whole_tile_bodies_pad(self):
-    """sub_chunk = 8 on the GPU takes the whole-tile bodies, which pad 96 to 128."""
-    x = make_inputs(27, batch=1, seq_len=self.seq_len, heads=2, dk=96, dv=96, gate="mixed")
+    """sub_chunk = 8 on the GPU takes the whole-tile bodies, which pad 48 to 64.
+
+    (At f32 and K = V = 128, 96 padded included, the one-program backward asks
+    for 288 KiB of shared memory, more than the H200's 227 KiB: a limit of
+    that body, not of the padding.)"""
+    x = make_inputs(27, batch=1, seq_len=self.seq_len, heads=2, dk=48, dv=48, gate="mixed")
     _assert_matches_naive(self._pallas(sub_chunk=8, lower_bound=LOWER_BOUND), x, 28,
                           TOL[self.backend])
 

@@ -333,15 +333,15 @@ NARROW_BWD_MAX_PROGRAMS = 16
 # Most bytes of residuals (`residual_bytes`) that one call, or one segment of
 # a long sequence, keeps for its backward by default (`segment_chunks`). At
 # K = V = 128, C = 64 and 16-bit inputs a token-head pair keeps 1792 bytes, so
-# 16 GiB holds 9.6M token-heads: B T = 599k tokens at H = 16. On the H200 the
-# whole forward+backward program at B1 T = 2^19 H16 (14 GiB of residuals)
-# took 45.2 GB and ran faster than segments (which rerun the forward); at
-# T = 2^20 (28 GiB) the whole program does not fit (docs/benchmarks.md,
-# "Long sequences"). Training shapes stay far below it
+# 8 GiB holds 4.8M token-heads: B T = 300k tokens at H = 16, and B1 T = 2^20
+# H16 (28 GiB) runs in four segments. On the H200 (docs/benchmarks.md, "Long
+# sequences") the whole program did not fit at T = 2^20, two segments of
+# 2^19 fit at 0.9 of the memory but not under JAX's default 0.75 with the
+# inputs already allocated, hence four. Training shapes stay far below it
 # (B16 T2048 H16: 0.94 GB per layer). Why segments and not
 # `save_residuals=False`: at T = 2^19 that program took 43.2 GB against 45.2
 # (the recomputed residuals are live with the backward's own temporaries).
-RESIDUAL_BUDGET_BYTES = 16 * 2 ** 30
+RESIDUAL_BUDGET_BYTES = 8 * 2 ** 30
 
 
 class KernelShape(NamedTuple):
