@@ -32,8 +32,10 @@ def _unbounded_gates(key, shape):
   return jnp.where(jax.random.bernoulli(k2, 0.125, shape), -40.0, g)
 
 
-def test_diag_scores_are_the_pair_decay_tiles():
-  """Both compact tiles, two chunks of four L = 8 tiles, K = 32 in slices of 16."""
+@pytest.mark.parametrize("diag_rows", [None, 8, 16])
+def test_diag_scores_are_the_pair_decay_tiles(diag_rows):
+  """Both compact tiles, two chunks of four L = 8 tiles, K = 32 in slices of
+  16; one chunk, one tile or two tiles per program."""
   b, h, c, ell, dk, nc = 1, 2, 32, 8, 32, 2
   tp = nc * c
   ks = jax.random.split(jax.random.key(0), 4)
@@ -44,7 +46,8 @@ def test_diag_scores_are_the_pair_decay_tiles():
   g_cum = jnp.cumsum(g, axis=2).reshape(b, tp, h, dk)
   beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, tp, h)))
   cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=dk, head_v=dk,
-                                  chunk_size=c, sub_chunk=ell, overrides={"block_k": 16})
+                                  chunk_size=c, sub_chunk=ell,
+                                  overrides={"block_k": 16, "diag_rows": diag_rows})
   scale = 0.3
   d_qk, d_kk = kernel_diag.diag_scores(
       q.reshape(b, tp, -1), k.reshape(b, tp, -1), g_cum.reshape(b, tp, -1),
@@ -72,11 +75,12 @@ def _vjp(fn, xs, do, dht):
   return jax.jit(run)(xs, do, dht)
 
 
-@pytest.mark.parametrize("gdn", [False, True])
-def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn):
+@pytest.mark.parametrize("gdn,diag_rows", [(False, None), (True, None), (False, 16)])
+def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn, diag_rows):
   """T = 72 on C = 32 (off the grid), L = 16 (levels 8, 4, 2, 1), K = 32 in
-  slices of 16: the op with `diag_kernels` against the op without it and
-  against the naive recurrence, f32, unbounded gates."""
+  slices of 16: the op with `diag_kernels` (a chunk or one tile per program)
+  against the op without it and against the naive recurrence, f32,
+  unbounded gates."""
   x = make_inputs(1, batch=1, seq_len=72, heads=2, dk=32, dv=16, scalar_gate=gdn)
   gshape = x.g.shape
   x.g = _unbounded_gates(jax.random.key(2), gshape)
@@ -86,10 +90,11 @@ def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn):
   xs = (*x.args(), x.h0)
 
   def pallas(diag_kernels):
+    rows = {"diag_rows": diag_rows} if diag_kernels else {}
     return functools.partial(api.chunk_kda, implementation="pallas", interpret=True,
                              chunk_size=32, sub_chunk=16, diagonal="pairwise",
                              config_overrides=dict(diag_kernels=diag_kernels, block_k=16,
-                                                   bwd_block_k=16))
+                                                   bwd_block_k=16, **rows))
 
   own = _vjp(pallas(True), xs, do, dht)
   inside = _vjp(pallas(False), xs, do, dht)
@@ -114,6 +119,10 @@ def test_default_and_check():
   with pytest.raises(ValueError, match="diag_kernels=True needs inverse='blocked'"):
     make(backend="interpret", sub_chunk=16,
          overrides={"intra_bwd": "tiles", "diag_kernels": True})
+  for rows in (8, 24, 128):
+    with pytest.raises(ValueError, match="diag_rows must be None or a multiple of sub_chunk=16 "
+                                         "dividing chunk_size=64"):
+      make(backend="triton", sub_chunk=16, overrides={"diag_rows": rows})
 
 
 @pytest.mark.gpu

@@ -122,6 +122,9 @@ class KernelConfig:
     diag_block_k: K slice of both `kernel_diag` kernels; a power of two
       at most K (dividing it when K is one). Default min(K, 64) at power-of-two K,
       else the widest power of two below K, at most 64 (as block_k).
+    diag_rows: rows of one program of both `kernel_diag` kernels, a
+      multiple of sub_chunk dividing chunk_size (its tiles are independent:
+      fewer rows, more programs). Default None: the chunk.
   """
   backend: str
   block_v: int
@@ -140,6 +143,7 @@ class KernelConfig:
   segment_chunks: int | None = None
   diag_kernels: bool = False
   diag_block_k: int = 64
+  diag_rows: int | None = None
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -508,6 +512,10 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
         or (backend == "triton" and width < 16)):
       raise ValueError(f"{name} must be a power of two {'dividing' if dividing else 'at most'} "
                        f"K={head_k} (>= 16 on the GPU: a dot dim), got {width}")
+  if cfg.diag_rows is not None and (cfg.diag_rows < sub_chunk or cfg.diag_rows % sub_chunk
+                                    or chunk_size % cfg.diag_rows):
+    raise ValueError(f"diag_rows must be None or a multiple of sub_chunk={sub_chunk} dividing "
+                     f"chunk_size={chunk_size}, got {cfg.diag_rows}")
   if backend == "triton" and sub_chunk < 16:
     for name, value in (("inverse", "blocked"), ("intra_bwd", "split")):
       if getattr(cfg, name) == value:

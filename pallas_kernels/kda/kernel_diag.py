@@ -11,13 +11,17 @@ or [L, diag_block_k] (backward), so the tile's levels fit in registers. The
 intra-chunk kernels then do only what the dense diagonal does off the
 diagonal tiles, and take these kernels' results:
 
-* `diag_scores`, grid (B, H, NC): the diagonal tiles of A_qk (diagonal
+* `diag_scores`, grid (B, H, Tp / R): the diagonal tiles of A_qk (diagonal
   q_i . k_i included) and A_kk, compact: [B, H, Tp, L] f32 each, row i
   holding its tile's columns (`kernel_intra_fwd` adds them);
-* `diag_grads`, grid (B, H, NC): the gradients through those scores, dq
+* `diag_grads`, grid (B, H, Tp / R): the gradients through those scores, dq
   (w.r.t. the scaled q), dk and dG [B, Tp, H*K] f32 and dbeta [B, H, Tp, 1]
   f32, which `kernel_intra_bwd_split`'s second kernel starts its
   accumulators from.
+
+Each program takes R = `cfg.diag_rows` rows (R / L tiles, walked in a loop;
+default R = C, one chunk): the tiles are independent, so R trades programs
+for work per program.
 
 The products take the score dtype (`cfg.mm_dtype`) operands as the
 intra-chunk kernels' do, and the gate gradient uses the rounded operands on
@@ -67,7 +71,7 @@ def _tile_scores(q_ref, k_ref, g_ref, beta_ref, start, *, scale, ell, cfg):
 
 
 def _diag_scores_kernel(q_ref, k_ref, g_ref, beta_ref, dqk_ref, dkk_ref, *, scale, ell, cfg):
-  """One chunk: q_ref, k_ref, g_ref [C, K]; beta_ref [C, 1]; outputs [C, L] f32."""
+  """R rows: q_ref, k_ref, g_ref [R, K]; beta_ref [R, 1]; outputs [R, L] f32."""
   def tile(r, carry):
     start = pl.multiple_of(r * ell, ell)
     s_qk, s_kk = _tile_scores(q_ref, k_ref, g_ref, beta_ref, start, scale=scale, ell=ell,
@@ -91,18 +95,25 @@ def diag_scores(q, k, g_cum, beta, *, heads, chunk_size, sub_chunk, scale, cfg: 
     and j < L (A_qk lower with its diagonal, A_kk strictly lower; zero above).
   """
   b, tp, hk = q.shape
-  h, c, ell = heads, chunk_size, sub_chunk
+  h, ell = heads, sub_chunk
+  rows = rows_per_program(cfg, chunk_size)
   dk = hk // h
-  spec = chunk_specs(c, dk, dk)
-  tile_spec = pl.BlockSpec((None, None, c, ell), lambda ib, ih, ic: (ib, ih, ic, 0))
+  spec = chunk_specs(rows, dk, dk)
+  tile_spec = pl.BlockSpec((None, None, rows, ell), lambda ib, ih, ir: (ib, ih, ir, 0))
   out = jax.ShapeDtypeStruct((b, h, tp, ell), _F32)
   return pl.pallas_call(
       functools.partial(_diag_scores_kernel, scale=scale, ell=ell, cfg=cfg),
-      grid=(b, h, tp // c), in_specs=[spec.k, spec.k, spec.k, spec.beta],
+      grid=(b, h, tp // rows), in_specs=[spec.k, spec.k, spec.k, spec.beta],
       out_specs=[tile_spec, tile_spec], out_shape=[out, out],
       compiler_params=cfg.compiler_params("diag_fwd"),
       interpret=cfg.interpret, name="kda_diag_scores",
   )(q, k, g_cum, beta)
+
+
+def rows_per_program(cfg: KernelConfig, chunk_size: int) -> int:
+  """R, the rows of one program of both kernels: `cfg.diag_rows` (checked by
+  `kernel_config.make_config`), or C when None."""
+  return chunk_size if cfg.diag_rows is None else cfg.diag_rows
 
 
 def expand_tiles(d_ref, ell: int):
@@ -116,10 +127,11 @@ def expand_tiles(d_ref, ell: int):
 
 def _diag_grads_kernel(q_ref, k_ref, g_ref, beta_ref, da_ref, daq_ref, dat_ref, daqt_ref,
                        dq_ref, dk_ref, dg_ref, dbeta_ref, *, scale, ell, cfg):
-  """One chunk's diagonal-tile score gradients (`kernel_common.add_score_grads`
-  restricted to the levels). q_ref, k_ref, g_ref [C, K]; beta_ref [C, 1];
-  da_ref, daq_ref and their transposes dat_ref, daqt_ref [C, C] (stored in
-  the score dtype). Outputs dq_ref, dk_ref, dg_ref [C, K] f32, dbeta_ref [C, 1] f32."""
+  """R rows' diagonal-tile score gradients (`kernel_common.add_score_grads`
+  restricted to the levels). q_ref, k_ref, g_ref [R, K]; beta_ref [R, 1];
+  da_ref, daq_ref and their transposes dat_ref, daqt_ref [R, R], the blocks
+  of the [C, C] chunk matrices on the diagonal (stored in the score dtype).
+  Outputs dq_ref, dk_ref, dg_ref [R, K] f32, dbeta_ref [R, 1] f32."""
   sdt = cfg.mm_dtype
   cfg = cfg.backward()
   rnd = lambda x: x.astype(sdt).astype(_F32)
@@ -183,12 +195,17 @@ def diag_grads(q, k, g_cum, beta, da, daq, dat, daqt, *, heads, chunk_size, sub_
   """
   b, tp, hk = q.shape
   h, c, ell = heads, chunk_size, sub_chunk
+  rows = rows_per_program(cfg, c)
+  per_chunk = c // rows
   dk_ = hk // h
-  spec = chunk_specs(c, dk_, dk_)
+  spec = chunk_specs(rows, dk_, dk_)
+  # Program ir's [R, R] block on the diagonal of its chunk's [C, C] matrix.
+  diag_block = pl.BlockSpec((None, None, rows, rows),
+                            lambda ib, ih, ir: (ib, ih, ir, ir % per_chunk))
   grads = jax.ShapeDtypeStruct((b, tp, hk), _F32)
   return pl.pallas_call(
       functools.partial(_diag_grads_kernel, scale=scale, ell=ell, cfg=cfg),
-      grid=(b, h, tp // c), in_specs=[spec.k, spec.k, spec.k, spec.beta] + [spec.cc] * 4,
+      grid=(b, h, tp // rows), in_specs=[spec.k, spec.k, spec.k, spec.beta] + [diag_block] * 4,
       out_specs=[spec.k] * 3 + [spec.beta],
       out_shape=[grads] * 3 + [jax.ShapeDtypeStruct((b, h, tp, 1), _F32)],
       compiler_params=cfg.compiler_params("diag_bwd"),
