@@ -23,6 +23,7 @@ from k3jax.data.mqar import check_mqar
 from k3jax.data.token_file import TOKEN_DTYPES
 from k3jax.models import config as model_config_lib
 from k3jax.parallel import config as pconfig_lib
+from k3jax.parallel import pipeline_layout
 from k3jax.routing.config import RouterConfig
 from k3jax.sharding import mesh as mesh_lib
 from k3jax.train.cli_errors import InputError
@@ -47,7 +48,8 @@ OPTIM: dict[str, Any] = {
 }
 # `parallel` may be left out (every device on the data axis); its keys may be too.
 PARALLEL: dict[str, Any] = {
-    "data": int, "fsdp": int, "expert": int, "context": int, "dispatch_slot_factor": _NUM, "rules": dict,
+    "data": int, "fsdp": int, "expert": int, "context": int, "stages": int, "microbatches": int,
+    "dispatch_slot_factor": _NUM, "rules": dict,
 }
 RULE_TYPES = (str, list, tuple, type(None))
 DATA_KINDS = ("bytes", "token_file", "mqar")
@@ -294,6 +296,13 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
     _require((c["batch_size"] * c["seq_len"]) % n_all == 0,
              f"config batch_size x seq_len = {c['batch_size'] * c['seq_len']} tokens must be "
              f"divisible by the {n_all} devices for expert-parallel dispatch")
+  layout = pipeline_layout.PipelineLayout(stages=max(sizes[mesh_lib.STAGE], 1),
+                                          microbatches=pconf.microbatches)
+  try:
+    layout.check_model(model_cfg)
+    layout.check_batch(c["batch_size"], n_batch)
+  except ValueError as e:
+    raise ConfigError(f"config {e}") from None
   embed_axes = pconfig_lib.rule_axes(pconf.rules, "embed")
   n_embed = product(embed_axes)
   _require(model_cfg.d_model % n_embed == 0,
