@@ -87,8 +87,11 @@ def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
     init = (jnp.zeros(buf_shape.shape, buf_shape.dtype), jnp.zeros_like(x_mbtd),
             jnp.zeros((), jnp.float32))
     (_, outs_mbtd, aux), _ = lax.scan(tick, init, jnp.arange(n_micro + n_stages - 1))
-    # The outputs live on the last stage; the sum hands them to every stage.
-    outs_mbtd = lax.psum(jnp.where(last, outs_mbtd, jnp.zeros_like(outs_mbtd)), axis)
+    # The outputs live on the last stage; the sum hands them to every stage. It adds
+    # zeros to one stage's values, so float32 is exact (and XLA's CPU compiler fails on
+    # a bfloat16 all-reduce here).
+    kept = jnp.where(last, outs_mbtd, jnp.zeros_like(outs_mbtd)).astype(jnp.float32)
+    outs_mbtd = lax.psum(kept, axis).astype(x_mbtd.dtype)
     return outs_mbtd, lax.psum(aux, axis)
 
   return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P()),
