@@ -50,6 +50,12 @@ def test_stages_and_microbatches_reach_the_mesh():
      r"batch_size=16 does not divide into parallel.microbatches=3 microbatches .* 4 devices .*"
      r"parallel.microbatches in \[1, 2, 4\]"),
     ({"parallel.microbatches": 0}, r"parallel.microbatches=0; must be a positive int"),
+    ({"parallel.microbatches": 4}, r"parallel.microbatches=4 streams microbatches through "
+                                   r"pipeline stages, but parallel.stages=1"),
+    ({"parallel.stages": 2, "parallel.expert": 2, "parallel.rules.batch": "data",
+      "batch_size": 4, "seq_len": 1, "parallel.microbatches": 2, "model.layer_pattern": "A"},
+     r"batch_size / parallel.microbatches x seq_len = 2 tokens must be divisible by the 4 "
+     r"devices of a stage"),
     ({"parallel.stages": 0}, r"MeshConfig.stage=0; must be a positive int"),
     ({"parallel.rules.embed": "fsdp,stage"}, r"parallel.rules.embed maps to the 'stage' axis"),
     ({"parallel.stages": 2, "model.router.name": "bias_sign"},
