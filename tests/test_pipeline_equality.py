@@ -58,11 +58,11 @@ def _reference(cfg: ModelConfig):
 
 
 # Stages x microbatches, with and without block AttnRes and MoE; the cases of one model share
-# its one-device reference. The last composes with the expert and context axes (experts over
-# expert, attention's heads over context).
+# its one-device reference. Beside the data axis: fsdp (parameters split along the model
+# width), and expert with context (experts over expert, attention's heads over context).
 @pytest.mark.parametrize("stages, microbatches, residual, experts, axes", [
     (2, 4, "prenorm", 0, {"data": 4}),
-    (4, 8, "prenorm", 0, {"data": 2}),
+    (4, 8, "prenorm", 0, {"fsdp": 2, "data": 1}),
     (2, 8, "block_attnres", 4, {"data": 2}),
     (4, 4, "block_attnres", 4, {"data": 2}),
     (2, 4, "block_attnres", 4, {"expert": 2, "context": 2}),
