@@ -94,5 +94,8 @@ def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
     outs_mbtd = lax.psum(kept, axis).astype(x_mbtd.dtype)
     return outs_mbtd, lax.psum(aux, axis)
 
+  # check_vma=False: the layers' own scans (KDA's chunk loop) start from carries that do
+  # not vary over the stage axis and return ones that do, which the varying-axes check
+  # refuses; the replicated inputs' gradients are summed over the stages either way.
   return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P()),
                        axis_names={axis}, check_vma=False)(stacked, shared, x_mbtd)
