@@ -107,9 +107,12 @@ class PipelineLayout:
     """
     if config.residual == "prenorm":
       return 1
+    return 1 + (self.stages - 1) * self.blocks_per_stage(config)
+
+  def blocks_per_stage(self, config: ModelConfig) -> int:
+    """Attention-residual blocks one stage completes (a full-AttnRes block is one sublayer)."""
     per_block = 1 if config.residual == "full_attnres" else config.attnres_block_size
-    blocks_per_stage = 2 * self.layers_per_stage(config) // per_block
-    return 1 + (self.stages - 1) * blocks_per_stage
+    return 2 * self.layers_per_stage(config) // per_block
 
   def bubble_fraction(self) -> float:
     """Idle share of each stage under the GPipe schedule: (S - 1) / (M + S - 1)."""

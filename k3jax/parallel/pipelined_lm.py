@@ -67,10 +67,9 @@ def pipeline_parallelize(model: HybridLM, microbatches: int) -> PipelinedLM:
 
 
 def _stage_residual(config, layout: PipelineLayout) -> StageResidual:
-  per_block = 1 if config.residual == "full_attnres" else config.attnres_block_size
   return StageResidual(config.residual, block_size=config.attnres_block_size,
                        slots=layout.boundary_slots(config),
-                       blocks_per_stage=2 * layout.layers_per_stage(config) // per_block)
+                       blocks_per_stage=layout.blocks_per_stage(config))
 
 
 def _stacked_layers(model: HybridLM, layout: PipelineLayout):
