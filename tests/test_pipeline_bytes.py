@@ -15,7 +15,7 @@ from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from tests.kda_inputs import assert_close
-from tests.test_pipeline_equality import config
+from tests.test_pipeline_equality import FAST_COMPILE, config
 
 BATCH, LENGTH, MICRO = 8, 16, 4
 
@@ -70,13 +70,15 @@ def test_full_attnres_forward_equals_one_device():
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(5), (BATCH, LENGTH), 0, cfg.vocab_size)
   graphdef, state = nnx.split(model)
-  forward = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t, deterministic=True)[0])
+  forward = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t, deterministic=True)[0],
+                    compiler_options=FAST_COMPILE)
   logits_ref = forward(state, tokens)
   mesh = make_mesh(MeshConfig(stage=4, data=2))
   pipelined = pipeline_parallelize(model, MICRO)
   graphdef, state = nnx.split(pipelined)
   with jax.set_mesh(mesh):
-    logits = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t, deterministic=True)[0])(
+    logits = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t, deterministic=True)[0],
+                     compiler_options=FAST_COMPILE)(
         rules.shard_tree(state, mesh), jax.device_put(tokens, rules.batch_sharding(mesh)))
   assert_close(logits, logits_ref, 1e-5, "logits")
   assert np.isfinite(np.asarray(logits, np.float64)).all() and logits.dtype == jnp.float32
