@@ -279,6 +279,12 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   devices = _devices(config, nproc)
   # Every check, the mesh's included, runs before anything is computed.
   model_cfg, pconf, sizes = parallel_config(config, len(devices))
+  if sizes["stage"] > 1 and nproc > 1:
+    # Each process feeds its own rows of the batch, which every stage must see whole.
+    raise ConfigError(f"config parallel.stages={sizes['stage']} in a run of {nproc} processes: "
+                      "the pipeline runs within one process in this version (every process "
+                      "feeds its own rows, and every stage reads the whole batch); use "
+                      "parallel.stages=1 across processes")
   if model_fn is None:
     # The MoE layers' path is chosen here, once: expert-parallel when the mesh shards the experts.
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len,
