@@ -14,11 +14,12 @@ from k3jax.sharding.mesh import AXES, MeshConfig, make_mesh, resolve_sizes
 def test_minus_one_takes_the_remaining_devices():
   mesh = make_mesh(MeshConfig(data=-1, expert=2, context=2))
   assert mesh.axis_names == AXES
-  assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 2, "context": 2}
+  assert dict(mesh.shape) == {"stage": 1, "data": 2, "fsdp": 1, "expert": 2, "context": 2}
   assert sorted(d.id for d in mesh.devices.ravel()) == list(range(8))
   assert dict(make_mesh({"context": 8, "data": 1}).shape)["context"] == 8
   assert dict(make_mesh().shape)["data"] == 8
-  assert resolve_sizes(MeshConfig(data=2, fsdp=-1, expert=2), 16) == (2, 4, 2, 1)
+  assert resolve_sizes(MeshConfig(data=2, fsdp=-1, expert=2), 16) == (1, 2, 4, 2, 1)
+  assert resolve_sizes(MeshConfig(data=-1, stage=4), 8) == (4, 2, 1, 1, 1)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -40,7 +41,7 @@ def test_sizes_must_fit_the_devices():
   with pytest.raises(ValueError, match=r"unknown mesh axes \['model'\]"):
     make_mesh({"model": 2})
   assert dict(make_mesh(MeshConfig(data=2, context=2), devices=jax.devices()[:4]).shape) == {
-      "data": 2, "fsdp": 1, "expert": 1, "context": 2}
+      "stage": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 2}
 
 
 def test_logical_to_spec():
@@ -129,7 +130,8 @@ def test_parallel_config_from_dict():
   from k3jax.parallel.config import ParallelConfig  # pylint: disable=g-import-not-at-top
   pconf = ParallelConfig.from_dict({"mesh": {"data": -1, "expert": 2}, "dispatch_slot_factor": 2.0,
                                     "rules": {"batch": ["data", "expert"], "expert": "expert"}})
-  assert dict(pconf.make_mesh().shape) == {"data": 4, "fsdp": 1, "expert": 2, "context": 1}
+  assert dict(pconf.make_mesh().shape) == {"stage": 1, "data": 4, "fsdp": 1, "expert": 2,
+                                           "context": 1}
   assert pconf.rules == (("batch", ("data", "expert")), ("expert", "expert"))
   assert ParallelConfig.from_dict(None).rules == rules.DEFAULT_RULES
   with pytest.raises(ValueError, match=r"unknown parallel config keys \['tensor'\]"):

@@ -47,14 +47,14 @@ def test_mesh_runs_match_one_device_and_resume_across_meshes(tmp_path):
   ref_dir = str(tmp_path / "one_device")
   ref = train_and_evaluate(_mesh_config(), ref_dir)
   ref_losses = _losses(ref_dir)
-  assert ref["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "context": 1}
+  assert ref["mesh"] == {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 1}
   # The losses move (the comparison is not between two untrained models).
   assert ref_losses[-1][1] < ref_losses[0][1] - 0.2
 
   # 2. (data 2, expert 2, context 2): experts over 2 devices, sequences over 2.
   mesh_dir = str(tmp_path / "mesh_2x2x2")
   result = train_and_evaluate(_mesh_config(data=2, expert=2, context=2), mesh_dir)
-  assert result["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "context": 2}
+  assert result["mesh"] == {"stage": 1, "data": 2, "fsdp": 1, "expert": 2, "context": 2}
   assert result["step"] == 5 and result["num_params"] == ref["num_params"]
   _assert_losses_match(_losses(mesh_dir), ref_losses, [1, 2, 3, 4, 5])
   np.testing.assert_allclose(result["eval"]["loss"], ref["eval"]["loss"], rtol=RTOL["loss"])
@@ -67,7 +67,7 @@ def test_mesh_runs_match_one_device_and_resume_across_meshes(tmp_path):
   first = train_and_evaluate(_mesh_config(), moved, hooks=[_stop_at(2)])
   assert first["interrupted"] and first["step"] == 2
   second = train_and_evaluate(_mesh_config(data=2, expert=2, context=2), moved, hooks=[_stop_at(4)])
-  assert second["mesh"] == {"data": 2, "fsdp": 1, "expert": 2, "context": 2}
+  assert second["mesh"] == {"stage": 1, "data": 2, "fsdp": 1, "expert": 2, "context": 2}
   assert second["interrupted"] and second["step"] == 4 and second["first_eval"] is None
   assert sorted(os.listdir(os.path.join(moved, "checkpoints"))) == ["2", "4"]
   third = train_and_evaluate(_mesh_config(), moved)
@@ -123,14 +123,15 @@ def test_mesh_must_use_the_devices_and_fails_before_the_run(tmp_path):
   # data=-1 takes the devices the other axes leave.
   c.parallel.data = -1
   _, pconf, sizes = parallel_config(c, 8)
-  assert sizes == {"data": 2, "fsdp": 1, "expert": 2, "context": 2}
+  assert sizes == {"stage": 1, "data": 2, "fsdp": 1, "expert": 2, "context": 2}
   assert pconf.dispatch_slot_factor is None  # 0 in the config: lossless dispatch
 
 
 def test_default_rules_match_the_library_and_overrides_apply():
   pconf = pconfig_lib.ParallelConfig.from_trainer_config(base_config().parallel)
   assert pconf.rules == rules_lib.DEFAULT_RULES
-  assert pconf.mesh.sizes() == (-1, 1, 1, 1)
+  assert pconf.mesh.sizes() == (1, -1, 1, 1, 1)  # stage first
+  assert pconf.microbatches == 1
   c = base_config()
   c.parallel.rules.embed = ""
   c.parallel.rules.mlp = "fsdp"

@@ -69,7 +69,8 @@ from pallas_kernels.gmm.config import GmmConfig
 
 IMPLS = ("ragged", "buffered", "dense")
 LOCAL_IMPLS = ("ragged", "buffered")
-TOKEN_AXES = mesh_lib.AXES
+# Tokens are split over every axis inside one pipeline stage (not over stages).
+TOKEN_AXES = mesh_lib.WITHIN_STAGE_AXES
 
 
 @dataclasses.dataclass(frozen=True)

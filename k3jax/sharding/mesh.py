@@ -1,12 +1,14 @@
-"""Device mesh from config: axes data / fsdp / expert / context.
+"""Device mesh from config: axes stage / data / fsdp / expert / context.
 
     mesh = make_mesh(MeshConfig(data=-1, expert=2, context=2))
 
 Sizes are positive ints, with at most one -1 meaning "all remaining
-devices". Axis order is fixed, slowest-varying first: data, fsdp, expert,
-context. Context is innermost because its per-layer exchange (KDA state
-summaries, attention keys) is the most frequent, so it lands on the
-closest devices; data is outermost (one gradient reduction per step).
+devices". Axis order is fixed, slowest-varying first: stage, data, fsdp,
+expert, context. Context is innermost because its per-layer exchange (KDA
+state summaries, attention keys) is the most frequent, so it lands on the
+closest devices; stage is outermost: a pipeline stage sends one boundary
+state per microbatch to its neighbour, the least traffic of any axis (data
+reduces every gradient once per step).
 Multi-host runs call `jax.distributed.initialize()` before building the mesh;
 `jax.devices()` then lists every process's devices.
 """
@@ -21,18 +23,25 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "expert", "context")
-DATA, FSDP, EXPERT, CONTEXT = AXES
+AXES = ("stage", "data", "fsdp", "expert", "context")
+STAGE, DATA, FSDP, EXPERT, CONTEXT = AXES
+# The axes that split one pipeline stage's work (every axis but stage).
+WITHIN_STAGE_AXES = AXES[1:]
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Mesh axis sizes; one of them may be -1 ("the rest of the devices")."""
+  """Mesh axis sizes; one of them may be -1 ("the rest of the devices").
+
+  `stage` is the pipeline axis (`k3jax.parallel.pipeline`); it is the last
+  field so that positional sizes keep their meaning, and the first axis.
+  """
 
   data: int = -1
   fsdp: int = 1
   expert: int = 1
   context: int = 1
+  stage: int = 1
 
   def __post_init__(self):
     sizes = self.sizes()
@@ -73,7 +82,7 @@ def resolve_sizes(config: MeshConfig, num_devices: int) -> tuple[int, ...]:
 
 def make_mesh(config: MeshConfig | Mapping[str, Any] | None = None, *,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds the 4-axis mesh (data, fsdp, expert, context) over `devices`.
+  """Builds the 5-axis mesh (stage, data, fsdp, expert, context) over `devices`.
 
   Args:
     config: MeshConfig or mapping of axis sizes; None puts every device on data.

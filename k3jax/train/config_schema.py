@@ -23,6 +23,7 @@ from k3jax.data.mqar import check_mqar
 from k3jax.data.token_file import TOKEN_DTYPES
 from k3jax.models import config as model_config_lib
 from k3jax.parallel import config as pconfig_lib
+from k3jax.parallel import pipeline_layout
 from k3jax.routing.config import RouterConfig
 from k3jax.sharding import mesh as mesh_lib
 from k3jax.train.cli_errors import InputError
@@ -47,7 +48,8 @@ OPTIM: dict[str, Any] = {
 }
 # `parallel` may be left out (every device on the data axis); its keys may be too.
 PARALLEL: dict[str, Any] = {
-    "data": int, "fsdp": int, "expert": int, "context": int, "dispatch_slot_factor": _NUM, "rules": dict,
+    "data": int, "fsdp": int, "expert": int, "context": int, "stages": int, "microbatches": int,
+    "dispatch_slot_factor": _NUM, "rules": dict,
 }
 RULE_TYPES = (str, list, tuple, type(None))
 DATA_KINDS = ("bytes", "token_file", "mqar")
@@ -271,6 +273,17 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
   _require(c["batch_size"] % n_batch == 0,
            f"config batch_size={c['batch_size']} must be divisible by the mesh axes that shard the "
            f"batch (parallel.rules.batch: {show(batch_axes)}, product {n_batch})")
+  _require(sizes[mesh_lib.STAGE] != 1 or pconf.microbatches == 1,
+           f"config parallel.microbatches={pconf.microbatches} streams microbatches through "
+           "pipeline stages, but parallel.stages=1; set parallel.stages > 1 or "
+           "parallel.microbatches=1")
+  layout = pipeline_layout.PipelineLayout(stages=max(sizes[mesh_lib.STAGE], 1),
+                                          microbatches=pconf.microbatches)
+  try:
+    layout.check_model(model_cfg)
+    layout.check_batch(c["batch_size"], n_batch)
+  except ValueError as e:
+    raise ConfigError(f"config {e}") from None
   n_len = product(length_axes)
   _require(c["seq_len"] % n_len == 0,
            f"config seq_len={c['seq_len']} must be divisible by the mesh axes that shard the "
@@ -290,10 +303,12 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
     _require(model_cfg.num_experts % n_exp == 0,
              f"config model.num_experts={model_cfg.num_experts} must be divisible by "
              f"parallel.expert={n_exp}")
-    n_all = product(mesh_lib.AXES)
-    _require((c["batch_size"] * c["seq_len"]) % n_all == 0,
-             f"config batch_size x seq_len = {c['batch_size'] * c['seq_len']} tokens must be "
-             f"divisible by the {n_all} devices for expert-parallel dispatch")
+    # Tokens are split over the devices of one stage, a microbatch at a time.
+    n_all = product(mesh_lib.WITHIN_STAGE_AXES)
+    tokens = c["batch_size"] // pconf.microbatches * c["seq_len"]
+    _require(tokens % n_all == 0,
+             f"config batch_size / parallel.microbatches x seq_len = {tokens} tokens must be "
+             f"divisible by the {n_all} devices of a stage for expert-parallel dispatch")
   embed_axes = pconfig_lib.rule_axes(pconf.rules, "embed")
   n_embed = product(embed_axes)
   _require(model_cfg.d_model % n_embed == 0,

@@ -64,6 +64,8 @@ def parallel_config(**overrides) -> ml_collections.ConfigDict:
   c.fsdp = 1                    # parameter/optimizer-state sharding axis (ZeRO-3 over "embed"); also shards the batch
   c.expert = 1                  # expert-parallel axis: routed experts split over it (divides model.num_experts); shards the batch elsewhere
   c.context = 1                 # context-parallel axis: each sequence split over it (seq_len divisible by context * model.kda_chunk_size)
+  c.stages = 1                  # pipeline stages (the mesh's stage axis): layers split into this many equal stages (divides model.num_layers; with block_attnres on block boundaries)
+  c.microbatches = 1            # pipeline microbatches per step: batch_size divisible by microbatches x the axes of rules.batch; GPipe bubble (stages - 1) / (microbatches + stages - 1)
   c.dispatch_slot_factor = 0.0  # expert-parallel send slots per device pair relative to an even split; 0 = lossless (worst-case buffers)
   c.rules = ml_collections.ConfigDict()  # logical axis -> comma-separated mesh axes ("" = replicated); defaults below
   c.rules.batch = "data,fsdp,expert"  # sequences of a batch (must cover every axis but context for full use of the devices)

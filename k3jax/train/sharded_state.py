@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.parallel import layers
+from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.sharding import rules as rules_lib
 from k3jax.train.state import TrainState
 
@@ -31,6 +32,13 @@ def parallel_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module]
                       ) -> Callable[[nnx.Rngs], nnx.Module]:
   """`model_fn` whose KDA layers are the mesh-aware variant."""
   return lambda rngs: layers.parallelize(model_fn(rngs))
+
+
+def pipelined_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int
+                       ) -> Callable[[nnx.Rngs], nnx.Module]:
+  """`model_fn` whose layers run on the pipeline schedule under a mesh with stages (same
+  variables; `k3jax.parallel.pipelined_lm`)."""
+  return lambda rngs: pipeline_parallelize(model_fn(rngs), microbatches)
 
 
 def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],

@@ -121,6 +121,19 @@ def _splits_kernel_calls(config: Any, sizes: dict) -> bool:
   return config.model.kda_implementation == "pallas" and batch_devices > 1
 
 
+def _pipelined(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int):
+  """`model_fn` on the pipeline schedule; a model that is not a HybridLM is a config error."""
+  pipelined = sharded_state.pipelined_model_fn(model_fn, microbatches)
+
+  def build(rngs):
+    try:
+      return pipelined(rngs)
+    except ValueError as e:
+      raise ConfigError(f"config parallel.stages > 1: {e}") from None
+
+  return build
+
+
 class NonFiniteLossError(FloatingPointError):
   """The loss or gradient norm became NaN/inf; the last good checkpoint is kept."""
 
@@ -266,6 +279,12 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   devices = _devices(config, nproc)
   # Every check, the mesh's included, runs before anything is computed.
   model_cfg, pconf, sizes = parallel_config(config, len(devices))
+  if sizes["stage"] > 1 and nproc > 1:
+    # Each process feeds its own rows of the batch, which every stage must see whole.
+    raise ConfigError(f"config parallel.stages={sizes['stage']} in a run of {nproc} processes: "
+                      "the pipeline runs within one process in this version (every process "
+                      "feeds its own rows, and every stage reads the whole batch); use "
+                      "parallel.stages=1 across processes")
   if model_fn is None:
     # The MoE layers' path is chosen here, once: expert-parallel when the mesh shards the experts.
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len,
@@ -292,12 +311,16 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
                       "or seq_len and batch_size.") from e
 
   mesh = pconf.make_mesh(devices)
+  run_model_fn = model_fn
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
   if sharded or _splits_kernel_calls(config, sizes):
     model_fn = sharded_state.parallel_model_fn(model_fn)
+  if sizes["stage"] > 1:
+    model_fn = _pipelined(model_fn, pconf.microbatches)
+  if model_fn is not run_model_fn:
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),

@@ -1,0 +1,71 @@
+"""Bytes one pipeline stage sends the next per microbatch: measured from the compiled
+forward's collective-permutes, beside the formula (docs/sharding.md, "Pipeline parallelism").
+
+    PYTHONPATH=. python experiments/bench/pipeline_bytes.py --stages=2,4
+
+Compiles only (nothing runs), so a CPU host measures any size, on 8 CPU devices.
+"""
+from absl import app
+from absl import flags
+import jax
+
+from k3jax.models.config import ModelConfig
+from k3jax.parallel import pipeline_bytes
+from k3jax.parallel.pipeline_layout import PipelineLayout
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("stages", ["2", "4"], "stage counts")
+flags.DEFINE_integer("num_layers", 8, "layers")
+flags.DEFINE_string("layer_pattern", "KA", "mixer kinds, repeated")
+flags.DEFINE_integer("d_model", 1024, "model width")
+flags.DEFINE_integer("seq_len", 2048, "tokens per sequence")
+flags.DEFINE_integer("microbatch", 1, "sequences per microbatch")
+flags.DEFINE_integer("microbatches", 4, "microbatches")
+flags.DEFINE_integer("block_size", 4, "attnres_block_size of block AttnRes")
+flags.DEFINE_integer("wide_block_size", 8, "a second block size, which some stage counts cut "
+                     "(refused, with the counts that would align)")
+# float32: XLA's CPU compiler widens a bfloat16 collective-permute to float32, so on a CPU
+# host the compiled program would show twice the bytes of the bfloat16 program it lowers.
+flags.DEFINE_string("dtype", "float32", "compute dtype")
+
+
+def _config(residual: str, block: int) -> ModelConfig:
+  return ModelConfig(vocab_size=256, d_model=FLAGS.d_model, num_layers=FLAGS.num_layers,
+                     layer_pattern=FLAGS.layer_pattern, num_heads=8,
+                     head_dim=FLAGS.d_model // 8, num_kv_heads=8, num_experts=0,
+                     dense_hidden=2 * FLAGS.d_model, first_layer_dense=False,
+                     residual=residual, attnres_block_size=block, dtype=FLAGS.dtype)
+
+
+def main(argv):
+  del argv
+  stage_counts = [int(s) for s in FLAGS.stages]
+  mb_tokens = FLAGS.microbatch * FLAGS.seq_len
+  tensor = mb_tokens * FLAGS.d_model * (2 if FLAGS.dtype == "bfloat16" else 4)
+  print(f"microbatch {FLAGS.microbatch} x {FLAGS.seq_len} tokens, d_model {FLAGS.d_model}, "
+        f"{FLAGS.dtype}: one [mb, T, D] tensor = {tensor / 2**20:.1f} MiB; "
+        f"{FLAGS.num_layers} layers ({2 * FLAGS.num_layers} sublayers)")
+  print("| residual | S | tensors | predicted MiB | measured MiB |")
+  print("|---|---|---|---|---|")
+  cases = [("prenorm", FLAGS.block_size), ("block_attnres", FLAGS.block_size),
+           ("block_attnres", FLAGS.wide_block_size), ("full_attnres", 1)]
+  for residual, block in cases:
+    for stages in stage_counts:
+      layout = PipelineLayout(stages=stages, microbatches=FLAGS.microbatches)
+      cfg = _config(residual, block)
+      try:
+        measured = pipeline_bytes.measured_boundary_bytes(
+            cfg, layout, batch=FLAGS.microbatch * FLAGS.microbatches, seq_len=FLAGS.seq_len)
+      except ValueError as e:  # a misaligned layout: the error says what would align
+        print(f"| {residual} (block {block}) | {stages} | refused | | {e} |")
+        continue
+      predicted = pipeline_bytes.predicted_boundary_bytes(cfg, layout, mb_tokens)
+      name = f"{residual} (block {block})" if residual == "block_attnres" else residual
+      print(f"| {name} | {stages} | {layout.boundary_slots(cfg)} | "
+            f"{predicted / 2**20:.1f} | {measured / 2**20:.1f} |")
+
+
+if __name__ == "__main__":
+  # The CPU platform's devices (no effect on an accelerator's); before any backend starts.
+  jax.config.update("jax_num_cpu_devices", 8)
+  app.run(main)

@@ -1,0 +1,101 @@
+"""The GPipe schedule over the mesh's stage axis: `shard_map` + `ppermute`, scanned over ticks.
+
+    final_mbtd, aux = gpipe(stage_fn, stacked, shared, x_mbtd, start=..., mesh=mesh)
+
+Stage s holds slice s of every leaf of `stacked` (leading dim S, sharded over
+`stage`). At tick t = 0 .. M + S - 2 every stage runs `stage_fn` once: stage 0
+on microbatch t (while t < M), stage s > 0 on what stage s - 1 sent at tick
+t - 1. The boundary buffers then move one stage on with one `ppermute`, so
+microbatch m leaves the last stage at tick m + S - 1. A stage idles (runs on
+zeros, its results masked) for S - 1 of the M + S - 1 ticks: the bubble
+fraction (S - 1) / (M + S - 1).
+
+The backward is JAX's transpose of the same program: every forward tick, then
+every backward tick in reverse with the permutation reversed (GPipe; each
+stage keeps its M microbatches' residuals). Only the `stage` axis is manual
+inside the `shard_map`; the data, fsdp, expert and context axes stay with the
+compiler (and the layers' own `shard_map`s), so the pipeline composes with them.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from k3jax.sharding import mesh as mesh_lib
+
+# stage_fn(stage_params, shared, buf_in, x_btd, stage) -> (buf_out, final_btd, aux [])
+StageFn = Callable[[Any, Any, jax.Array, jax.Array, jax.Array],
+                   tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
+          start: Callable[[jax.Array], jax.Array], mesh: Mesh,
+          axis: str = mesh_lib.STAGE) -> tuple[jax.Array, jax.Array]:
+  """Runs `stage_fn` over S stages and M microbatches on the GPipe schedule.
+
+  Args:
+    stage_fn: one stage's work on one microbatch: (its slice of `stacked`,
+      `shared`, the received boundary buffer, the microbatch's input (stage 0
+      uses it), the stage index (traced)) -> (the buffer for the next stage,
+      the stage's final output [mb, T, D], a float32 scalar to sum (aux loss)).
+    stacked: pytree whose leaves have a leading dim S (one slice per stage).
+    shared: pytree every stage reads whole (replicated over stages).
+    x_mbtd: [M, mb, T, D] microbatched inputs of the first stage.
+    start: [mb, T, D] -> the boundary buffer stage 0 starts from; gives the
+      buffer's shape.
+    mesh: the mesh (or abstract mesh) with the stage axis.
+    axis: the stage axis name.
+
+  Returns:
+    (final outputs of the last stage [M, mb, T, D], the aux scalars summed over
+    every stage and microbatch), both replicated over the stages.
+  """
+  n_stages = mesh_lib.axis_size(mesh, axis)
+  n_micro = x_mbtd.shape[0]
+  for leaf in jax.tree.leaves(stacked):
+    if leaf.shape[:1] != (n_stages,):
+      raise ValueError(f"stacked leaves need a leading dim of {n_stages} stages, got "
+                       f"{leaf.shape}")
+  buf_shape = jax.eval_shape(start, jax.ShapeDtypeStruct(x_mbtd.shape[1:], x_mbtd.dtype))
+  forward = [(s, s + 1) for s in range(n_stages - 1)]
+
+  def per_stage(stacked_local, shared, x_mbtd):
+    stage = lax.axis_index(axis)
+    params = jax.tree.map(lambda a: a[0], stacked_local)
+    last = stage == n_stages - 1
+
+    def tick(carry, t):
+      recv, outs_mbtd, aux = carry
+      x_btd = lax.dynamic_index_in_dim(x_mbtd, jnp.minimum(t, n_micro - 1), 0, keepdims=False)
+      buf_in = jnp.where(stage == 0, start(x_btd), recv)
+      buf_out, final_btd, aux_t = stage_fn(params, shared, buf_in, x_btd, stage)
+      # This stage works on microbatch t - stage; outside [0, M) it runs on zeros.
+      working = (t >= stage) & (t < stage + n_micro)
+      aux = aux + jnp.where(working, aux_t, 0.0)
+      m_out = jnp.clip(t - (n_stages - 1), 0, n_micro - 1)
+      kept = lax.dynamic_index_in_dim(outs_mbtd, m_out, 0, keepdims=False)
+      done = last & (t >= n_stages - 1)
+      outs_mbtd = lax.dynamic_update_index_in_dim(
+          outs_mbtd, jnp.where(done, final_btd.astype(outs_mbtd.dtype), kept), m_out, 0)
+      recv = lax.ppermute(buf_out, axis, forward)
+      return (recv, outs_mbtd, aux), None
+
+    init = (jnp.zeros(buf_shape.shape, buf_shape.dtype), jnp.zeros_like(x_mbtd),
+            jnp.zeros((), jnp.float32))
+    (_, outs_mbtd, aux), _ = lax.scan(tick, init, jnp.arange(n_micro + n_stages - 1))
+    # The outputs live on the last stage; the sum hands them to every stage. It adds
+    # zeros to one stage's values, so float32 is exact (and XLA's CPU compiler fails on
+    # a bfloat16 all-reduce here).
+    kept = jnp.where(last, outs_mbtd, jnp.zeros_like(outs_mbtd)).astype(jnp.float32)
+    outs_mbtd = lax.psum(kept, axis).astype(x_mbtd.dtype)
+    return outs_mbtd, lax.psum(aux, axis)
+
+  # check_vma=False: the layers' own scans (KDA's chunk loop) start from carries that do
+  # not vary over the stage axis and return ones that do, which the varying-axes check
+  # refuses; the replicated inputs' gradients are summed over the stages either way.
+  return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P()),
+                       axis_names={axis}, check_vma=False)(stacked, shared, x_mbtd)

@@ -1,0 +1,54 @@
+"""The trainer with parallel.stages=2 (fake CPU devices) reproduces the one-device losses, and a
+run moves between the pipeline and one device through its checkpoints."""
+import os
+
+import numpy as np
+
+from k3jax.train.metrics import read_jsonl
+from k3jax.train.trainer import train_and_evaluate
+from tests.test_train import _shrunk_tiny, _stop_at
+
+# As tests/test_train_parallel.py: float32 runs that differ in the order of reductions only.
+RTOL = {"loss": 2e-6, "grad_norm": 5e-6}
+
+
+def _config(stages: int):
+  # Two KDA layers, one a stage, with dense FFNs (MoE runs pipelined in
+  # tests/test_pipeline_equality.py), so that the steps compile fast.
+  c = _shrunk_tiny(**{"num_steps": 4, "checkpoint_every": 0, "eval_every": 0, "seq_len": 16,
+                      "model.layer_pattern": "K", "model.num_experts": 0})
+  c.num_devices = 2 * stages if stages > 1 else 1  # the pipeline with data 2
+  c.parallel.update(stages=stages, microbatches=2 if stages > 1 else 1)
+  return c
+
+
+def _losses(workdir):
+  return [(r["step"], r["loss"], r["grad_norm"])
+          for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"), "train")]
+
+
+def test_pipelined_trainer_matches_one_device_and_resumes_across_layouts(tmp_path):
+  ref_dir = str(tmp_path / "no_pipeline")
+  ref = train_and_evaluate(_config(stages=1), ref_dir)
+  ref_losses = _losses(ref_dir)
+  assert ref_losses[-1][1] < ref_losses[0][1]  # the model trains
+
+  # 2 stages x 2 microbatches (data 2) for two steps, stopped; one device for the third;
+  # the pipeline again for the fourth.
+  moved = str(tmp_path / "moved")
+  first = train_and_evaluate(_config(stages=2), moved, hooks=[_stop_at(2)])
+  assert first["mesh"] == {"stage": 2, "data": 2, "fsdp": 1, "expert": 1, "context": 1}
+  assert first["interrupted"] and first["step"] == 2
+  np.testing.assert_allclose(first["first_eval"]["loss"], ref["first_eval"]["loss"],
+                             rtol=RTOL["loss"])
+  second = train_and_evaluate(_config(stages=1), moved, hooks=[_stop_at(3)])
+  assert second["step"] == 3 and second["resumed_from"] == 2
+  third = train_and_evaluate(_config(stages=2), moved)
+  assert third["step"] == 4 and third["resumed_from"] == 3
+  np.testing.assert_allclose(third["eval"]["loss"], ref["eval"]["loss"], rtol=RTOL["loss"])
+
+  got = _losses(moved)
+  assert [s for s, *_ in got] == [1, 2, 3, 4]
+  for (s, loss, gn), (_, want_loss, want_gn) in zip(got, ref_losses):
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL["loss"], err_msg=f"loss at step {s}")
+    np.testing.assert_allclose(gn, want_gn, rtol=RTOL["grad_norm"], err_msg=f"grad norm at {s}")
