@@ -414,3 +414,34 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
   dk = dk + beta * r_acc
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
   return dq, dk, dbeta, dgc
+
+
+def finish_intra_bwd(grads, q, k, g, beta, refs, out_refs, *, dglast, row_c, scale, ell,
+                     diagonal, cfg: KernelConfig, score_dtype, tile_product, qk_diagonal,
+                     levels: bool = True, dv_out=None):
+  """The intra-chunk backward's last steps, shared by the one-program and the split kernel.
+
+  Adds the score terms (`add_score_grads`; arguments as there), adds dG_last's share
+  to the chunk's last row of dG, and stores the program's gradients.
+
+  Args:
+    grads: (dq, dk, dbeta, dG) before the score terms: [C, K'], [C, K'], [C, 1], [C, K'] f32.
+    out_refs: (dq_ref, dk_ref, dg_ref, dbeta_ref); dq is stored times `scale`
+      (the q read was scaled), dq and dk in their refs' dtypes.
+    dglast: [1, K'] f32, the gradient of G's last row through the state's decay.
+    row_c: [C, 1] int32 row index.
+    dv_out: (dv_ref, dv [C, V] f32) to store after dk, or None.
+  """
+  dq_ref, dk_ref, dg_ref, dbeta_ref = out_refs
+  dq, dk, dbeta, dgc = add_score_grads(
+      grads, q, k, g, beta, refs, ell=ell, diagonal=diagonal, cfg=cfg,
+      score_dtype=score_dtype, tile_product=tile_product, qk_diagonal=qk_diagonal,
+      levels=levels)
+  dgc = dgc + jnp.where(row_c == q.shape[0] - 1, dglast, 0.0)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  if dv_out is not None:
+    dv_ref, dv = dv_out
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+  dg_ref[...] = dgc
+  dbeta_ref[...] = dbeta
