@@ -306,6 +306,29 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
       dk=dk, block_v=bv)
 
 
+def run_state_loop(body, num_chunks: int, slices, width: int, init_ref, final_ref, *,
+                   varlen: bool) -> None:
+  """Runs `body(j, state) -> state` for j in [0, num_chunks) over a state carried as K slices.
+
+  Shared by the GPU's forward recurrence and reverse state pass. Fixed length
+  (not `varlen`) the program's rows are one sequence: the state starts as
+  init_ref's row 0 and the final one is stored in final_ref's row 0, outside
+  the loop. With `varlen` the state starts at zeros and `body` itself loads
+  and stores the rows of each sequence (the metadata says where).
+
+  Args:
+    slices: the K slices (`k_slices`); the state is a tuple of [ks.size, width] f32.
+    init_ref, final_ref: [Nh', K, width] refs (Nh' = 1 when not varlen).
+  """
+  if varlen:
+    lax.fori_loop(0, num_chunks, body, tuple(jnp.zeros((ks.size, width), _F32) for ks in slices))
+    return
+  last = lax.fori_loop(0, num_chunks, body,
+                       tuple(init_ref[0, ks, :].astype(_F32) for ks in slices))
+  for ks, s_kb in zip(slices, last):
+    final_ref[0, ks, :] = s_kb
+
+
 def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict:
   """`pallas_call` options of a state kernel: compiler params, TPU VMEM state."""
   if not cfg.is_tpu:

@@ -15,10 +15,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, state_grid,
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, run_state_loop, state_grid,
                                               state_launch_options)
 from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
 
@@ -116,13 +115,7 @@ def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, 
 
     return ds
 
-  if varlen:
-    lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
-    return
-  ds_first = lax.fori_loop(0, nc, body,
-                           tuple(dht_ref[0, ks, :].astype(_F32) for ks in slices))
-  for ks, ds_kb in zip(slices, ds_first):
-    dh0_ref[0, ks, :] = ds_kb
+  run_state_loop(body, nc, slices, bv, dht_ref, dh0_ref, varlen=varlen)
 
 
 def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,

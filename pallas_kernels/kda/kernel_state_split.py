@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import dot, exp, k_slices, width_slices, state_grid
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, run_state_loop, state_grid,
+                                              width_slices)
 from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
 
 _F32 = jnp.float32
@@ -98,14 +98,7 @@ def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chun
 
     return s_next
 
-  if varlen:
-    lax.fori_loop(0, num_chunks, body,
-                  tuple(jnp.zeros((ks.size, block_v), _F32) for ks in slices))
-    return
-  s_last = lax.fori_loop(0, num_chunks, body,
-                         tuple(h0_ref[0, ks, :].astype(_F32) for ks in slices))
-  for ks, s_kb in zip(slices, s_last):
-    ht_ref[0, ks, :] = s_kb
+  run_state_loop(body, num_chunks, slices, block_v, h0_ref, ht_ref, varlen=varlen)
 
 
 def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref, h0_ref,
