@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
 
 _F32 = jnp.float32
 
@@ -306,20 +306,57 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
       dk=dk, block_v=bv)
 
 
-def run_state_loop(body, num_chunks: int, slices, width: int, init_ref, final_ref, *,
-                   varlen: bool) -> None:
-  """Runs `body(j, state) -> state` for j in [0, num_chunks) over a state carried as K slices.
+def store_state_rows(ref, i, slices, s) -> None:
+  """Stores the state s (K slices, [ks.size, width] each) as chunk i's K rows of
+  ref [NC*K, width], in ref's dtype."""
+  dk = sum(ks.size for ks in slices)
+  base = pl.multiple_of(i * dk, pow2_part(dk))
+  for ks, s_kb in zip(slices, s):
+    # base + ks.start is a multiple of this: the widest slices come first.
+    at = pl.multiple_of(base + ks.start, min(ks.size, pow2_part(dk)))
+    ref[pl.ds(at, ks.size), :] = s_kb.astype(ref.dtype)
 
-  Shared by the GPU's forward recurrence and reverse state pass. Fixed length
-  (not `varlen`) the program's rows are one sequence: the state starts as
-  init_ref's row 0 and the final one is stored in final_ref's row 0, outside
-  the loop. With `varlen` the state starts at zeros and `body` itself loads
-  and stores the rows of each sequence (the metadata says where).
+
+def run_state_loop(step, num_chunks: int, slices, width: int, init_ref, final_ref, meta_refs, *,
+                   varlen: bool, reverse: bool = False) -> None:
+  """One program's pass over its chunks with a state carried as K slices (the GPU's
+  forward recurrence, and with `reverse` its reverse state pass, last chunk first).
+
+  Per chunk i, `step(i, s)` takes the state entering it and returns the one
+  leaving it. With `varlen` the chunks hold several sequences: the state
+  entering the pass's first chunk of a sequence is init_ref's row seq_n[i],
+  and the state leaving its last chunk of one is stored in final_ref's row
+  seq_n[i] (first and last in the pass's order: in reverse, a sequence's last
+  chunk enters first). Fixed length (not `varlen`) the program's rows are one
+  sequence: init_ref's only row enters the pass and the state leaving it goes
+  to final_ref's, outside the loop, and the metadata is not read. Inside the
+  loop the per-chunk selection would load a whole [K, width] f32 block every
+  chunk (registers and pipelined shared memory the loop needs for its operands).
 
   Args:
-    slices: the K slices (`k_slices`); the state is a tuple of [ks.size, width] f32.
+    slices: the K slices (`k_slices`); a state is a tuple of [ks.size, width] f32.
     init_ref, final_ref: [Nh', K, width] refs (Nh' = 1 when not varlen).
+    meta_refs: (first_ref, last_ref, seq_ref), int32 [NC] each: the chunk
+      starts / ends a sequence, and its state row.
   """
+  first_ref, last_ref, seq_ref = meta_refs
+  enter_ref, leave_ref = (last_ref, first_ref) if reverse else (first_ref, last_ref)
+
+  def body(j, s):
+    i = num_chunks - 1 - j if reverse else j
+    if varlen:
+      seq = seq_ref[i]
+      s = tuple(jnp.where(enter_ref[i] != 0, init_ref[seq, ks, :].astype(_F32), s_kb)
+                for ks, s_kb in zip(slices, s))
+    s = step(i, s)
+    if varlen:
+      @pl.when(leave_ref[i] != 0)
+      def _():
+        for ks, s_kb in zip(slices, s):
+          final_ref[seq, ks, :] = s_kb
+
+    return s
+
   if varlen:
     lax.fori_loop(0, num_chunks, body, tuple(jnp.zeros((ks.size, width), _F32) for ks in slices))
     return
