@@ -366,6 +366,39 @@ def run_state_loop(step, num_chunks: int, slices, width: int, init_ref, final_re
     final_ref[0, ks, :] = s_kb
 
 
+def state_grid_step(step, i, slices, scratch_ref, init_ref, final_ref, meta_refs, *,
+                    reverse: bool = False) -> None:
+  """One grid step (chunk i) of a TPU state pass, the state in VMEM scratch.
+
+  The counterpart of `run_state_loop` with one chunk per grid step: the state
+  entering the pass's first chunk of a sequence (first_n[i], or last_n[i] in
+  `reverse`) is init_ref's row seq_n[i], else the scratch's; `step(s)` returns
+  the state leaving the chunk, which the scratch keeps and, at the pass's
+  last chunk of a sequence, final_ref's row seq_n[i] takes.
+
+  Args:
+    slices: the K slices (`k_slices`); a state is a tuple of [ks.size, width] f32.
+    scratch_ref: [K, width] f32 scratch; init_ref, final_ref: [Nh', K, width].
+    meta_refs: (first_ref, last_ref, seq_ref), int32 [NC] each.
+  """
+  first_ref, last_ref, seq_ref = meta_refs
+  enter_ref, leave_ref = (last_ref, first_ref) if reverse else (first_ref, last_ref)
+  seq = seq_ref[i]
+
+  @pl.when(enter_ref[i] != 0)
+  def _():
+    scratch_ref[...] = init_ref[seq].astype(_F32)
+
+  s = step(tuple(scratch_ref[ks, :] for ks in slices))
+  for ks, s_kb in zip(slices, s):
+    scratch_ref[ks, :] = s_kb
+
+  @pl.when(leave_ref[i] != 0)
+  def _():
+    for ks, s_kb in zip(slices, s):
+      final_ref[seq, ks, :] = s_kb
+
+
 def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict:
   """`pallas_call` options of a state kernel: compiler params, TPU VMEM state."""
   if not cfg.is_tpu:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, run_state_loop, state_grid,
-                                              state_launch_options, store_state_rows)
+                                              state_grid_step, state_launch_options,
+                                              store_state_rows)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -112,25 +113,16 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
   nc = pl.num_programs(3)
   i = nc - 1 - pl.program_id(3)
   c = q_ref.shape[0]
-  seq = seq_ref[i]
   slices = k_slices(cfg, q_ref.shape[-1])
 
-  @pl.when(last_ref[i] != 0)
-  def _():
-    ds_ref[...] = dht_ref[seq].astype(_F32)
-
-  ds = tuple(ds_ref[ks, :] for ks in slices)
-  for ks, ds_kb in zip(slices, ds):
-    dhs_ref[ks, :] = ds_kb.astype(dhs_ref.dtype)
-  ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref, aqk_ref,
-                       do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
-  for ks, ds_kb in zip(slices, ds):
-    ds_ref[ks, :] = ds_kb
-
-  @pl.when(first_ref[i] != 0)
-  def _():
+  def step(ds):
     for ks, ds_kb in zip(slices, ds):
-      dh0_ref[seq, ks, :] = ds_kb
+      dhs_ref[ks, :] = ds_kb.astype(dhs_ref.dtype)
+    return state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref,
+                           aqk_ref, do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
+
+  state_grid_step(step, i, slices, ds_ref, dht_ref, dh0_ref, (first_ref, last_ref, seq_ref),
+                  reverse=True)
 
 
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,
