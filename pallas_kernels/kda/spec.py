@@ -4,9 +4,8 @@ The model config holds one (`ModelConfig.kda`), the KDA layer holds it
 and `chunk_kda(..., spec=...)` and the context-parallel path take it whole.
 Direct callers may pass the same choices as `chunk_kda` keyword arguments;
 they are turned into a spec there (`resolve`), so the fields are declared
-here only. The gate's lower bound is checked here (`check_lower_bound`, the
-dense diagonal's safety condition) and read only by the kernels that clamp
-or form the gate.
+here only. The gate's lower bound is checked here: negative, and safe for
+the dense diagonal's tiles (`check_lower_bound`).
 """
 from __future__ import annotations
 
