@@ -46,7 +46,6 @@ def repeated_blocks() -> list[tuple[str, str]]:
           here = (rel, lines[i][0], lines[i + MIN_LINES - 1][0])
           first = seen.setdefault(window, here)
           if first is not here:
-            key = (f"{first[0]}:{first[1]}", f"{rel}:{here[1]}")
             pairs.setdefault((first[0], rel), []).append((first[1], first[2], here[1], here[2]))
   blocks = []
   for (a, b), spans in sorted(pairs.items()):
