@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +32,11 @@ def jitted(fn):
   Tests call the references through this: one compilation per shape instead
   of op-by-op dispatch, which keeps the CPU suite fast.
   """
+  params = inspect.signature(fn).parameters
+  # KdaSpec's fields arrive as **spec_fields where a function builds its spec from keywords.
+  takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
   return functools.wraps(fn)(jax.jit(fn, static_argnames=[
-      n for n in _STATIC if n in fn.__code__.co_varnames[:fn.__code__.co_argcount
-                                                         + fn.__code__.co_kwonlyargcount]]))
+      n for n in _STATIC if n in params or takes_any]))
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax.layers import gates
-from pallas_kernels.kda import api, reference, tiling
+from pallas_kernels.kda import api, reference, spec as spec_lib
 from tests.kda_inputs import assert_close, jitted, make_inputs, rel_l2, rtol_for
 
 chunk_kda = jitted(api.chunk_kda)
@@ -164,7 +164,7 @@ class TestDiagonalStrategies:
     o_ref, _ = naive_recurrent_kda(*args)
     assert_close(o_pair, o_ref, rtol_for(jnp.float32, 64), "pairwise")
     # The bounded gate with the same pre-activations at the same tile length.
-    g_bound = gates.bounded_gate(z, -5.0)
+    g_bound = gates.bounded_gate(z, spec_lib.KdaSpec(lower_bound=-5.0))
     o_b, _ = chunk_kda_xla(inp.q, inp.k, inp.v, g_bound, inp.beta, diagonal="dense",
                            lower_bound=-5.0, sub_chunk=16)
     o_b_ref, _ = naive_recurrent_kda(inp.q, inp.k, inp.v, g_bound, inp.beta)
@@ -250,7 +250,7 @@ class TestValidation:
 
   def test_safe_tile_len_is_the_boundary(self):
     for g_min in (-1.3, -2.5, -5.0, -7.0):
-      limit = tiling.safe_tile_len(g_min)
-      tiling.check_lower_bound(g_min, limit)
+      limit = spec_lib.safe_tile_len(g_min)
+      spec_lib.check_lower_bound(g_min, limit)
       with pytest.raises(ValueError):
-        tiling.check_lower_bound(g_min, limit + 1)
+        spec_lib.check_lower_bound(g_min, limit + 1)

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from k3jax.layers import kda as kda_lib
+from k3jax.models.config import ModelConfig
 from pallas_kernels.kda.spec import KdaSpec
 
 D, H, K, W = 16, 2, 8, 3
@@ -168,11 +169,17 @@ def test_bad_configs():
 
 
 def test_fused_gate_is_opt_in_and_bounded_only():
-  """Off unless asked (not yet timed on a GPU); the softplus gate cannot be fused."""
+  """Off unless asked (not yet timed on a GPU); the softplus gate cannot be fused: the model
+  config refuses the pair, naming the fix, and a layer built directly fails at its first call."""
   assert not _layer(implementation="pallas").fuse_gate
   assert _layer(implementation="pallas", fuse_gate=True).fuse_gate
-  with pytest.raises(ValueError, match="fuse_gate=True needs gate='bounded'"):
-    kda_lib.KDA(D, H, K, spec=KdaSpec(diagonal="pairwise"), fuse_gate=True, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="kda_fuse_gate=True needs gate='bounded'.*set "
+                                       "kda_fuse_gate=False or gate='bounded'"):
+    ModelConfig(kda=KdaSpec(diagonal="pairwise"), kda_fuse_gate=True)
+  layer = kda_lib.KDA(D, H, K, spec=KdaSpec(diagonal="pairwise"), fuse_gate=True,
+                      rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="bounded gate needs a spec with a lower_bound"):
+    layer(np.zeros((1, 4, D), np.float32))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])

@@ -11,23 +11,32 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kda.spec import KdaSpec
 
 GATES = ("bounded", "softplus")
 
 
-def bounded_gate(z: jax.Array, lower_bound: float) -> jax.Array:
-  """g = lower_bound * sigmoid(z) in float32.
+def bounded_gate(z: jax.Array, spec: KdaSpec) -> jax.Array:
+  """g = lower_bound * sigmoid(z) in float32, with the bound of `spec` (a bounded spec).
 
   Args:
     z: [..., K] (or [...] for a scalar gate) pre-activations, any float dtype.
-    lower_bound: negative lower bound.
+    spec: a KdaSpec with a lower bound (KdaSpec checked that it is negative).
 
   Returns:
     float32 log-decay of z's shape, in (lower_bound, 0).
   """
-  if not lower_bound < 0:
-    raise ValueError(f"lower_bound must be negative, got {lower_bound}")
-  return lower_bound * jax.nn.sigmoid(z.astype(jnp.float32))
+  if not spec.bounded:
+    raise ValueError(f"the bounded gate needs a spec with a lower_bound, got {spec}")
+  return spec.lower_bound * jax.nn.sigmoid(z.astype(jnp.float32))
+
+
+def bounded_gate_preactivation(g: np.ndarray, spec: KdaSpec) -> np.ndarray:
+  """z with bounded_gate(z, spec) = g (numpy), g clipped to 1e-6 of either end of the range."""
+  p = np.clip(g / spec.lower_bound, 1e-6, 1 - 1e-6)
+  return np.log(p) - np.log1p(-p)
 
 
 def softplus_gate(z: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:

@@ -56,17 +56,6 @@ def _conv_tail(x_bthk: jax.Array, width: int) -> jax.Array:
   return xp[:, xp.shape[1] - keep:]
 
 
-def _inv_sigmoid(p: np.ndarray) -> np.ndarray:
-  return np.log(p) - np.log1p(-p)
-
-
-def check_fuse_gate(spec: KdaSpec, fuse_gate: bool) -> None:
-  """Raises ValueError when `fuse_gate` asks for the fused bounded gate without a bound."""
-  if fuse_gate and spec.lower_bound is None:
-    raise ValueError("fuse_gate=True needs gate='bounded' (the kernels fuse lower_bound * "
-                     "sigmoid), got gate='softplus' (a spec without lower_bound)")
-
-
 class KDA(nnx.Module):
   """Multi-head KDA layer. Input and output [B, T, D].
 
@@ -80,8 +69,9 @@ class KDA(nnx.Module):
       baseline when None (which KdaSpec allows on the pairwise diagonal only).
     conv_size: width of the short causal depthwise convolutions.
     fuse_gate: hand the bounded gate's pre-activation to the kernel (see the
-      module docstring). Same values either way; the kernel refuses it without
-      a lower bound. Default off (`ModelConfig.kda_fuse_gate`).
+      module docstring). Same values either way. It needs a bounded spec:
+      `ModelConfig` checks the pair (`kda_fuse_gate`); a direct caller
+      without a bound gets the bounded gate's error at the first call. Default off.
     decode_implementation: how `decode` steps the state: "auto" (on the GPU
       the Pallas kernel for steps of 2 or more tokens, else the fused jnp
       step; `kda_decode.resolve_decode`) or one of
@@ -102,7 +92,6 @@ class KDA(nnx.Module):
     self.d_model, self.num_heads, self.head_dim = d_model, num_heads, head_dim
     self.conv_size, self.spec = conv_size, spec
     self.decode_implementation = decode_implementation
-    check_fuse_gate(spec, fuse_gate)
     self.fuse_gate = bool(fuse_gate)
     self.dtype = dtype
     h, k = num_heads, head_dim
@@ -121,7 +110,7 @@ class KDA(nnx.Module):
     # g in [-0.5, -0.01] (forgetting horizons of ~2 to ~100 tokens).
     target = -np.exp(np.random.default_rng(0).uniform(np.log(0.01), np.log(0.5), (h, k)))
     if self.bounded:
-      bias = _inv_sigmoid(np.clip(target / spec.lower_bound, 1e-6, 1 - 1e-6))
+      bias = gates.bounded_gate_preactivation(target, spec)
       self.f_bias = logical_param(None, lambda *_: jnp.asarray(bias, param_dtype), (h, k),
                                   ("heads", "kv"), param_dtype)
     else:
@@ -156,7 +145,7 @@ class KDA(nnx.Module):
     """g [B, T, H, K] float32 log-decay and beta [B, T, H] float32."""
     z, beta = self._gate_preactivation(x_btd)
     if self.bounded:
-      g = gates.bounded_gate(z + self.f_bias[...].astype(jnp.float32), self.spec.lower_bound)
+      g = gates.bounded_gate(z + self.f_bias[...].astype(jnp.float32), self.spec)
     else:
       g = gates.softplus_gate(z, self.a_log[...].astype(jnp.float32)[:, None],
                               self.f_bias[...].astype(jnp.float32))
@@ -178,7 +167,7 @@ class KDA(nnx.Module):
   @property
   def bounded(self) -> bool:
     """The bounded gate `lower_bound * sigmoid(.)` (else the softplus baseline)."""
-    return self.spec.lower_bound is not None
+    return self.spec.bounded
 
   @property
   def interpret(self) -> bool:
@@ -209,7 +198,7 @@ class KDA(nnx.Module):
       return g, None, beta, self._stats(g)
     z, beta = self._gate_preactivation(x_btd)
     bias = self.f_bias[...].astype(jnp.float32)
-    g = jax.lax.stop_gradient(gates.bounded_gate(z + bias, self.spec.lower_bound))
+    g = jax.lax.stop_gradient(gates.bounded_gate(z + bias, self.spec))
     return z, bias, beta, self._stats(g)
 
   def _check(self, x_btd):

@@ -7,7 +7,6 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 
 from k3jax.layers.gates import GATES
-from k3jax.layers.kda import check_fuse_gate
 from k3jax.layers.grouped_matmul import RAGGED_BACKENDS
 from k3jax.layers.moe import MOE_IMPLS
 from k3jax.layers.residual import STRATEGIES as RESIDUALS
@@ -114,10 +113,10 @@ class ModelConfig:
     if self.kda_decode != "auto" and self.kda_decode not in DECODE_IMPLEMENTATIONS:
       raise ValueError(f"ModelConfig.kda_decode={self.kda_decode!r}; allowed: 'auto', "
                        f"{', '.join(map(repr, DECODE_IMPLEMENTATIONS))}")
-    try:
-      check_fuse_gate(self.kda, self.kda_fuse_gate)
-    except ValueError as e:
-      raise ValueError(f"ModelConfig.kda_{e}") from None
+    if self.kda_fuse_gate and not self.kda.bounded:  # the one check of the pair
+      raise ValueError("ModelConfig.kda_fuse_gate=True needs gate='bounded' (the kernels fuse "
+                       "lower_bound * sigmoid), got gate='softplus' (a spec without lower_bound); "
+                       "set kda_fuse_gate=False or gate='bounded' with a g_min")
     if not (isinstance(self.num_experts, int) and self.num_experts >= 0):
       raise ValueError(f"ModelConfig.num_experts={self.num_experts!r}; must be an int >= 0")
     if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:
@@ -147,7 +146,7 @@ class ModelConfig:
   @property
   def gate(self) -> str:
     """The KDA gate `kda.lower_bound` implies: "bounded" with a bound, else "softplus"."""
-    return "bounded" if self.kda.lower_bound is not None else "softplus"
+    return "bounded" if self.kda.bounded else "softplus"
 
   @property
   def layer_types(self) -> tuple[str, ...]:

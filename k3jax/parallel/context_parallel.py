@@ -105,9 +105,9 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                                batch_axes: Sequence[str] = (mesh_lib.DATA, mesh_lib.FSDP,
                                                             mesh_lib.EXPERT),
                                scale=None, initial_state=None, output_final_state=False,
-                               spec: KdaSpec | None = None, chunk_size=None, lower_bound=None,
-                               diagonal=None, sub_chunk=None, implementation=None,
-                               interpret=False, gate_activation=None, gate_bias=None):
+                               spec: KdaSpec | None = None, implementation=None,
+                               interpret=False, gate_activation=None, gate_bias=None,
+                               **spec_fields):
   """`chunk_kda` with the time axis sharded over `context_axis` of `mesh`.
 
   Same arguments and results as `pallas_kernels.kda.chunk_kda` (the spec, or
@@ -131,8 +131,7 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
   """
   n_ctx = mesh_lib.axis_size(mesh, context_axis)
   b_axes = _batch_axes(mesh, batch_axes, context_axis)
-  spec = kda_spec.resolve(spec, chunk_size=chunk_size, lower_bound=lower_bound,
-                          diagonal=diagonal, sub_chunk=sub_chunk, implementation=implementation)
+  spec = kda_spec.resolve(spec, implementation=implementation, **spec_fields)
   kernel_kwargs = dict(scale=scale, spec=spec, interpret=interpret)
   if q.ndim != 4:
     raise ValueError(f"q must be [B, T, H, K], got shape {q.shape}")
@@ -158,13 +157,13 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
       return _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes,
                             kernel_kwargs, gate_activation,
                             inputs.gate_bias_or_zeros(gate_activation, g, gate_bias,
-                                                      spec.lower_bound)
+                                                      spec.bounded)
                             if gate_activation else None)
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
                              output_final_state=output_final_state, gate_activation=gate_activation,
                              gate_bias=gate_bias, **kernel_kwargs)
   if gate_activation is not None:
-    g = inputs.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
+    g = inputs.apply_gate(gate_activation, g, gate_bias, spec)
   bspec = b_axes if b_axes else None
   seq = P(bspec, context_axis)
   # Per-device copies of the start state and of the final state, laid out

@@ -23,10 +23,9 @@ __all__ = ["IMPLEMENTATIONS", "KdaSpec", "chunk_kda"]
 
 
 def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, initial_state=None,
-              output_final_state=False, cu_seqlens=None, chunk_size=None, lower_bound=None,
-              diagonal=None, sub_chunk=None, implementation=None, interpret=False,
+              output_final_state=False, cu_seqlens=None, implementation=None, interpret=False,
               config_overrides=None, gate_activation=None, gate_bias=None,
-              qk_l2norm=False, checked=False):
+              qk_l2norm=False, checked=False, **spec_fields):
   """Chunked KDA: o_t = S_t^T (scale q_t) with the gated delta-rule state.
 
   Args:
@@ -41,9 +40,10 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
       [lower_bound, 0] (gradient 0 outside the range).
     beta: [B, T, HV] write strength in [0, 1].
     spec: the tiling and implementation (`KdaSpec`, validated when built).
-      Without it, chunk_size, lower_bound, diagonal, sub_chunk and
-      implementation build one (None: KdaSpec's defaults: 64, None,
-      "dense", 16, "xla"); with it they must be left None.
+    implementation, spec_fields: without `spec`, KdaSpec's fields
+      (chunk_size, sub_chunk, diagonal, lower_bound, implementation) as
+      keywords build one (None or left out: KdaSpec's defaults: 64, 16,
+      "dense", None, "xla"); with it they must be left out.
     scale: multiplies q; defaults to K ** -0.5.
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final state(s).
@@ -80,8 +80,7 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
   if config_overrides and impl != "pallas":
     raise ValueError(f"config_overrides apply to implementation='pallas' only, got "
                      f"implementation={impl!r}")
-  spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
-                          lower_bound=lower_bound, implementation=implementation)
+  spec = spec_lib.resolve(spec, implementation=implementation, **spec_fields)
   inputs.check_without_gate(gate_activation, gate_bias)
   groups = inputs.value_groups(q, v)  # shapes before values
   total_len = q.shape[1] if q.ndim > 1 else 0
@@ -102,12 +101,12 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
         q, k, v, g, beta, spec=spec, interpret=interpret, config_overrides=config_overrides,
         gate_activation=gate_activation, gate_bias=gate_bias, **kwargs)
   if gate_activation is not None:
-    g = inputs.apply_gate(gate_activation, g, gate_bias, spec.lower_bound)
+    g = inputs.apply_gate(gate_activation, g, gate_bias, spec)
   if spec.implementation == "naive":
     return reference.naive_recurrent_kda(q, k, v, g, beta, **kwargs)
   if spec.implementation == "xla":
     if clamp:  # elementwise in the same XLA program as the chunked form
-      g = inputs.clamp_gates(g, spec.lower_bound)
+      g = inputs.clamp_to_spec(g, spec)
     return reference.chunk_kda_xla(q, k, v, g, beta, spec=spec, **kwargs)
   # The kernels clamp inside the gate cumsum, which reads g anyway: a clamp
   # here would be a separate pass over the f32 gate (and its VJP another over

@@ -258,19 +258,19 @@ def expand_value_groups(x_bthk: jax.Array, groups: int) -> jax.Array:
   return x_bthk if groups == 1 else jnp.repeat(x_bthk, groups, axis=2)
 
 
-def gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound):
+def gate_bias_or_zeros(gate_activation, g, gate_bias, bounded: bool):
   """Checks the fused-gate arguments; returns gate_bias as float32 of g.shape[2:].
 
   Args:
     gate_activation: one of GATE_ACTIVATIONS.
     g: [B, T, HV, K] or [B, T, HV] gate pre-activations.
     gate_bias: [HV, K] (resp. [HV]) or None (zeros).
-    lower_bound: the spec's lower_bound, the gate's g_min.
+    bounded: whether the call has a lower bound (`KdaSpec.bounded`); the fused gate needs one.
   """
   if gate_activation not in GATE_ACTIVATIONS:
     raise ValueError(f"gate_activation must be None or one of {GATE_ACTIVATIONS}, got "
                      f"{gate_activation!r}")
-  if lower_bound is None:
+  if not bounded:
     raise ValueError("gate_activation='bounded_sigmoid' computes g = lower_bound * "
                      "sigmoid(g + gate_bias); pass lower_bound (the gate's g_min < 0) "
                      "or a spec with one")
@@ -283,10 +283,15 @@ def gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound):
   return gate_bias.astype(jnp.float32)
 
 
-def apply_gate(gate_activation, g, gate_bias, lower_bound):
-  """The log-decay [B, T, HV(, K)] float32 of pre-activation g (the jnp form)."""
-  bias = gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound)
-  return kernel_gate_cumsum.bounded_sigmoid(g, bias, float(lower_bound))
+def apply_gate(gate_activation, g, gate_bias, spec):
+  """The log-decay [B, T, HV(, K)] float32 of pre-activation g under `spec`'s bound (the jnp form)."""
+  bias = gate_bias_or_zeros(gate_activation, g, gate_bias, spec.bounded)
+  return kernel_gate_cumsum.bounded_sigmoid(g, bias, spec.lower_bound)
+
+
+def clamp_to_spec(g, spec):
+  """g clamped into [spec's lower bound, 0] (`clamp_gates`; gradient 0 outside)."""
+  return clamp_gates(g, spec.lower_bound)
 
 
 def check_without_gate(gate_activation, gate_bias) -> None:

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda.kernel_config import KernelConfig
+from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
 
 _F32 = jnp.float32
 
@@ -306,6 +306,99 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
       dk=dk, block_v=bv)
 
 
+def store_state_rows(ref, i, slices, s) -> None:
+  """Stores the state s (K slices, [ks.size, width] each) as chunk i's K rows of
+  ref [NC*K, width], in ref's dtype."""
+  dk = sum(ks.size for ks in slices)
+  base = pl.multiple_of(i * dk, pow2_part(dk))
+  for ks, s_kb in zip(slices, s):
+    # base + ks.start is a multiple of this: the widest slices come first.
+    at = pl.multiple_of(base + ks.start, min(ks.size, pow2_part(dk)))
+    ref[pl.ds(at, ks.size), :] = s_kb.astype(ref.dtype)
+
+
+def run_state_loop(step, num_chunks: int, slices, width: int, init_ref, final_ref, meta_refs, *,
+                   varlen: bool, reverse: bool = False) -> None:
+  """One program's pass over its chunks with a state carried as K slices (the GPU's
+  forward recurrence, and with `reverse` its reverse state pass, last chunk first).
+
+  Per chunk i, `step(i, s)` takes the state entering it and returns the one
+  leaving it. With `varlen` the chunks hold several sequences: the state
+  entering the pass's first chunk of a sequence is init_ref's row seq_n[i],
+  and the state leaving its last chunk of one is stored in final_ref's row
+  seq_n[i] (first and last in the pass's order: in reverse, a sequence's last
+  chunk enters first). Fixed length (not `varlen`) the program's rows are one
+  sequence: init_ref's only row enters the pass and the state leaving it goes
+  to final_ref's, outside the loop, and the metadata is not read. Inside the
+  loop the per-chunk selection would load a whole [K, width] f32 block every
+  chunk (registers and pipelined shared memory the loop needs for its operands).
+
+  Args:
+    slices: the K slices (`k_slices`); a state is a tuple of [ks.size, width] f32.
+    init_ref, final_ref: [Nh', K, width] refs (Nh' = 1 when not varlen).
+    meta_refs: (first_ref, last_ref, seq_ref), int32 [NC] each: the chunk
+      starts / ends a sequence, and its state row.
+  """
+  first_ref, last_ref, seq_ref = meta_refs
+  enter_ref, leave_ref = (last_ref, first_ref) if reverse else (first_ref, last_ref)
+
+  def body(j, s):
+    i = num_chunks - 1 - j if reverse else j
+    if varlen:
+      seq = seq_ref[i]
+      s = tuple(jnp.where(enter_ref[i] != 0, init_ref[seq, ks, :].astype(_F32), s_kb)
+                for ks, s_kb in zip(slices, s))
+    s = step(i, s)
+    if varlen:
+      @pl.when(leave_ref[i] != 0)
+      def _():
+        for ks, s_kb in zip(slices, s):
+          final_ref[seq, ks, :] = s_kb
+
+    return s
+
+  if varlen:
+    lax.fori_loop(0, num_chunks, body, tuple(jnp.zeros((ks.size, width), _F32) for ks in slices))
+    return
+  last = lax.fori_loop(0, num_chunks, body,
+                       tuple(init_ref[0, ks, :].astype(_F32) for ks in slices))
+  for ks, s_kb in zip(slices, last):
+    final_ref[0, ks, :] = s_kb
+
+
+def state_grid_step(step, i, slices, scratch_ref, init_ref, final_ref, meta_refs, *,
+                    reverse: bool = False) -> None:
+  """One grid step (chunk i) of a TPU state pass, the state in VMEM scratch.
+
+  The counterpart of `run_state_loop` with one chunk per grid step: the state
+  entering the pass's first chunk of a sequence (first_n[i], or last_n[i] in
+  `reverse`) is init_ref's row seq_n[i], else the scratch's; `step(s)` returns
+  the state leaving the chunk, which the scratch keeps and, at the pass's
+  last chunk of a sequence, final_ref's row seq_n[i] takes.
+
+  Args:
+    slices: the K slices (`k_slices`); a state is a tuple of [ks.size, width] f32.
+    scratch_ref: [K, width] f32 scratch; init_ref, final_ref: [Nh', K, width].
+    meta_refs: (first_ref, last_ref, seq_ref), int32 [NC] each.
+  """
+  first_ref, last_ref, seq_ref = meta_refs
+  enter_ref, leave_ref = (last_ref, first_ref) if reverse else (first_ref, last_ref)
+  seq = seq_ref[i]
+
+  @pl.when(enter_ref[i] != 0)
+  def _():
+    scratch_ref[...] = init_ref[seq].astype(_F32)
+
+  s = step(tuple(scratch_ref[ks, :] for ks in slices))
+  for ks, s_kb in zip(slices, s):
+    scratch_ref[ks, :] = s_kb
+
+  @pl.when(leave_ref[i] != 0)
+  def _():
+    for ks, s_kb in zip(slices, s):
+      final_ref[seq, ks, :] = s_kb
+
+
 def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict:
   """`pallas_call` options of a state kernel: compiler params, TPU VMEM state."""
   if not cfg.is_tpu:
@@ -414,3 +507,34 @@ def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelCon
   dk = dk + beta * r_acc
   dbeta = dbeta + jnp.sum(k * r_acc, axis=1, keepdims=True)
   return dq, dk, dbeta, dgc
+
+
+def finish_intra_bwd(grads, q, k, g, beta, refs, out_refs, *, dglast, row_c, scale, ell,
+                     diagonal, cfg: KernelConfig, score_dtype, tile_product, qk_diagonal,
+                     levels: bool = True, dv_out=None):
+  """The intra-chunk backward's last steps, shared by the one-program and the split kernel.
+
+  Adds the score terms (`add_score_grads`; arguments as there), adds dG_last's share
+  to the chunk's last row of dG, and stores the program's gradients.
+
+  Args:
+    grads: (dq, dk, dbeta, dG) before the score terms: [C, K'], [C, K'], [C, 1], [C, K'] f32.
+    out_refs: (dq_ref, dk_ref, dg_ref, dbeta_ref); dq is stored times `scale`
+      (the q read was scaled), dq and dk in their refs' dtypes.
+    dglast: [1, K'] f32, the gradient of G's last row through the state's decay.
+    row_c: [C, 1] int32 row index.
+    dv_out: (dv_ref, dv [C, V] f32) to store after dk, or None.
+  """
+  dq_ref, dk_ref, dg_ref, dbeta_ref = out_refs
+  dq, dk, dbeta, dgc = add_score_grads(
+      grads, q, k, g, beta, refs, ell=ell, diagonal=diagonal, cfg=cfg,
+      score_dtype=score_dtype, tile_product=tile_product, qk_diagonal=qk_diagonal,
+      levels=levels)
+  dgc = dgc + jnp.where(row_c == q.shape[0] - 1, dglast, 0.0)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  if dv_out is not None:
+    dv_ref, dv = dv_out
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+  dg_ref[...] = dgc
+  dbeta_ref[...] = dbeta

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_score_grads, chunk_specs, dot,
-                                              exp, iota, same_block, state_decay_grad)
+from pallas_kernels.kda.kernel_common import (IntraBwdOut, chunk_specs, dot, exp,
+                                              finish_intra_bwd, iota, same_block,
+                                              state_decay_grad)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -88,17 +89,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_
   def qk_diagonal():
     return jnp.sum(jnp.where(row == col, daq, 0.0), axis=1, keepdims=True)
 
-  dq, dk, dbeta, dgc = add_score_grads(
-      (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, score_dtype=sdt, tile_product=tile_product,
-      qk_diagonal=qk_diagonal)
-  dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
-
-  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
-  dg_ref[...] = dgc
-  dbeta_ref[...] = dbeta
+  finish_intra_bwd((dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref),
+                   (dq_ref, dk_ref, dg_ref, dbeta_ref), dglast=dglast, row_c=row_c,
+                   scale=scale, ell=ell, diagonal=diagonal, cfg=cfg, score_dtype=sdt,
+                   tile_product=tile_product, qk_diagonal=qk_diagonal, dv_out=(dv_ref, dv))
 
 
 def intra_bwd_tiles(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_all, add_score_grads,
-                                              chunk_specs, dot, exp, iota, k_slices,
+from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_all, chunk_specs, dot, exp,
+                                              finish_intra_bwd, iota, k_slices,
                                               width_slices, same_block, state_decay_grad)
 from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
@@ -197,16 +197,10 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
     eye = iota((c, c), 0) == iota((c, c), 1)
     return jnp.sum(jnp.where(eye, daq_ref[...].astype(_F32), 0.0), axis=1, keepdims=True)
 
-  dq, dk, dbeta, dgc = add_score_grads(
-      (dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref), ell=ell,
-      diagonal=diagonal, cfg=cfg, score_dtype=sdt, tile_product=tile_product,
-      qk_diagonal=qk_diagonal, levels=not diag_grads)
-  dgc = dgc + jnp.where(row_c == c - 1, dglast, 0.0)
-
-  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dg_ref[...] = dgc
-  dbeta_ref[...] = dbeta
+  finish_intra_bwd((dq, dk, dbeta, dgc), q, k, g, beta, (q_ref, k_ref, g_ref, beta_ref),
+                   (dq_ref, dk_ref, dg_ref, dbeta_ref), dglast=dglast, row_c=row_c,
+                   scale=scale, ell=ell, diagonal=diagonal, cfg=cfg, score_dtype=sdt,
+                   tile_product=tile_product, qk_diagonal=qk_diagonal, levels=not diag_grads)
 
 
 def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,

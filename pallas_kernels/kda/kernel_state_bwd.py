@@ -15,12 +15,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, state_grid,
-                                              state_launch_options)
-from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, run_state_loop, state_grid,
+                                              state_grid_step, state_launch_options,
+                                              store_state_rows)
+from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
 
@@ -84,45 +84,22 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
 def _state_bwd_kernel(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
                       do_ref, dht_ref, dvn_ref, dhs_ref, dh0_ref, *, scale, gated, chunk_size,
                       cfg, varlen):
-  """Chunks last to first. Fixed length (not `varlen`) the rows are one
-  sequence: dht enters the last chunk and dh0 is stored after the loop (as in
-  `kernel_state_split.chunk_state_loop`), without per-chunk metadata reads."""
+  """Chunks last to first (`kernel_common.run_state_loop`, reversed: dht's rows
+  enter sequences at their last chunk, dh0's take the gradients leaving their first)."""
   c = chunk_size
   tp, dk = q_ref.shape
   nc = tp // c
   bv = do_ref.shape[-1]
   slices = k_slices(cfg, dk)
 
-  def body(j, ds):
-    i = nc - 1 - j
-    if varlen:
-      seq = seq_ref[i]
-      ds = tuple(jnp.where(last_ref[i] != 0, dht_ref[seq, ks, :].astype(_F32), ds_kb)
-                 for ks, ds_kb in zip(slices, ds))
-    base = pl.multiple_of(i * dk, pow2_part(dk))
-    for ks, ds_kb in zip(slices, ds):
-      align = min(ks.size, pow2_part(dk))    # of base + ks.start: widest slices come first
-      dhs_ref[pl.ds(pl.multiple_of(base + ks.start, align), ks.size), :] = (
-          ds_kb.astype(dhs_ref.dtype))
+  def step(i, ds):
+    store_state_rows(dhs_ref, i, slices, ds)
     start = pl.multiple_of(i * c, c)
-    ds = state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
-                         w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
+    return state_bwd_chunk(ds, pl.ds(start, c), pl.ds(start + c - 1, 1), q_ref, k_ref, g_ref,
+                           w_ref, aqk_ref, do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
 
-    if varlen:
-      @pl.when(first_ref[i] != 0)
-      def _():
-        for ks, ds_kb in zip(slices, ds):
-          dh0_ref[seq, ks, :] = ds_kb
-
-    return ds
-
-  if varlen:
-    lax.fori_loop(0, nc, body, tuple(jnp.zeros((ks.size, bv), _F32) for ks in slices))
-    return
-  ds_first = lax.fori_loop(0, nc, body,
-                           tuple(dht_ref[0, ks, :].astype(_F32) for ks in slices))
-  for ks, ds_kb in zip(slices, ds_first):
-    dh0_ref[0, ks, :] = ds_kb
+  run_state_loop(step, nc, slices, bv, dht_ref, dh0_ref, (first_ref, last_ref, seq_ref),
+                 varlen=varlen, reverse=True)
 
 
 def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, aqk_ref,
@@ -136,25 +113,16 @@ def _state_bwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
   nc = pl.num_programs(3)
   i = nc - 1 - pl.program_id(3)
   c = q_ref.shape[0]
-  seq = seq_ref[i]
   slices = k_slices(cfg, q_ref.shape[-1])
 
-  @pl.when(last_ref[i] != 0)
-  def _():
-    ds_ref[...] = dht_ref[seq].astype(_F32)
-
-  ds = tuple(ds_ref[ks, :] for ks in slices)
-  for ks, ds_kb in zip(slices, ds):
-    dhs_ref[ks, :] = ds_kb.astype(dhs_ref.dtype)
-  ds = state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref, aqk_ref,
-                       do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
-  for ks, ds_kb in zip(slices, ds):
-    ds_ref[ks, :] = ds_kb
-
-  @pl.when(first_ref[i] != 0)
-  def _():
+  def step(ds):
     for ks, ds_kb in zip(slices, ds):
-      dh0_ref[seq, ks, :] = ds_kb
+      dhs_ref[ks, :] = ds_kb.astype(dhs_ref.dtype)
+    return state_bwd_chunk(ds, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref,
+                           aqk_ref, do_ref, dvn_ref, scale=scale, gated=gated, cfg=cfg)
+
+  state_grid_step(step, i, slices, ds_ref, dht_ref, dh0_ref, (first_ref, last_ref, seq_ref),
+                  reverse=True)
 
 
 def state_bwd(meta, q, k, g_cum, w, a_qk, do, dht, *, heads, chunk_size, scale,

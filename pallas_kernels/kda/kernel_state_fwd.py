@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, state_grid,
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, state_grid, state_grid_step,
                                               state_launch_options)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -82,28 +82,19 @@ def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
   save_refs, s_ref = rest[:-1], rest[-1]
   i = pl.program_id(3)
   c = q_ref.shape[0]
-  seq = seq_ref[i]
   slices = k_slices(cfg, q_ref.shape[-1])
 
-  @pl.when(first_ref[i] != 0)
-  def _():
-    s_ref[...] = h0_ref[seq].astype(_F32)
+  def step(s):
+    v_new, s_next = state_fwd_chunk(s, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref,
+                                    w_ref, u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
+    if save:
+      hs_ref, vn_ref = save_refs
+      for ks, s_kb in zip(slices, s):
+        hs_ref[ks, :] = s_kb.astype(hs_ref.dtype)
+      vn_ref[...] = v_new.astype(vn_ref.dtype)
+    return s_next
 
-  s = tuple(s_ref[ks, :] for ks in slices)
-  v_new, s_next = state_fwd_chunk(s, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref, w_ref,
-                                  u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
-  if save:
-    hs_ref, vn_ref = save_refs
-    for ks, s_kb in zip(slices, s):
-      hs_ref[ks, :] = s_kb.astype(hs_ref.dtype)
-    vn_ref[...] = v_new.astype(vn_ref.dtype)
-  for ks, s_kb in zip(slices, s_next):
-    s_ref[ks, :] = s_kb
-
-  @pl.when(last_ref[i] != 0)
-  def _():
-    for ks, s_kb in zip(slices, s_next):
-      ht_ref[seq, ks, :] = s_kb
+  state_grid_step(step, i, slices, s_ref, h0_ref, ht_ref, (first_ref, last_ref, seq_ref))
 
 
 def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,

@@ -27,11 +27,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import dot, exp, k_slices, width_slices, state_grid
-from pallas_kernels.kda.kernel_config import KernelConfig, pow2_part
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, run_state_loop, state_grid,
+                                              store_state_rows, width_slices)
+from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
 
@@ -46,18 +46,12 @@ class StateRecOut(NamedTuple):
 
 def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chunks: int,
                      chunk_size: int, slices, block_v: int, varlen: bool):
-  """The GPU recurrence's loop over one program's chunks, in order.
+  """The GPU recurrence's loop over one program's chunks, in order
+  (`kernel_common.run_state_loop`: h0's rows enter sequences, ht's take their
+  final states).
 
-  Per chunk i: the entering state is h0's row seq_n[i] where the chunk starts
-  a sequence, else the carried one; `chunk_fn` advances it; with `save_refs`
-  the entering state and V' are stored; the leaving state is written to ht's
-  row seq_n[i] where the chunk ends a sequence.
-
-  Fixed length (not `varlen`) the program's rows are one sequence: h0's only
-  row enters chunk 0 and the last chunk's state goes to ht, outside the loop,
-  and the metadata is not read. Inside the loop the per-chunk selection would
-  load a whole [K, BV] f32 h0 block every chunk (registers and pipelined
-  shared memory the loop needs for its operands).
+  Per chunk i: `chunk_fn` advances the entering state; with `save_refs` the
+  entering state and V' are stored.
 
   Args:
     chunk_fn(s, rows, last_row) -> (v_new [C, BV] f32, s_next): one chunk;
@@ -70,42 +64,19 @@ def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chun
     slices: the K slices (`k_slices`).
     varlen: the chunks hold several sequences (the metadata says where).
   """
-  first_ref, last_ref, seq_ref = meta_refs
   c = chunk_size
-  dk = sum(ks.size for ks in slices)
 
-  def body(i, s):
-    if varlen:
-      seq = seq_ref[i]
-      s = tuple(jnp.where(first_ref[i] != 0, h0_ref[seq, ks, :].astype(_F32), s_kb)
-                for ks, s_kb in zip(slices, s))
+  def step(i, s):
     start = pl.multiple_of(i * c, c)
     rows = pl.ds(start, c)
     v_new, s_next = chunk_fn(s, rows, pl.ds(start + c - 1, 1))
     if save_refs:
       hs_ref, vn_ref = save_refs
-      base = pl.multiple_of(i * dk, pow2_part(dk))
-      for ks, s_kb in zip(slices, s):
-        # base + ks.start is a multiple of this: the widest slices come first.
-        at = pl.multiple_of(base + ks.start, min(ks.size, pow2_part(dk)))
-        hs_ref[pl.ds(at, ks.size), :] = s_kb.astype(hs_ref.dtype)
+      store_state_rows(hs_ref, i, slices, s)
       vn_ref[rows, :] = v_new.astype(vn_ref.dtype)
-    if varlen:
-      @pl.when(last_ref[i] != 0)
-      def _():
-        for ks, s_kb in zip(slices, s_next):
-          ht_ref[seq, ks, :] = s_kb
-
     return s_next
 
-  if varlen:
-    lax.fori_loop(0, num_chunks, body,
-                  tuple(jnp.zeros((ks.size, block_v), _F32) for ks in slices))
-    return
-  s_last = lax.fori_loop(0, num_chunks, body,
-                         tuple(h0_ref[0, ks, :].astype(_F32) for ks in slices))
-  for ks, s_kb in zip(slices, s_last):
-    ht_ref[0, ks, :] = s_kb
+  run_state_loop(step, num_chunks, slices, block_v, h0_ref, ht_ref, meta_refs, varlen=varlen)
 
 
 def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref, h0_ref,

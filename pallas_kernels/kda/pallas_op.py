@@ -384,7 +384,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   b, t_len, h, dk = q.shape
   if fused:
     # The pre-activation stays in its dtype, broadcast over K for a GDN gate.
-    bias = inputs.gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound)
+    bias = inputs.gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound is not None)
     g_in = g
     if g_in.ndim == 3:
       g_in, bias = jnp.broadcast_to(g_in[..., None], q.shape), bias[:, None]

@@ -196,11 +196,12 @@ def _intra_chunk(q_ck, k_ck, v_cv, g_cum_ck, beta_c, *, sub_chunk, diagonal):
 
 def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
                   output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
-                  chunk_size=None, diagonal=None, lower_bound=None, sub_chunk=None):
+                  **spec_fields):
   """Chunked KDA in plain JAX (the `xla` implementation).
 
   Same arguments and results as `naive_recurrent_kda`, plus the tiling: a
-  validated `spec`, or these fields of one (None: KdaSpec's defaults):
+  validated `spec`, or these fields of one as keywords (`spec_fields`;
+  None or left out: KdaSpec's defaults):
     chunk_size: C, the chunk length of the inter-chunk scan.
     diagonal: "dense" (every intra-chunk tile an anchored matmul; needs
       `lower_bound`) or "pairwise" (explicit position-pair decay on the
@@ -212,8 +213,7 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
   T need not be a multiple of C: the tail is zero-padded (g = 0, beta = 0),
   which leaves outputs and states unchanged.
   """
-  spec = spec_lib.resolve(spec, chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
-                          lower_bound=lower_bound)
+  spec = spec_lib.resolve(spec, **spec_fields)
   chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
   args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                              cu_seqlens=cu_seqlens)

@@ -1,6 +1,5 @@
 """Tile-level helpers shared by every KDA implementation.
 
-* `check_lower_bound`: the safety condition of the dense diagonal path.
 * `pad_time`: right-pads the time axis to a multiple of the chunk.
 * `pack_varlen`: maps packed sequences (cu_seqlens) onto a chunk grid in which
   every sequence starts at a chunk boundary, with static shapes.
@@ -8,51 +7,9 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
-
-# Largest exponent a dense diagonal factor may reach. float32 and bfloat16
-# overflow above exp(88.72); 85 leaves a factor of ~40 for the operands'
-# own magnitude (unit-norm k times beta <= 1 in practice).
-MAX_EXP_ARG = 85.0
-
-
-def safe_tile_len(lower_bound: float) -> int:
-  """Longest diagonal tile for which `lower_bound` keeps the dense path finite."""
-  if lower_bound >= 0:
-    raise ValueError(f"lower_bound must be negative, got {lower_bound}")
-  return int(math.floor(MAX_EXP_ARG / abs(lower_bound))) + 1
-
-
-def check_lower_bound(lower_bound: float | None, tile_len: int) -> None:
-  """Raises ValueError unless `|lower_bound| * (tile_len - 1) <= MAX_EXP_ARG`.
-
-  A dense diagonal tile of length L anchored at its first row multiplies a
-  column operand by up to exp(|g_min| * (L - 1)); above ~88.7 that is inf in
-  float32 and bfloat16.
-  """
-  if lower_bound is None:
-    raise ValueError(
-        "diagonal='dense' needs lower_bound (g_min of the gate "
-        "g = g_min * sigmoid(.)); pass it, or use diagonal='pairwise' for an "
-        "unbounded gate.")
-  lower_bound = float(lower_bound)
-  if not lower_bound < 0:
-    raise ValueError(f"lower_bound must be negative, got {lower_bound}")
-  if tile_len < 1:
-    raise ValueError(f"tile length must be >= 1, got {tile_len}")
-  exponent = abs(lower_bound) * (tile_len - 1)
-  if exponent > MAX_EXP_ARG:
-    raise ValueError(
-        f"lower_bound={lower_bound} is unsafe for a dense diagonal tile of "
-        f"length {tile_len}: |lower_bound| * (tile_len - 1) = {exponent:.1f} "
-        f"exceeds the safe limit {MAX_EXP_ARG} (exp overflows float32/bf16 at "
-        f"~88.7). Use a tile of at most {safe_tile_len(lower_bound)} rows, a "
-        f"bound of at least {-MAX_EXP_ARG / max(tile_len - 1, 1):.3f}, or "
-        "diagonal='pairwise'.")
-
 
 def pad_time(x: jax.Array, multiple: int, axis: int = 1) -> jax.Array:
   """Right-pads `axis` of `x` with zeros up to a multiple of `multiple`."""
