@@ -30,13 +30,12 @@ def bounded_gate(z: jax.Array, spec: KdaSpec) -> jax.Array:
   """
   if not spec.bounded:
     raise ValueError(f"the bounded gate needs a spec with a lower_bound, got {spec}")
-  return spec.lower_bound * jax.nn.sigmoid(z.astype(jnp.float32))
+  return spec.gate(z)
 
 
 def bounded_gate_preactivation(g: np.ndarray, spec: KdaSpec) -> np.ndarray:
   """z with bounded_gate(z, spec) = g (numpy), g clipped to 1e-6 of either end of the range."""
-  p = np.clip(g / spec.lower_bound, 1e-6, 1 - 1e-6)
-  return np.log(p) - np.log1p(-p)
+  return spec.gate_preactivation(g)
 
 
 def softplus_gate(z: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> jax.Array:

@@ -50,8 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-from pallas_kernels.kda import kernel_gate_cumsum
+# The clamp's float-bound forms, kept here under their names (`KdaSpec.clamp` applies them).
 from pallas_kernels.kda.kernel_cumsum import clamp_gates, out_of_range
+from pallas_kernels.kda.spec import KdaSpec
 
 
 # -- tensor arguments -------------------------------------------------------------
@@ -133,42 +134,37 @@ def _is_traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def check_gates(g: jax.Array, *, lower_bound: float | None, dense: bool,
-                checked: bool = False) -> bool:
+def check_gates(g: jax.Array, *, spec: KdaSpec, dense: bool, checked: bool = False) -> bool:
   """Checks the log-decays g and says whether the chunked forms must clamp them.
 
   Args:
     g: [B, T, H, K] or [B, T, H] log-decays; valid entries lie in
       [lower_bound, 0] (dense path) or (-inf, 0] (pairwise path, naive form).
-    lower_bound: the dense path's g_min, or None.
+    spec: the call's KdaSpec; its lower bound (if any) is the dense path's.
     dense: whether the call takes the dense diagonal path (where a gate below
       the bound overflows exp).
     checked: emit checkify checks for traced g.
 
   Returns:
-    Whether g must be clamped into [lower_bound, 0] (`clamp_gates`): a
+    Whether g must be clamped into [lower_bound, 0] (`KdaSpec.clamp`): a
     traced g on the dense path, whose values no check has seen. A concrete
     g that passed the checks is in range already.
   """
-  bounded = dense and lower_bound is not None
+  bounded = dense and spec.bounded
   if not _is_traced(g):
     with jax.ensure_compile_time_eval():   # g may be a constant captured by a jit
-      g_min, g_max = (float(x) for x in jax.device_get((jnp.min(g), jnp.max(g))))
-    if g_max > 0:
+      lowest, highest = (float(x) for x in jax.device_get((jnp.min(g), jnp.max(g))))
+    if highest > 0:
       raise ValueError(f"g must be a log-decay <= 0 (the state would grow without bound); got "
-                       f"max(g) = {g_max:.4g}. Pass g = lower_bound * sigmoid(.) or "
+                       f"max(g) = {highest:.4g}. Pass g = lower_bound * sigmoid(.) or "
                        "-softplus(.)")
-    if bounded and g_min < lower_bound:
-      raise ValueError(f"g must be >= lower_bound = {lower_bound} on diagonal='dense' (exp "
-                       f"overflows below it); got min(g) = {g_min:.4g}. Pass g = lower_bound * "
-                       "sigmoid(.), a lower_bound <= min(g), or diagonal='pairwise'")
+    if bounded:
+      spec.check_gate_min(lowest)
   elif checked:
     checkify.check(jnp.all(~(g > 0)), "g must be a log-decay <= 0; got max(g) = {}",
                    jnp.max(g))
     if bounded:
-      checkify.check(jnp.all(~(g < lower_bound)),
-                     f"g must be >= lower_bound = {lower_bound} on diagonal='dense'; "
-                     "got min(g) = {}", jnp.min(g))
+      spec.checkify_gate_min(g)
   return bounded and _is_traced(g)
 
 
@@ -218,12 +214,12 @@ def check_inputs(g, cu_seqlens, *, spec, total_len: int, checked: bool = False):
   """`check_gates` and `check_cu_seqlens` for one `chunk_kda` call of `spec`.
 
   Returns:
-    (clamp, cu_seqlens): whether the chunked form must clamp g into
-    [spec.lower_bound, 0] (`check_gates`), and the cu_seqlens to pass on (a
+    (clamp, cu_seqlens): whether the chunked form must clamp g into the
+    spec's range (`check_gates`), and the cu_seqlens to pass on (a
     traced one made valid).
   """
   dense = spec.diagonal == "dense" and spec.implementation != "naive"
-  clamp = check_gates(g, lower_bound=spec.lower_bound, dense=dense, checked=checked)
+  clamp = check_gates(g, spec=spec, dense=dense, checked=checked)
   return clamp, check_cu_seqlens(cu_seqlens, total_len, checked=checked)
 
 
@@ -286,12 +282,12 @@ def gate_bias_or_zeros(gate_activation, g, gate_bias, bounded: bool):
 def apply_gate(gate_activation, g, gate_bias, spec):
   """The log-decay [B, T, HV(, K)] float32 of pre-activation g under `spec`'s bound (the jnp form)."""
   bias = gate_bias_or_zeros(gate_activation, g, gate_bias, spec.bounded)
-  return kernel_gate_cumsum.bounded_sigmoid(g, bias, spec.lower_bound)
+  return spec.fused_gate(g, bias)
 
 
 def clamp_to_spec(g, spec):
-  """g clamped into [spec's lower bound, 0] (`clamp_gates`; gradient 0 outside)."""
-  return clamp_gates(g, spec.lower_bound)
+  """g clamped into [spec's lower bound, 0] (`KdaSpec.clamp`; gradient 0 outside)."""
+  return spec.clamp(g)
 
 
 def check_without_gate(gate_activation, gate_bias) -> None:

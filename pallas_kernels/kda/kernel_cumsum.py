@@ -317,6 +317,12 @@ def clamped_cumsum(g_btf, lower_bound: float, chunk_size: int, *, cfg: KernelCon
   return (outs[0], tuple(outs[1:])) if with_record else outs[0]
 
 
+def spec_clamped_cumsum(g_btf, spec, *, cfg: KernelConfig, with_record: bool = False):
+  """`clamped_cumsum` with the bound and chunk size of `spec` (a bounded `KdaSpec`)."""
+  return clamped_cumsum(g_btf, spec.lower_bound, spec.chunk_size, cfg=cfg,
+                        with_record=with_record)
+
+
 def clamped_cumsum_bwd(dg_cum_btf, record, chunk_size: int, *, cfg: KernelConfig,
                        block_f: int | None = None):
   """dg = within-chunk reverse cumsum of dG, zero where the forward clamped g.

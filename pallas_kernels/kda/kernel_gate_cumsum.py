@@ -154,6 +154,11 @@ def gate_cumsum(raw_btf, bias_f, lower_bound: float, chunk_size: int, *, cfg: Ke
   )(raw_btf, bias_f[None])
 
 
+def spec_gate_cumsum(raw_btf, bias_f, spec, *, cfg: KernelConfig):
+  """`gate_cumsum` with the bound and chunk size of `spec` (a bounded `KdaSpec`)."""
+  return gate_cumsum(raw_btf, bias_f, spec.lower_bound, spec.chunk_size, cfg=cfg)
+
+
 def gate_cumsum_bwd(dg_cum_btf, raw_btf, bias_f, lower_bound: float, chunk_size: int, *,
                     cfg: KernelConfig, block_f: int | None = None):
   """Backward of `gate_cumsum`: dG -> (draw, dbias), one pass over dG and raw.
@@ -188,3 +193,9 @@ def gate_cumsum_bwd(dg_cum_btf, raw_btf, bias_f, lower_bound: float, chunk_size:
       interpret=cfg.interpret, name="kda_gate_cumsum_bwd",
   )(dg_cum_btf, raw_btf, bias_f[None])
   return draw, jnp.sum(dbias_bnf, axis=(0, 1))
+
+
+def spec_gate_cumsum_bwd(dg_cum_btf, raw_btf, bias_f, spec, *, cfg: KernelConfig):
+  """`gate_cumsum_bwd` with the bound and chunk size of `spec` (a bounded `KdaSpec`)."""
+  return gate_cumsum_bwd(dg_cum_btf, raw_btf, bias_f, spec.lower_bound, spec.chunk_size,
+                         cfg=cfg)

@@ -56,11 +56,12 @@ class _Static:
   varlen: bool
   cfg: kernel_config.KernelConfig
   # What g is and what the cumsum passes do with it: "log_decay"
-  # (summed as is), "clamp" (clamped into [lower_bound, 0] first, gradient 0
-  # outside) or "fused" (the pre-activation of lower_bound * sigmoid(.)).
+  # (summed as is), "clamp" (clamped into the spec's range first, gradient 0
+  # outside) or "fused" (the pre-activation of the spec's bounded gate).
   gate_mode: str = "log_decay"
-  # The spec's lower bound (g_min), read by the "clamp" and "fused" modes.
-  lower_bound: float | None = None
+  # The call's KdaSpec (None for a call without a bound); the "clamp" and
+  # "fused" modes' cumsum kernels read its bound.
+  spec: KdaSpec | None = None
 
   @property
   def fused(self) -> bool:
@@ -76,18 +77,18 @@ def _kernel_layout(q, k, v, beta):
 
 
 def _gate_cumsum(st: _Static, g, gate_bias, save: bool):
-  """(G [B, Tp, H*K] f32, clamp record or None): the cumsum of g (clamped with
-  st.lower_bound in the "clamp" mode; the record, kept for the backward when `save`, says where),
-  or of the fused gate of pre-activation g."""
+  """(G [B, Tp, H*K] f32, clamp record or None): the cumsum of g (clamped into
+  st.spec's range in the "clamp" mode; the record, kept for the backward when `save`, says
+  where), or of the fused gate of pre-activation g."""
   b, tp, h, dk = g.shape
   g2 = g.reshape(b, tp, h * dk)
   if st.fused:
-    return kernel_gate_cumsum.gate_cumsum(g2, gate_bias.reshape(h * dk), st.lower_bound,
-                                          st.chunk_size, cfg=st.cfg), None
+    return kernel_gate_cumsum.spec_gate_cumsum(g2, gate_bias.reshape(h * dk), st.spec,
+                                               cfg=st.cfg), None
   if st.gate_mode == "log_decay":
     return kernel_cumsum.chunk_cumsum(g2.astype(_F32), st.chunk_size, cfg=st.cfg), None
-  out = kernel_cumsum.clamped_cumsum(g2.astype(_F32), st.lower_bound, st.chunk_size, cfg=st.cfg,
-                                     with_record=save)
+  out = kernel_cumsum.spec_clamped_cumsum(g2.astype(_F32), st.spec, cfg=st.cfg,
+                                          with_record=save)
   return out if save else (out, None)
 
 
@@ -217,9 +218,8 @@ def _core_bwd(st, res, cts):
       dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, r["clamp_record"], st.chunk_size, cfg=cfg)
     dg, dbias = dg.reshape(q.shape).astype(_F32), None
   else:
-    dg, dbias = kernel_gate_cumsum.gate_cumsum_bwd(
-        dg_cum, g.reshape(b, tp, h * dk), gate_bias.reshape(h * dk), st.lower_bound,
-        st.chunk_size, cfg=cfg)
+    dg, dbias = kernel_gate_cumsum.spec_gate_cumsum_bwd(
+        dg_cum, g.reshape(b, tp, h * dk), gate_bias.reshape(h * dk), st.spec, cfg=cfg)
     dg, dbias = dg.reshape(g.shape), dbias.reshape(gate_bias.shape)
   # Only rows of sequences that start somewhere were written by the kernel.
   if st.varlen:
@@ -327,9 +327,9 @@ def _next_pow2(n: int) -> int:
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
-                     chunk_size=64, lower_bound=None, diagonal="dense", sub_chunk=16,
+                     chunk_size=64, diagonal="dense", sub_chunk=16,
                      interpret=False, backend=None, block_v=None, config_overrides=None,
-                     gate_activation=None, gate_bias=None, clamp_gates=False):
+                     gate_activation=None, gate_bias=None, clamp_gates=False, **bound):
   """Chunked KDA with Pallas kernels; differentiable (custom VJP).
 
   Args:
@@ -342,12 +342,15 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final states.
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
-    spec: the tiling (`KdaSpec`, validated when built; `chunk_kda` passes
-      it), or None to take chunk_size (C), sub_chunk (L, the diagonal tile)
-      and diagonal ("dense" or "pairwise") as given. The dense path's bound
-      on the gates is checked by KdaSpec; here lower_bound is the fused
-      gate's g_min or the clamp's bound (spec.lower_bound with spec).
-      With spec, the three keyword values are not read.
+    spec: the tiling and the gate's bound (`KdaSpec`, validated when built;
+      `chunk_kda` passes it), or None to take chunk_size (C), sub_chunk (L,
+      the diagonal tile) and diagonal ("dense" or "pairwise") as given.
+      With spec, these keyword values and `bound` are not read.
+    bound: `lower_bound=` (a KdaSpec field: the fused gate's and the clamp's
+      bound) without a spec; with it the keyword choices become a KdaSpec
+      (`spec.kernel_spec`, validated as `chunk_kda` validates them: a bound
+      unsafe for the dense diagonal's tiles raises). A call without a bound
+      runs without a spec.
     interpret: emulate the kernels on the CPU.
     backend: override of the lowering (a `kernel_config.BACKENDS` entry);
       None: "interpret" with `interpret`, else the host's GPU or TPU, else
@@ -358,18 +361,19 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
       (e.g. {"block_k": 32}) for benchmarks and ablations.
     gate_activation, gate_bias: the fused gate, as in `api.chunk_kda`: g is
       the pre-activation ([B, T, H, K] or [B, T, H], read in its dtype) and
-      `kernel_gate_cumsum` forms lower_bound * sigmoid(g + gate_bias).
-    clamp_gates: clamp the log-decay g into [lower_bound, 0] (gradient 1
+      `kernel_gate_cumsum` forms the spec's gate of g + gate_bias.
+    clamp_gates: clamp the log-decay g into the spec's range (gradient 1
       inside, 0 outside), as `api.chunk_kda` does for traced gates on the
       dense diagonal; applied inside the gate-cumsum passes
       (`kernel_cumsum.clamped_cumsum`), so it adds no pass over g. Needs a
-      lower_bound and no gate_activation.
+      bound and no gate_activation.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
   """
+  spec = spec_lib.kernel_spec(spec, chunk_size=chunk_size, sub_chunk=sub_chunk,
+                              diagonal=diagonal, **bound)
   if spec is not None:
-    lower_bound = spec.lower_bound
     chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
   elif diagonal not in spec_lib.DIAGONALS:
     raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
@@ -377,14 +381,13 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                              cu_seqlens=cu_seqlens)
   inputs.check_without_gate(gate_activation, gate_bias)
   fused = gate_activation is not None
-  if clamp_gates and (fused or lower_bound is None):
-    raise ValueError("clamp_gates needs a lower_bound and no gate_activation (an activated "
-                     f"gate is in range by construction); got lower_bound={lower_bound!r}, "
-                     f"gate_activation={gate_activation!r}")
+  bounded = spec is not None and spec.bounded
+  if clamp_gates:
+    spec_lib.check_clamp(spec, gate_activation)
   b, t_len, h, dk = q.shape
   if fused:
     # The pre-activation stays in its dtype, broadcast over K for a GDN gate.
-    bias = inputs.gate_bias_or_zeros(gate_activation, g, gate_bias, lower_bound is not None)
+    bias = inputs.gate_bias_or_zeros(gate_activation, g, gate_bias, bounded)
     g_in = g
     if g_in.ndim == 3:
       g_in, bias = jnp.broadcast_to(g_in[..., None], q.shape), bias[:, None]
@@ -397,8 +400,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   run = functools.partial(_chunk_kda_on, scale=args.scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
-                          gate_mode=gate_mode,
-                          lower_bound=None if lower_bound is None else float(lower_bound))
+                          gate_mode=gate_mode, spec=spec)
   operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias)
   if backend is None:
     return platform_lowering.per_platform(run, *operands)
@@ -407,7 +409,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 
 def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                   output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                  config_overrides, gate_mode, lower_bound):
+                  config_overrides, gate_mode, spec):
   """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] (f32
   log-decay, or the fused gate's pre-activation with gate_bias [H, K]).
 
@@ -427,13 +429,13 @@ def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bia
                           scale=scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
-                          gate_mode=gate_mode, lower_bound=lower_bound)
+                          gate_mode=gate_mode, spec=spec)
   return head_pad.unpad_outputs(o, ht, dk, dv)
 
 
 def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
                     output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                    config_overrides, gate_mode, lower_bound):
+                    config_overrides, gate_mode, spec):
   """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
@@ -453,7 +455,7 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
   g_pad = -jnp.inf if fused else 0.0
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
                scale=float(scale), varlen=varlen, cfg=cfg, gate_mode=gate_mode,
-               lower_bound=lower_bound)
+               spec=spec)
   tensors = (q, k, v, g, beta)
 
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)

@@ -4,13 +4,25 @@ The model config holds one (`ModelConfig.kda`), the KDA layer holds it
 and `chunk_kda(..., spec=...)` and the context-parallel path take it whole.
 Direct callers may pass the same choices as `chunk_kda` keyword arguments;
 they are turned into a spec there (`resolve`), so the fields are declared
-here only. The gate's lower bound is checked here: negative, and safe for
-the dense diagonal's tiles (`check_lower_bound`).
+here only. The gate's lower bound lives here: it is checked (negative, and
+safe for the dense diagonal's tiles: `check_lower_bound`), and its math is
+the spec's methods (the bounded gate and its inverse, the clamp, the check of
+concrete and traced gates), so the layers and the input checks use the bound
+without naming it. The kernels that read it (`kernel_cumsum`,
+`kernel_gate_cumsum`) take the spec whole.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from pallas_kernels.kda import kernel_cumsum
+from pallas_kernels.kda import kernel_gate_cumsum
 
 # Largest exponent a dense diagonal factor may reach. float32 and bfloat16
 # overflow above exp(88.72); 85 leaves a factor of ~40 for the operands'
@@ -110,6 +122,44 @@ class KdaSpec:
     """Whether the gate is bounded below (`lower_bound * sigmoid(.)`); else unbounded (softplus)."""
     return self.lower_bound is not None
 
+  # -- the bound's math (a bounded spec) ------------------------------------------
+
+  def gate(self, z: jax.Array) -> jax.Array:
+    """g = lower_bound * sigmoid(z) in float32, of z's shape (z any float dtype)."""
+    return self.lower_bound * jax.nn.sigmoid(z.astype(jnp.float32))
+
+  def gate_preactivation(self, g: np.ndarray) -> np.ndarray:
+    """z with gate(z) = g (numpy), g clipped to 1e-6 of either end of the range."""
+    p = np.clip(g / self.lower_bound, 1e-6, 1 - 1e-6)
+    return np.log(p) - np.log1p(-p)
+
+  def fused_gate(self, raw: jax.Array, bias: jax.Array) -> jax.Array:
+    """lower_bound * sigmoid(raw + bias) in float32, the jnp form of the fused gate
+    (`kernel_gate_cumsum.bounded_sigmoid`)."""
+    return kernel_gate_cumsum.bounded_sigmoid(raw, bias, self.lower_bound)
+
+  def clamp(self, g: jax.Array) -> jax.Array:
+    """g clamped into [lower_bound, 0] (`kernel_cumsum.clamp_gates`: gradient 1 on the
+    closed interval, 0 outside)."""
+    return kernel_cumsum.clamp_gates(g, self.lower_bound)
+
+  def out_of_range(self, g: jax.Array) -> jax.Array:
+    """Where `clamp` changes g and passes no gradient: g < lower_bound or g > 0."""
+    return kernel_cumsum.out_of_range(g, self.lower_bound)
+
+  def check_gate_min(self, g_lowest: float) -> None:
+    """Raises ValueError if a concrete gate's minimum lies below the bound (dense diagonal)."""
+    if g_lowest < self.lower_bound:
+      raise ValueError(f"g must be >= lower_bound = {self.lower_bound} on diagonal='dense' (exp "
+                       f"overflows below it); got min(g) = {g_lowest:.4g}. Pass g = lower_bound * "
+                       "sigmoid(.), a lower_bound <= min(g), or diagonal='pairwise'")
+
+  def checkify_gate_min(self, g: jax.Array) -> None:
+    """`check_gate_min` for a traced g, as a `checkify` check."""
+    checkify.check(jnp.all(~(g < self.lower_bound)),
+                   f"g must be >= lower_bound = {self.lower_bound} on diagonal='dense'; "
+                   "got min(g) = {}", jnp.min(g))
+
 
 FIELDS = tuple(f.name for f in dataclasses.fields(KdaSpec))
 
@@ -135,3 +185,40 @@ def resolve(spec: KdaSpec | None, *, implementation: str | None = None, **choice
     raise ValueError(f"pass either spec or its fields, not both; got spec={spec} and "
                      f"{sorted(given)}")
   return spec
+
+
+def kernel_spec(spec: KdaSpec | None, *, chunk_size: int, sub_chunk: int, diagonal: str,
+                **bound) -> KdaSpec | None:
+  """The spec a direct Pallas call runs under (`pallas_op.chunk_kda_pallas`).
+
+  Args:
+    spec: a KdaSpec, returned as is (the other choices are then not read), or None.
+    chunk_size, sub_chunk, diagonal, bound: the call's keyword choices; `bound` is
+      empty or holds the lower bound (`lower_bound=`, a KdaSpec field).
+
+  Returns:
+    `spec`; else, for choices with a bound, the KdaSpec of `implementation="pallas"`
+    built from them (validated: `resolve`); else None, a call without a bound, whose
+    kernels need none.
+  """
+  if spec is not None:
+    if not isinstance(spec, KdaSpec):
+      raise TypeError(f"spec must be a KdaSpec, got {type(spec).__name__}")
+    return spec
+  unknown = sorted(set(bound) - (set(FIELDS) - {"chunk_size", "sub_chunk", "diagonal",
+                                                  "implementation"}))
+  if unknown:
+    raise TypeError(f"unexpected keyword arguments {unknown}")
+  if all(value is None for value in bound.values()):
+    return None
+  return resolve(None, implementation="pallas", chunk_size=chunk_size, sub_chunk=sub_chunk,
+                 diagonal=diagonal, **bound)
+
+
+def check_clamp(spec: KdaSpec | None, gate_activation) -> None:
+  """Raises ValueError unless a call that clamps its gates has a bound and no gate activation."""
+  lower_bound = None if spec is None else spec.lower_bound
+  if gate_activation is not None or lower_bound is None:
+    raise ValueError("clamp_gates needs a lower_bound and no gate_activation (an activated "
+                     f"gate is in range by construction); got lower_bound={lower_bound!r}, "
+                     f"gate_activation={gate_activation!r}")
