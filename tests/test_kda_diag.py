@@ -126,10 +126,12 @@ def test_default_and_check():
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_own_kernels_against_the_f32_recurrence():
-  """bf16 at B1 T1024 H4 K = V = 128 with unbounded gates: the error bounds of
-  the dense diagonal's twin (o 5e-3, gradients 1e-2), and within bf16 noise of
-  the levels inside the intra-chunk kernels."""
+@pytest.mark.parametrize("diag_rows", [None, 16])
+def test_gpu_bf16_own_kernels_against_the_f32_recurrence(diag_rows):
+  """bf16 at B1 T1024 H4 K = V = 128 with unbounded gates, a chunk or one tile
+  per program: the error bounds of the dense diagonal's twin (o 5e-3,
+  gradients 1e-2), and within bf16 noise of the levels inside the
+  intra-chunk kernels."""
   x = make_inputs(4, batch=1, seq_len=1024, heads=4, dk=128, dv=128, dtype=jnp.bfloat16)
   g = _unbounded_gates(jax.random.key(5), x.g.shape)
   args = (x.q, x.k, x.v, g, x.beta)
@@ -140,8 +142,9 @@ def test_gpu_bf16_own_kernels_against_the_f32_recurrence():
     return o, vjp(do)
 
   def pallas(diag_kernels):
+    rows = {"diag_rows": diag_rows} if diag_kernels else {}
     return functools.partial(api.chunk_kda, implementation="pallas", diagonal="pairwise",
-                             config_overrides={"diag_kernels": diag_kernels})
+                             config_overrides={"diag_kernels": diag_kernels, **rows})
 
   own = jax.jit(functools.partial(run, pallas(True)))(args, do)
   inside = jax.jit(functools.partial(run, pallas(False)))(args, do)
