@@ -21,6 +21,7 @@ from k3jax.train import checkpoint
 from k3jax.train.state import TrainState
 from k3jax.train.step import make_train_step
 from pallas_kernels.kda.spec import KdaSpec
+from tests.call_counts import count_calls
 from tests.kda_inputs import assert_close
 
 # Relative L2 errors of float32 results whose only difference is the order
@@ -55,13 +56,8 @@ def _reference():
 def test_sharded_forward_and_gradients_equal_one_device(shape, monkeypatch):
   data, expert, ctx = shape
   mesh = make_mesh(MeshConfig(data=data, expert=expert, context=ctx))
-  used = {"ep": 0, "cp": 0}
-  for mod, name, key in ((moe_path, "expert_parallel_swiglu", "ep"),
-                         (context_parallel, "chunk_kda_context_parallel", "cp")):
-    real = getattr(mod, name)
-    monkeypatch.setattr(mod, name, functools.partial(
-        lambda real, key, *a, **k: used.__setitem__(key, used[key] + 1) or real(*a, **k),
-        real, key))
+  used = count_calls(monkeypatch, ((moe_path, "expert_parallel_swiglu", "ep"),
+                                    (context_parallel, "chunk_kda_context_parallel", "cp")))
 
   model = layers.parallelize(HybridLM(CONFIG, rngs=nnx.Rngs(0),
                                       expert_parallel=moe_path.ExpertParallel()))

@@ -19,6 +19,7 @@ from k3jax.routing.config import RouterConfig
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from pallas_kernels.kda.spec import KdaSpec
+from tests.call_counts import count_calls
 from tests.kda_inputs import assert_close
 
 TOL = 1e-5  # relative, float32: the pipeline changes only the order of reductions
@@ -80,13 +81,8 @@ def _loss_and_grads(graphdef):
 def test_pipeline_equals_one_device(stages, microbatches, residual, experts, axes, monkeypatch):
   expert_parallel = moe_path.ExpertParallel() if axes.get("expert", 1) > 1 else None
   cfg = config(residual, experts)
-  calls = {"gpipe": 0, "expert": 0}
-  for module, name, key in ((pipeline, "gpipe", "gpipe"),
-                            (moe_path, "expert_parallel_swiglu", "expert")):
-    real = getattr(module, name)
-    monkeypatch.setattr(module, name, functools.partial(
-        lambda real, key, *a, **k: calls.__setitem__(key, calls[key] + 1) or real(*a, **k),
-        real, key))
+  calls = count_calls(monkeypatch, ((pipeline, "gpipe", "gpipe"),
+                                     (moe_path, "expert_parallel_swiglu", "expert")))
   mesh_config = MeshConfig(stage=stages, **axes)
   n_devices = stages * np.prod(list(axes.values()))
   mesh = make_mesh(mesh_config, devices=jax.devices()[:n_devices])
