@@ -106,7 +106,7 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     return reference.naive_recurrent_kda(q, k, v, g, beta, **kwargs)
   if spec.implementation == "xla":
     if clamp:  # elementwise in the same XLA program as the chunked form
-      g = inputs.clamp_to_spec(g, spec)
+      g = spec.clamp(g)
     return reference.chunk_kda_xla(q, k, v, g, beta, spec=spec, **kwargs)
   # The kernels clamp inside the gate cumsum, which reads g anyway: a clamp
   # here would be a separate pass over the f32 gate (and its VJP another over

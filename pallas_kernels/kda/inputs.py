@@ -285,11 +285,6 @@ def apply_gate(gate_activation, g, gate_bias, spec):
   return spec.fused_gate(g, bias)
 
 
-def clamp_to_spec(g, spec):
-  """g clamped into [spec's lower bound, 0] (`KdaSpec.clamp`; gradient 0 outside)."""
-  return spec.clamp(g)
-
-
 def check_without_gate(gate_activation, gate_bias) -> None:
   """gate_bias is only meaningful with a gate_activation."""
   if gate_activation is None and gate_bias is not None:
