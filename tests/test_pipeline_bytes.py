@@ -74,7 +74,7 @@ def test_full_attnres_forward_equals_one_device():
                     compiler_options=FAST_COMPILE)
   logits_ref = forward(state, tokens)
   mesh = make_mesh(MeshConfig(stage=4, data=2))
-  pipelined = pipeline_parallelize(model, MICRO)
+  pipelined = pipeline_parallelize(model, MICRO, stages=4)
   graphdef, state = nnx.split(pipelined)
   with jax.set_mesh(mesh):
     logits = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t, deterministic=True)[0],

@@ -1,11 +1,14 @@
-"""A train state saved under one pipeline stage layout restores under another, and under none."""
+"""A train state saved under one pipeline stage layout restores under another, and under none
+(and a plain one under a pipeline): the layers move between their stacked and plain layouts."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from k3jax.models.lm import HybridLM
+from k3jax.parallel import stage_storage
 from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -14,46 +17,53 @@ from k3jax.train.state import TrainState
 from tests.test_pipeline_equality import config
 
 CFG = config("block_attnres", 4)
+TX = optax.adamw(1e-3)
 
 
-def _state(model, tx, step, mesh=None):
-  _, params, model_state = nnx.split(model, nnx.Param, ...)
+def _model(seed: int, stages: int):
+  model = HybridLM(CFG, rngs=nnx.Rngs(seed))
+  return model if not stages else pipeline_parallelize(model, 4, stages)
+
+
+def _state(seed: int, stages: int, step: int):
+  """A TrainState of the model of `seed` in the layout of `stages` (0: plain), placed on a
+  mesh of that many stages (one device for the plain one)."""
+  _, params, model_state = nnx.split(_model(seed, stages), nnx.Param, ...)
   # Moments unlike the parameters, so a restore that mixed leaves up would show.
   opt_state = jax.tree.map(lambda x: x + 0.25 if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                           tx.init(params))
+                           TX.init(params))
   state = TrainState(step=jnp.asarray(step, jnp.int32), params=params, model_state=model_state,
                      opt_state=opt_state, rng=jax.random.PRNGKey(step))
-  return state if mesh is None else rules.shard_tree(state, mesh)
+  if not stages:
+    return jax.device_put(state, jax.devices()[0])
+  return rules.shard_tree(state, make_mesh(MeshConfig(stage=stages, data=8 // stages)))
 
 
-def _host(x):
-  return np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+def _plain(state) -> dict:
+  """{path: host array} of `state` with its layers in the plain layout."""
+  nested = stage_storage.convert_layout(
+      jax.tree.map(np.asarray, jax.device_get(checkpoint.to_nested_dict(state))), 0)
+  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(nested)[0]}
 
 
-def test_checkpoint_moves_between_stage_layouts_and_to_none(tmp_path):
-  tx = optax.adamw(1e-3)
-  two_stages = make_mesh(MeshConfig(stage=2, data=4))
-  saved = _state(pipeline_parallelize(HybridLM(CFG, rngs=nnx.Rngs(0)), 4), tx, 7, two_stages)
+@pytest.mark.parametrize("saved_stages, restored_stages", [(2, 4), (2, 0), (0, 2), (2, 2)])
+def test_checkpoint_moves_between_stage_layouts(saved_stages, restored_stages, tmp_path):
+  saved = _state(0, saved_stages, 7)
   ckpt = checkpoint.Checkpointer(str(tmp_path), async_save=False)
   ckpt.save(7, saved, {"position": 7})
   ckpt.wait()
-  # The plain model's state has the pipelined one's tree: the pipeline adds no variable.
-  plain = nnx.state(nnx.eval_shape(lambda: HybridLM(CFG, rngs=nnx.Rngs(0))))
-  assert jax.tree.structure(plain) == jax.tree.structure(nnx.state(nnx.merge(
-      *nnx.split(pipeline_parallelize(nnx.eval_shape(lambda: HybridLM(CFG, rngs=nnx.Rngs(0))),
-                                      4)))))
-  # Templates: other values, the target layouts (4 stages; one device, no mesh).
-  other = jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x + 1,
-                       jax.device_get(saved))
-  targets = {"4 stages": rules.shard_tree(other, make_mesh(MeshConfig(stage=4, data=2))),
-             "no pipeline": jax.device_put(other, jax.devices()[0])}
-  want = [_host(x) for x in jax.tree.leaves(saved)]
-  for name, template in targets.items():
-    restored, data_state = ckpt.restore(template)
-    assert data_state == {"position": 7}, name
-    got = jax.tree.leaves(restored)
-    assert len(got) == len(want), name
-    for a, b, t in zip(want, got, jax.tree.leaves(template)):
-      np.testing.assert_array_equal(a, _host(b), err_msg=name)
-      assert b.sharding == t.sharding, name
+  template = _state(1, restored_stages, 0)  # other values, the target layout
+  restored, data_state = ckpt.restore(template)
   ckpt.close()
+  assert data_state == {"position": 7}
+  want, got = _plain(saved), _plain(restored)
+  assert sorted(got) == sorted(want)
+  for key, value in want.items():
+    np.testing.assert_array_equal(got[key], value, err_msg=key)
+  assert jax.tree.structure(restored) == jax.tree.structure(template)
+  for a, t in zip(jax.tree.leaves(restored), jax.tree.leaves(template)):
+    assert a.sharding == t.sharding and a.shape == t.shape and a.dtype == t.dtype
+  if restored_stages:  # every layer variable and moment on its own stage's devices
+    stacked = [x for p, x in jax.tree_util.tree_flatten_with_path(
+        checkpoint.to_nested_dict(restored))[0] if stage_storage.STACKED in jax.tree_util.keystr(p)]
+    assert stacked and all(x.sharding.spec[0] == "stage" for x in stacked)

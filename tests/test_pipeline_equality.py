@@ -13,7 +13,7 @@ from flax import nnx
 from k3jax.layers import moe_path
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
-from k3jax.parallel import layers, pipeline
+from k3jax.parallel import layers, pipeline, stage_storage
 from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.routing.config import RouterConfig
 from k3jax.sharding import rules
@@ -48,23 +48,30 @@ def _tokens():
 def _loss(model, tokens):
   logits, aux = model(tokens, deterministic=True)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.roll(tokens, -1, 1)).mean()
-  return ce + aux["aux_loss"]
+  return ce + aux["aux_loss"], aux
 
 
 @functools.cache
 def _reference(cfg: ModelConfig):
-  """(loss, {path: gradient}, the model's state) on one device; the state is initialised
-  once per config and reused by the pipelined model, whose variables are the same."""
-  graphdef, state = nnx.split(HybridLM(cfg, rngs=nnx.Rngs(0)))
-  loss, grads = _loss_and_grads(graphdef)(state, _tokens())
-  return float(loss), dict(nnx.to_flat_state(grads)), state
+  """(loss, {path: gradient}, aux, the model) on one device; the model is initialised once
+  per config, and the pipelined model stacks its values."""
+  model = HybridLM(cfg, rngs=nnx.Rngs(0))
+  loss, grads, aux = _loss_and_grads(nnx.graphdef(model))(nnx.state(model), _tokens())
+  return float(loss), dict(nnx.to_flat_state(grads)), aux, model
+
+
+def stacked_state(model: HybridLM, microbatches: int, stages: int):
+  """`model`'s values in the layout of `pipeline_parallelize(model, microbatches, stages)`;
+  `model` itself is left as it is."""
+  copy = nnx.merge(*nnx.split(model))
+  return nnx.state(pipeline_parallelize(copy, microbatches, stages))
 
 
 def _loss_and_grads(graphdef):
-  """jit of (state, tokens) -> (loss, parameter gradients)."""
+  """jit of (state, tokens) -> (loss, parameter gradients, the model's aux dict)."""
   def run(state, tokens):
-    loss, grads = nnx.value_and_grad(_loss)(nnx.merge(graphdef, state), tokens)
-    return loss, nnx.state(grads, nnx.Param)
+    (loss, aux), grads = nnx.value_and_grad(_loss, has_aux=True)(nnx.merge(graphdef, state), tokens)
+    return loss, nnx.state(grads, nnx.Param), aux
   return jax.jit(run, compiler_options=FAST_COMPILE)
 
 
@@ -86,22 +93,34 @@ def test_pipeline_equals_one_device(stages, microbatches, residual, experts, axe
   mesh_config = MeshConfig(stage=stages, **axes)
   n_devices = stages * np.prod(list(axes.values()))
   mesh = make_mesh(mesh_config, devices=jax.devices()[:n_devices])
-  loss_ref, grads_ref, state = _reference(cfg)
+  loss_ref, grads_ref, aux_ref, model = _reference(cfg)
   abstract = nnx.eval_shape(lambda: pipeline_parallelize(layers.parallelize(
-      HybridLM(cfg, rngs=nnx.Rngs(0), expert_parallel=expert_parallel)), microbatches))
+      HybridLM(cfg, rngs=nnx.Rngs(0), expert_parallel=expert_parallel)), microbatches, stages))
   graphdef = nnx.split(abstract)[0]
-  state = rules.shard_tree(state, mesh)
+  state = rules.shard_tree(stacked_state(model, microbatches, stages), mesh)
   tokens = jax.device_put(_tokens(), rules.batch_sharding(mesh))
 
   with jax.set_mesh(mesh):
-    loss, grads = _loss_and_grads(graphdef)(state, tokens)
+    loss, grads, aux = _loss_and_grads(graphdef)(state, tokens)
   # The pipeline ran (one stage program, traced once), and its MoE layers took their
   # expert-parallel path.
   assert calls["gpipe"] == 1
   assert calls["expert"] == (cfg.num_layers // stages if expert_parallel else 0)
 
   np.testing.assert_allclose(float(loss), loss_ref, rtol=TOL)
-  flat = nnx.to_flat_state(grads)
+  # Every layer's statistics, by its global index; means, fractions and mins over the
+  # microbatches equal the whole batch's (spreads such as max_vio are the microbatches').
+  assert sorted(aux) == sorted(aux_ref)
+  for key, value in aux.items():
+    if key.rsplit("/", 1)[-1] in ("aux_loss", "drop_fraction", "reassigned_fraction", "mean", "min"):
+      np.testing.assert_allclose(float(value), float(aux_ref[key]), rtol=TOL, atol=1e-7,
+                                 err_msg=key)
+    assert np.isfinite(float(value)), key
+  # The stacked layers' gradients stay on their stages' devices.
+  for path, var in nnx.to_flat_state(grads):
+    if path[0] == stage_storage.STACKED:
+      assert var.get_value().sharding.spec[0] == "stage", path
+  flat = stage_storage.plain_items(nnx.to_flat_state(grads))
   assert len(flat) == len(grads_ref)
-  for path, var in flat:
-    assert_close(var.get_value(), grads_ref[path].get_value(), TOL, f"d{path}")
+  for path, grad in flat:
+    assert_close(grad, grads_ref[path].get_value(), TOL, f"d{path}")

@@ -27,6 +27,11 @@ def _losses(workdir):
           for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"), "train")]
 
 
+def _gate_stats(workdir):
+  return [{k: v for k, v in r.items() if k.startswith("gate/")}
+          for r in read_jsonl(os.path.join(workdir, "metrics.jsonl"), "train")]
+
+
 def test_pipelined_trainer_matches_one_device_and_resumes_across_layouts(tmp_path):
   ref_dir = str(tmp_path / "no_pipeline")
   ref = train_and_evaluate(_config(stages=1), ref_dir)
@@ -49,6 +54,13 @@ def test_pipelined_trainer_matches_one_device_and_resumes_across_layouts(tmp_pat
 
   got = _losses(moved)
   assert [s for s, *_ in got] == [1, 2, 3, 4]
+  # Each KDA layer's gate statistics, reported under the pipeline too (mean and min over the
+  # microbatches, equal to the whole batch's).
+  for step, (stats, want) in enumerate(zip(_gate_stats(moved), _gate_stats(ref_dir)), 1):
+    assert sorted(stats) == sorted(want) == ["gate/0/mean", "gate/0/min", "gate/1/mean",
+                                             "gate/1/min"], step
+    for key, value in want.items():
+      np.testing.assert_allclose(stats[key], value, rtol=RTOL["grad_norm"], err_msg=f"{key} {step}")
   for (s, loss, gn), (_, want_loss, want_gn) in zip(got, ref_losses):
     np.testing.assert_allclose(loss, want_loss, rtol=RTOL["loss"], err_msg=f"loss at step {s}")
     np.testing.assert_allclose(gn, want_gn, rtol=RTOL["grad_norm"], err_msg=f"grad norm at {s}")

@@ -81,6 +81,18 @@ def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
                              config.head_dim, dtype=dtype, param_dtype=pdt, rngs=rngs)
 
 
+def mixer_stats(i: int, kind: str, stats: dict) -> dict:
+  """aux entries of layer i's mixer: `gate/<i>/mean`, `gate/<i>/min` of a KDA layer's g."""
+  if kind != "K" or not stats:
+    return {}
+  return {f"gate/{i}/mean": stats["g_mean"], f"gate/{i}/min": stats["g_min"]}
+
+
+def ffn_stats(i: int, ffn_aux: dict) -> dict:
+  """aux entries of layer i's FFN: `router/<i>/<name>` for each scalar (per-expert load stays out)."""
+  return {f"router/{i}/{name}": value for name, value in ffn_aux.items() if jnp.ndim(value) == 0}
+
+
 class DecoderLayer(nnx.Module):
   """One layer: a token mixer and an FFN, each with its own pre-norm."""
 
@@ -127,6 +139,10 @@ class HybridLM(nnx.Module):
 
   # -- shared body -----------------------------------------------------------
 
+  def _layer_modules(self):
+    """The L decoder layers in order (a pipelined model builds them from its stacks)."""
+    return self.layers
+
   def _logits(self, h_btd):
     h = self.final_norm(h_btd).astype(self.config.compute_dtype)
     w = (self.embed[...].T if self.config.tie_embeddings else self.head[...])
@@ -154,7 +170,7 @@ class HybridLM(nnx.Module):
         trace["max_stored"] = max(trace.get("max_stored", 0), state.num_stored)
         trace["max_keys"] = max(trace.get("max_keys", 0), len(state.keys))
 
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self._layer_modules()):
       stream = self.residual.read(state, 2 * i)
       record("stream", stream)
       h = layer.mixer_norm(stream)
@@ -162,19 +178,14 @@ class HybridLM(nnx.Module):
       out = _shard_btd(out)
       record("sublayer_out", out)
       caches.append(cache)
-      if layer.kind == "K" and stats:
-        aux[f"gate/{i}/mean"] = stats["g_mean"]
-        aux[f"gate/{i}/min"] = stats["g_min"]
+      aux.update(mixer_stats(i, layer.kind, stats))
       state = self.residual.write(state, 2 * i, out)
       h = layer.ffn_norm(self.residual.read(state, 2 * i + 1))
       out, ffn_aux = layer.ffn(h, deterministic=deterministic)
       out = _shard_btd(out)
       record("sublayer_out", out)
-      for name, value in ffn_aux.items():
-        if name == "aux_loss":
-          aux_loss = aux_loss + jnp.asarray(value, jnp.float32)
-        if jnp.ndim(value) == 0:  # scalars only (per-expert load stays out)
-          aux[f"router/{i}/{name}"] = value
+      aux_loss = aux_loss + jnp.asarray(ffn_aux.get("aux_loss", 0.0), jnp.float32)
+      aux.update(ffn_stats(i, ffn_aux))
       state = self.residual.write(state, 2 * i + 1, out)
     aux["aux_loss"] = aux_loss
     final = self.residual.finish(state)

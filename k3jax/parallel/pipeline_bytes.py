@@ -65,7 +65,7 @@ def measured_boundary_bytes(config: ModelConfig, layout: PipelineLayout, *, batc
   mesh = make_mesh(MeshConfig(stage=layout.stages, data=1),
                    devices=jax.devices()[:layout.stages])
   abstract = nnx.eval_shape(lambda: pipeline_parallelize(HybridLM(config, rngs=nnx.Rngs(0)),
-                                                          layout.microbatches))
+                                                          layout.microbatches, layout.stages))
   graphdef, state = nnx.split(abstract)
 
   def forward(state, tokens_bt):

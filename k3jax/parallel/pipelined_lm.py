@@ -1,20 +1,27 @@
 """HybridLM with its layer stack pipelined over the mesh's stage axis.
 
-    model = pipeline_parallelize(HybridLM(config, rngs=rngs), microbatches=8)
-    with jax.set_mesh(mesh):                  # a mesh whose stage axis is S > 1
+    model = pipeline_parallelize(HybridLM(config, rngs=rngs), microbatches=8, stages=2)
+    with jax.set_mesh(mesh):                  # a mesh whose stage axis is 2
       logits_btv, aux = model(tokens_bt)
 
-`pipeline_parallelize` swaps the model's class for `PipelinedLM` in place
-(same variables, so states and checkpoints are those of the plain model).
-Under a mesh whose stage axis is > 1, `__call__` embeds the batch, cuts it
-into microbatches, runs the layers on the GPipe schedule (`pipeline.gpipe`,
-stage s holding layers [s L/S, (s + 1) L/S)) and applies the head; without
-one it is the plain model. The embedding and the head run on every stage's
-devices. `features`, `trace`, `prefill` and `decode` run unpipelined.
+`pipeline_parallelize` makes the model a `PipelinedLM` in place and stores its
+layers stacked per stage (`stage_storage`): local layer j holds layers j,
+L/S + j, ... with a leading dim S that the sharding rules put on the stage
+axis, so each stage's devices hold only that stage's layers and their
+optimizer moments. The other variables (embedding, head, residual queries)
+are unchanged. Checkpoints move between stage counts and to the plain model
+(`k3jax.train.checkpoint`).
 
-Per-layer statistics (`router/...`, `gate/...`) are not returned under a
-pipeline; `aux_loss` is the mean over microbatches of the summed layer losses.
-Routers that look at the whole batch (quantile thresholds, capacities, the
+Under a mesh whose stage axis is S, `__call__` embeds the batch, cuts it
+into microbatches, runs the layers on the GPipe schedule (`pipeline.gpipe`,
+stage s holding layers [s L/S, (s + 1) L/S)) and applies the head. Under a
+mesh without stages (or none), it and `features`, `trace`, `prefill` and
+`decode` run the layers one after the other, each read from its stack. The
+embedding and the head run on every stage's devices.
+
+Under a pipeline, `aux_loss` is the mean over microbatches of the summed layer
+losses, and the per-layer statistics (`router/...`, `gate/...`) are reduced
+over microbatches (`_layer_stats`: the mean, the min for a `min`). Routers that look at the whole batch (quantile thresholds, capacities, the
 auxiliary loss) see one microbatch at a time, as under gradient accumulation.
 """
 from __future__ import annotations
@@ -23,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.models.lm import HybridLM
-from k3jax.parallel import pipeline
+from k3jax.models.lm import HybridLM, ffn_stats, mixer_stats
+from k3jax.parallel import pipeline, stage_storage
 from k3jax.parallel.pipeline_layout import PipelineLayout
 from k3jax.parallel.pipeline_residual import StageResidual
 from k3jax.sharding import mesh as mesh_lib
@@ -38,30 +45,57 @@ def _shard(x, axes):
 
 
 class PipelinedLM(HybridLM):
-  """HybridLM whose `__call__` pipelines the layers when the mesh has stages.
+  """HybridLM whose layers are stored stacked per stage and pipelined under a mesh with stages.
 
-  `pipeline_microbatches` (set by `pipeline_parallelize`) is M; the stage count
-  S is the current mesh's stage axis.
+  `pipeline_stages` (S) and `pipeline_microbatches` (M) are set by
+  `pipeline_parallelize`; `stage_layers` holds the L / S stacked layers.
   """
 
+  pipeline_stages: int = 1
   pipeline_microbatches: int = 1
+
+  def _layer_modules(self):
+    """The L layers in order, each read from its stack (slice s of stack j is layer s L/S + j)."""
+    per_stage = len(self.stage_layers)
+    layers = [None] * (per_stage * self.pipeline_stages)
+    for j, stacked in enumerate(self.stage_layers):
+      graphdef, state = nnx.split(stacked)
+      for s in range(self.pipeline_stages):
+        layers[s * per_stage + j] = nnx.merge(graphdef, stage_storage.stage_slice(state, s))
+    return layers
 
   def __call__(self, tokens_bt: jax.Array, *, deterministic: bool = False):
     """tokens_bt: [B, T] int -> (logits [B, T, V] float32, aux dict)."""
     stages = mesh_lib.axis_size(mesh_lib.current_mesh(), mesh_lib.STAGE)
     if stages == 1:
       return super().__call__(tokens_bt, deterministic=deterministic)
+    if stages != self.pipeline_stages:
+      raise ValueError(
+          f"the model stores its layers for {self.pipeline_stages} pipeline stages and the mesh "
+          f"has {stages}: build it with pipeline_parallelize(..., stages={stages}) (a checkpoint "
+          "restores under any stage count)")
     layout = PipelineLayout(stages=stages, microbatches=self.pipeline_microbatches)
-    final_btd, aux_loss = pipelined_layers(self, tokens_bt, layout, deterministic=deterministic)
-    return self._logits(final_btd), {"aux_loss": aux_loss}
+    final_btd, aux = pipelined_layers(self, tokens_bt, layout, deterministic=deterministic)
+    return self._logits(final_btd), aux
 
 
-def pipeline_parallelize(model: HybridLM, microbatches: int) -> PipelinedLM:
-  """Makes `model` a `PipelinedLM` with `microbatches` microbatches, in place; returns it."""
-  PipelineLayout(stages=1, microbatches=microbatches)  # checks the count
-  if not isinstance(model, HybridLM):
-    raise ValueError(f"pipeline_parallelize needs a HybridLM, got {type(model).__name__}")
+def pipeline_parallelize(model: HybridLM, microbatches: int, stages: int) -> PipelinedLM:
+  """Makes `model` a `PipelinedLM` of `stages` stages and `microbatches` microbatches, in
+  place, its layers stacked per stage (same values); returns it.
+
+  Raises:
+    ValueError: the counts are not positive ints, or the model's layers do not
+      split into `stages` equal stages (`PipelineLayout.check_model` names the fix).
+  """
+  layout = PipelineLayout(stages=stages, microbatches=microbatches)
+  if not isinstance(model, HybridLM) or isinstance(model, PipelinedLM):
+    raise ValueError(f"pipeline_parallelize needs a plain HybridLM, got {type(model).__name__}")
+  layout.check_model(model.config)
+  stacked = stage_storage.stack_layers(list(model.layers), stages)
+  del model.layers
   model.__class__ = PipelinedLM
+  model.stage_layers = stacked
+  model.pipeline_stages = stages
   model.pipeline_microbatches = microbatches
   return model
 
@@ -72,23 +106,8 @@ def _stage_residual(config, layout: PipelineLayout) -> StageResidual:
                        blocks_per_stage=layout.blocks_per_stage(config))
 
 
-def _stacked_layers(model: HybridLM, layout: PipelineLayout):
-  """Per local layer j: (its graphdef, its state stacked over stages [S, ...])."""
-  per_stage = layout.layers_per_stage(model.config)
-  graphdefs, states = [], []
-  for j in range(per_stage):
-    parts = [nnx.split(model.layers[s * per_stage + j]) for s in range(layout.stages)]
-    for s, (graphdef, _) in enumerate(parts):
-      if graphdef != parts[0][0]:
-        raise ValueError(f"layer {s * per_stage + j} differs in structure from layer {j}: "
-                         "every pipeline stage must hold the same layers")
-    graphdefs.append(parts[0][0])
-    states.append(jax.tree.map(lambda *xs: jnp.stack(xs), *[state for _, state in parts]))
-  return graphdefs, states
-
-
 def pipelined_layers(model: HybridLM, tokens_bt: jax.Array, layout: PipelineLayout, *,
-                     deterministic: bool) -> tuple[jax.Array, jax.Array]:
+                     deterministic: bool) -> tuple[jax.Array, dict]:
   """The embedding and the layers on the pipeline schedule.
 
   Args:
@@ -98,8 +117,9 @@ def pipelined_layers(model: HybridLM, tokens_bt: jax.Array, layout: PipelineLayo
     deterministic: passed to the FFNs.
 
   Returns:
-    (the final stream [B, T, D] before the head, the mean over microbatches
-    of the layers' summed aux losses).
+    (the final stream [B, T, D] before the head, HybridLM's aux dict: the mean
+    over microbatches of the layers' summed aux losses, and the per-layer
+    `router/...` and `gate/...` statistics over microbatches, `_layer_stats`).
   """
   cfg = model.config
   layout.check_model(cfg)
@@ -114,8 +134,8 @@ def pipelined_layers(model: HybridLM, tokens_bt: jax.Array, layout: PipelineLayo
   x_mbtd = x_btd.reshape(batch // n_micro, n_micro, length, -1).swapaxes(0, 1)
   x_mbtd = _shard(x_mbtd, (None, *_BTD))
   residual = _stage_residual(cfg, layout)
-  graphdefs, layer_states = _stacked_layers(model, layout)
-  stacked, shared = {"layers": layer_states}, {}
+  graphdefs, layer_states = zip(*(nnx.split(stack) for stack in model.stage_layers))
+  stacked, shared = {"layers": list(layer_states)}, {}
   if residual.mixes:
     # Row l of the padded table is sublayer l's query (row 0: sublayer 0, which
     # has one source and no query); row 2L is the final read's.
@@ -124,27 +144,49 @@ def pipelined_layers(model: HybridLM, tokens_bt: jax.Array, layout: PipelineLayo
     stacked["queries"] = padded[:-1].reshape(layout.stages, -1, queries.shape[-1])
     shared["finish"] = padded[-1]
 
-  def stage_fn(params, shared, buf_in, x_btd, stage):
+  def stage_fn(block, shared, buf_in, x_btd, stage):
     del x_btd  # stage 0's buffer is built by `start`
     stream = residual.enter(buf_in, stage)
-    aux = jnp.zeros((), jnp.float32)
+    # Keyed by the local layer j; `_layer_stats` renames them by the global layer.
+    stats = {"aux_loss": jnp.zeros((), jnp.float32)}
     for j, graphdef in enumerate(graphdefs):
-      layer = nnx.merge(graphdef, params["layers"][j])
+      layer = nnx.merge(graphdef, stage_storage.stage_slice(block["layers"][j], 0))
       for sub in (0, 1):
         local = 2 * j + sub
-        query = params["queries"][local] if residual.mixes else None
+        query = block["queries"][0, local] if residual.mixes else None
         stream_btd = residual.read(stream, query)
         if sub == 0:
-          out, _ = layer.mixer(layer.mixer_norm(stream_btd))
+          out, mixer_aux = layer.mixer(layer.mixer_norm(stream_btd))
+          stats.update(mixer_stats(j, layer.kind, mixer_aux))
         else:
           out, ffn_aux = layer.ffn(layer.ffn_norm(stream_btd), deterministic=deterministic)
-          aux = aux + jnp.asarray(ffn_aux.get("aux_loss", 0.0), jnp.float32)
+          stats["aux_loss"] += jnp.asarray(ffn_aux.get("aux_loss", 0.0), jnp.float32)
+          stats.update(ffn_stats(j, ffn_aux))
         stream = residual.write(stream, local, _shard(out, _BTD))
     final = residual.finish(stream, shared.get("finish"))
-    return residual.leave(stream), final, aux
+    return residual.leave(stream), final, stats
 
   mesh = mesh_lib.current_mesh()
-  final_mbtd, aux = pipeline.gpipe(stage_fn, stacked, shared, x_mbtd, start=residual.start,
-                                   mesh=mesh)
+  final_mbtd, stats_sm = pipeline.gpipe(stage_fn, stacked, shared, x_mbtd,
+                                        start=residual.start, mesh=mesh)
   final_btd = final_mbtd.swapaxes(0, 1).reshape(batch, length, -1)
-  return _shard(final_btd, _BTD), aux / n_micro
+  return _shard(final_btd, _BTD), _layer_stats(stats_sm, len(graphdefs))
+
+
+def _layer_stats(stats_sm: dict, per_stage: int) -> dict:
+  """The [S, M] statistics of `gpipe` as HybridLM's aux: per global layer, over microbatches.
+
+  `aux_loss` is the sum over stages, mean over microbatches. A per-layer entry
+  `<kind>/<j>/<name>` of stage s becomes `<kind>/<s L/S + j>/<name>`: the min
+  over microbatches for a `min`, else the mean (exact for the means and
+  fractions; a spread such as `max_vio` is the mean of the microbatches').
+  """
+  aux = {"aux_loss": jnp.mean(jnp.sum(stats_sm["aux_loss"], axis=0))}
+  for key, value_sm in stats_sm.items():
+    if key == "aux_loss":
+      continue
+    kind, j, name = key.split("/", 2)
+    reduced_s = jnp.min(value_sm, axis=1) if name == "min" else jnp.mean(value_sm, axis=1)
+    for s in range(value_sm.shape[0]):
+      aux[f"{kind}/{s * per_stage + int(j)}/{name}"] = reduced_s[s]
+  return aux

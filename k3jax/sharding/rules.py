@@ -11,6 +11,10 @@ one mesh axis, a tuple of mesh axes, or None (replicated):
 Mesh axes that are absent or of size 1 are dropped from a spec, a mesh axis
 already used by an earlier dimension of the same array is not used again,
 and a dimension that its mesh axes do not divide is an error.
+
+One name has no rule: "stage", the leading dim of the pipeline-stacked layer
+parameters (`k3jax.parallel.stage_storage`), always maps to the mesh's stage
+axis, and no rule may name it or map onto that axis.
 """
 from __future__ import annotations
 
@@ -43,6 +47,9 @@ DEFAULT_RULES: Rules = (
     ("kv", None),
 )
 
+
+# The logical name that maps to the stage mesh axis without a rule (see the docstring).
+STAGE_NAME = mesh_lib.STAGE
 
 _ACTIVE = threading.local()
 
@@ -82,6 +89,9 @@ def make_rules(rules: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = Non
     name, target = pair
     if name in seen:
       raise ValueError(f"logical axis {name!r} has two rules")
+    if name == STAGE_NAME:
+      raise ValueError(f"logical axis {STAGE_NAME!r} takes no rule: it is the leading dim of "
+                       "pipeline-stacked layers and always maps to the stage mesh axis")
     seen.add(name)
     if target is not None and not isinstance(target, str):
       target = tuple(target)
@@ -115,11 +125,12 @@ def logical_to_spec(axes: Sequence[str | None], mesh: Mesh, rules: Rules = DEFAU
   used: set[str] = set()
   spec = []
   for dim, name in enumerate(axes):
-    if name is not None and name not in table:
+    if name is not None and name != STAGE_NAME and name not in table:
       raise ValueError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
-    target = None if name is None else table[name]
+    target = None if name is None else mesh_lib.STAGE if name == STAGE_NAME else table[name]
     targets = () if target is None else (target,) if isinstance(target, str) else target
-    keep = tuple(a for a in targets if mesh.shape[a] > 1 and a not in used)
+    keep = tuple(a for a in targets
+                 if a in mesh.axis_names and mesh.shape[a] > 1 and a not in used)
     if shape is not None and keep:
       size = 1
       for a in keep:

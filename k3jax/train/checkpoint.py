@@ -4,6 +4,12 @@ Every saved step directory holds `k3jax_checksums.json`: the size and SHA-256 of
 each file orbax wrote. Restoring verifies it first, so flipped, truncated or
 missing bytes are caught before any value reaches the model; the newest
 intact checkpoint is restored and every skipped step is logged with its reason.
+
+A state is saved in its own layout. A pipelined model stores its layers
+stacked per stage (`k3jax.parallel.stage_storage`); restoring such a
+checkpoint under another stage count, or into the plain model (and the
+reverse), reads it into host memory, moves the layers to the template's
+layout there, and places each array on the template's sharding.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from k3jax.parallel import stage_storage
 
 log = logging.getLogger(__name__)
 _STATE, _DATA = "state", "data"
@@ -148,6 +156,19 @@ def verify_checksums(step_dir: str) -> bool:
   return True
 
 
+def _place(host: dict, abstract: dict) -> dict:
+  """Host arrays onto the shardings of `abstract` (ShapeDtypeStructs of the same tree)."""
+  def one(x, a):
+    x = np.asarray(x)
+    if x.shape != a.shape:
+      raise ValueError(f"saved shape {x.shape} where the template has {a.shape}")
+    x = x.astype(a.dtype)
+    if a.sharding is None:
+      return jnp.asarray(x)
+    return jax.make_array_from_callback(a.shape, a.sharding, lambda index: x[index])
+  return jax.tree.map(one, host, abstract)
+
+
 @jax.jit
 def _all_finite(leaves: list) -> jax.Array:
   return jnp.stack([jnp.isfinite(x).all() for x in leaves])
@@ -211,7 +232,10 @@ class Checkpointer:
     if async_save:  # checksums go into the step's directory before orbax commits it
       options["async_options"] = ocp.AsyncOptions(post_finalization_callback=self._seal_pending)
     self.manager = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(**options), item_names=(_STATE, _DATA))
+        directory, options=ocp.CheckpointManagerOptions(**options),
+        # Handlers named up front, so a step's saved tree can be read before a restore.
+        item_handlers={_STATE: ocp.StandardCheckpointHandler(),
+                       _DATA: ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     """The newest saved step, or None."""
@@ -257,9 +281,19 @@ class Checkpointer:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         to_nested_dict(template))
     try:
+      saved = getattr(self.manager.item_metadata(step)[_STATE], "tree", None)
+      if saved is None:
+        raise ValueError("no metadata of the saved tree")
+      stages = stage_storage.stage_count(abstract)
+      moved = stage_storage.stage_count(saved) != stages
+      # Another layer layout: read on the host, move the layers there, then place.
+      target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved) if moved else abstract
       restored = self.manager.restore(step, args=ocp.args.Composite(
-          **{_STATE: ocp.args.StandardRestore(abstract), _DATA: ocp.args.JsonRestore()}))
-      state = from_nested_dict(template, restored[_STATE])
+          **{_STATE: ocp.args.StandardRestore(target), _DATA: ocp.args.JsonRestore()}))
+      nested = restored[_STATE]
+      if moved:
+        nested = _place(stage_storage.convert_layout(nested, stages), abstract)
+      state = from_nested_dict(template, nested)
       data_state = restored[_DATA]
       if not isinstance(data_state, dict):
         raise ValueError(f"the data item is {type(data_state).__name__}, not a dict")

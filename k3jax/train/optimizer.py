@@ -5,6 +5,9 @@ from typing import Any
 
 import jax
 import optax
+from flax import nnx
+
+from k3jax.sharding.rules import STAGE_NAME
 
 
 def make_schedule(optim_cfg: Any, num_steps: int) -> optax.Schedule:
@@ -16,9 +19,18 @@ def make_schedule(optim_cfg: Any, num_steps: int) -> optax.Schedule:
       decay_steps=max(num_steps, warmup + 1), end_value=peak * optim_cfg.end_lr_fraction)
 
 
+def _is_matrix(p: Any) -> Any:
+  if not isinstance(p, nnx.Variable):
+    return p.ndim >= 2
+  # A pipeline stacks each layer's variables over a leading "stage" dim, which is no matrix dim.
+  stacked = tuple(p.get_metadata().get("out_sharding") or ())[:1] == (STAGE_NAME,)
+  return p.replace(p.get_value().ndim - stacked >= 2)
+
+
 def decay_mask(params: Any) -> Any:
-  """Weight decay only on matrices (ndim >= 2): norms, biases, gates' scalars and queries are exempt."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Weight decay only on matrices (ndim >= 2, a pipeline's stage dim not counted): norms,
+  biases, gates' scalars and queries are exempt."""
+  return jax.tree.map(_is_matrix, params, is_leaf=lambda p: isinstance(p, nnx.Variable))
 
 
 def make_optimizer(optim_cfg: Any, num_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:

@@ -34,11 +34,11 @@ def parallel_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module]
   return lambda rngs: layers.parallelize(model_fn(rngs))
 
 
-def pipelined_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int
-                       ) -> Callable[[nnx.Rngs], nnx.Module]:
-  """`model_fn` whose layers run on the pipeline schedule under a mesh with stages (same
-  variables; `k3jax.parallel.pipelined_lm`)."""
-  return lambda rngs: pipeline_parallelize(model_fn(rngs), microbatches)
+def pipelined_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int,
+                       stages: int) -> Callable[[nnx.Rngs], nnx.Module]:
+  """`model_fn` whose layers are stored per stage and run on the pipeline schedule under a
+  mesh with `stages` stages (`k3jax.parallel.pipelined_lm`)."""
+  return lambda rngs: pipeline_parallelize(model_fn(rngs), microbatches, stages)
 
 
 def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],

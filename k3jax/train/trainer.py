@@ -121,9 +121,9 @@ def _splits_kernel_calls(config: Any, sizes: dict) -> bool:
   return config.model.kda_implementation == "pallas" and batch_devices > 1
 
 
-def _pipelined(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int):
+def _pipelined(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int, stages: int):
   """`model_fn` on the pipeline schedule; a model that is not a HybridLM is a config error."""
-  pipelined = sharded_state.pipelined_model_fn(model_fn, microbatches)
+  pipelined = sharded_state.pipelined_model_fn(model_fn, microbatches, stages)
 
   def build(rngs):
     try:
@@ -315,11 +315,12 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
-  sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
+  # A pipeline stores each stage's layers on that stage's devices: a sharded state.
+  sharded = sizes["stage"] > 1 or _needs_sharded_state(abstract, mesh, pconf, sizes)
   if sharded or _splits_kernel_calls(config, sizes):
     model_fn = sharded_state.parallel_model_fn(model_fn)
   if sizes["stage"] > 1:
-    model_fn = _pipelined(model_fn, pconf.microbatches)
+    model_fn = _pipelined(model_fn, pconf.microbatches, sizes["stage"])
   if model_fn is not run_model_fn:
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
@@ -371,7 +372,8 @@ def _initial_state(run: _Build, ckpt: Checkpointer, restored):
   if not run.sharded:  # batch-only mesh: the plain one-device initialisation, replicated
     replicated = NamedSharding(run.mesh, P())
     return create_train_state(run.model_fn, run.tx, config.seed, sharding=replicated)[1]
-  if run.sizes["fsdp"] > 1:  # ZeRO-3: initialised in its sharded layout, never as a full replica
+  if run.sizes["fsdp"] > 1 or run.sizes["stage"] > 1:
+    # ZeRO-3 or stage-local layers: initialised in the sharded layout, never as a full replica.
     return sharded_state.create_sharded_train_state(run.model_fn, run.tx, config.seed, run.mesh,
                                                     run.pconf.rules)[1]
   # No fsdp: each device holds a full replica of all but the experts anyway, so the
