@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.models.lm import HybridLM
-from k3jax.parallel import stage_storage
+from k3jax.parallel import pipeline_bytes, stage_storage
 from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -55,6 +55,10 @@ def test_each_device_holds_only_its_stage_layers_and_moments():
     else:
       other += x.nbytes
   assert layer > other  # the layers (and their two moments) are most of the state
+  # The step counter and the RNG key are replicated; the shape-only count leaves them out.
+  predicted = pipeline_bytes.state_bytes_per_device(CFG, stages, optax.adamw(1e-3))
+  assert predicted["layers"] == layer // stages
+  assert predicted["other"] == other - placed.step.nbytes - placed.rng.nbytes
   for device in mesh.devices.flat:
     held = sum(s.data.nbytes for x in jax.tree.leaves(placed) for s in x.addressable_shards
                if s.device == device)

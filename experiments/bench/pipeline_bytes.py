@@ -1,7 +1,10 @@
-"""Bytes one pipeline stage sends the next per microbatch: measured from the compiled
-forward's collective-permutes, beside the formula (docs/sharding.md, "Pipeline parallelism").
+"""Bytes of a pipeline (docs/sharding.md, "Pipeline parallelism"): what one stage sends the
+next per microbatch, measured from the compiled forward's collective-permutes beside the
+formula; and the parameters and optimizer state each device stores, per stage count.
 
     PYTHONPATH=. python experiments/bench/pipeline_bytes.py --stages=2,4
+    PYTHONPATH=. python experiments/bench/pipeline_bytes.py --tables=state --stages=1,2,4 \
+        --state_configs=configs/gpu_150m.py,configs/gpu_1b.py
 
 Compiles only (nothing runs), so a CPU host measures any size, on 8 CPU devices.
 """
@@ -12,8 +15,16 @@ import jax
 from k3jax.models.config import ModelConfig
 from k3jax.parallel import pipeline_bytes
 from k3jax.parallel.pipeline_layout import PipelineLayout
+from k3jax.train.config_files import load_config_file
+from k3jax.train.config_schema import model_config_from
+from k3jax.train.optimizer import make_optimizer
 
 FLAGS = flags.FLAGS
+flags.DEFINE_list("tables", ["boundary"], "tables to print: boundary (bytes crossing a stage "
+                  "boundary), state (parameter and optimizer bytes per device)")
+flags.DEFINE_list("state_configs", ["configs/gpu_150m.py", "configs/gpu_1b.py"],
+                  "trainer configs of the state table (first_layer_dense off, so that every "
+                  "stage holds the same layer kinds)")
 flags.DEFINE_list("stages", ["2", "4"], "stage counts")
 flags.DEFINE_integer("num_layers", 8, "layers")
 flags.DEFINE_string("layer_pattern", "KA", "mixer kinds, repeated")
@@ -37,9 +48,38 @@ def _config(residual: str, block: int) -> ModelConfig:
                      residual=residual, attnres_block_size=block, dtype=FLAGS.dtype)
 
 
+def state_table(stage_counts: list[int]) -> None:
+  """Parameter + AdamW state bytes one device stores, per config and stage count."""
+  print("| config | model | S | layers GiB / device | rest MiB / device | total GiB / device "
+        "| vs S = 1 |")
+  print("|---|---|---|---|---|---|---|")
+  for path in FLAGS.state_configs:
+    config = load_config_file(path)
+    config.model.first_layer_dense = False
+    model_cfg = model_config_from(config.model)
+    tx, _ = make_optimizer(config.optim, config.num_steps)
+    base = None
+    for stages in stage_counts:
+      try:
+        PipelineLayout(stages=stages, microbatches=1).check_model(model_cfg)
+      except ValueError as e:
+        print(f"| {path} | | {stages} | refused | | | {str(e).split(';')[0]} |")
+        continue
+      got = pipeline_bytes.state_bytes_per_device(model_cfg, stages, tx)
+      base = base or (got["total"] if stages == 1 else None)
+      ratio = f"{got['total'] / base:.2f}x" if base else ""
+      print(f"| {path} | {model_cfg.num_layers} layers, d {model_cfg.d_model} | {stages} | "
+            f"{got['layers'] / 2**30:.2f} | {got['other'] / 2**20:.1f} | "
+            f"{got['total'] / 2**30:.2f} | {ratio} |")
+
+
 def main(argv):
   del argv
   stage_counts = [int(s) for s in FLAGS.stages]
+  if "state" in FLAGS.tables:
+    state_table(stage_counts)
+  if "boundary" not in FLAGS.tables:
+    return
   mb_tokens = FLAGS.microbatch * FLAGS.seq_len
   tensor = mb_tokens * FLAGS.d_model * (2 if FLAGS.dtype == "bfloat16" else 4)
   print(f"microbatch {FLAGS.microbatch} x {FLAGS.seq_len} tokens, d_model {FLAGS.d_model}, "

@@ -1,8 +1,9 @@
-"""Bytes that cross a pipeline stage boundary: predicted from the layout, measured from the
-compiled program.
+"""Bytes of a pipeline: what crosses a stage boundary (predicted from the layout, measured
+from the compiled program) and what each device stores.
 
     predicted_boundary_bytes(config, layout, microbatch_tokens)
     measured_boundary_bytes(config, layout, batch=B, seq_len=T)   # compiles the forward
+    state_bytes_per_device(config, stages, tx)                    # from the shapes alone
 
 The prediction is `PipelineLayout.boundary_slots` tensors of one microbatch's
 [mb, T, D] in the compute dtype. The measurement compiles the pipelined forward
@@ -26,6 +27,8 @@ from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
 from k3jax.parallel.pipeline_layout import PipelineLayout
 from k3jax.parallel.pipelined_lm import pipeline_parallelize
+from k3jax.parallel.stage_storage import STACKED
+from k3jax.sharding import rules as rules_lib
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 
 # `%name = f32[2,4,16]{...} collective-permute(...)`, or a start op whose result is a
@@ -75,3 +78,28 @@ def measured_boundary_bytes(config: ModelConfig, layout: PipelineLayout, *, batc
   with jax.set_mesh(mesh):
     text = jax.jit(forward).lower(state, tokens).compile().as_text()
   return sum(size for _, _, size in collective_permute_operands(text))
+
+
+def state_bytes_per_device(config: ModelConfig, stages: int, tx, *,
+                           rules: rules_lib.Rules = rules_lib.DEFAULT_RULES) -> dict[str, int]:
+  """Bytes of the parameters and the optimizer state one device stores under `stages` stages.
+
+  From the shapes and the sharding rules alone, on a mesh of `stages` devices
+  (stage only; 1 is the plain model). Returns {"layers": the decoder layers'
+  part, "other": the embedding, head, norms and queries, "total"}.
+  """
+  mesh = make_mesh(MeshConfig(stage=stages, data=1), devices=jax.devices()[:stages])
+
+  def build():
+    model = HybridLM(config, rngs=nnx.Rngs(0))
+    return pipeline_parallelize(model, 1, stages) if stages > 1 else model
+
+  params = nnx.state(nnx.eval_shape(build), nnx.Param)
+  tree = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
+  shardings = jax.tree.leaves(rules_lib.tree_shardings(tree, mesh, rules))
+  out = {"layers": 0, "other": 0}
+  for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(tree)[0], shardings):
+    part = "layers" if any(getattr(p, "key", None) in ("layers", STACKED) for p in path) else "other"
+    out[part] += int(np.prod(sharding.shard_shape(leaf.shape), dtype=np.int64)) * leaf.dtype.itemsize
+  out["total"] = out["layers"] + out["other"]
+  return out
