@@ -1,12 +1,13 @@
 """The GPipe schedule over the mesh's stage axis: `shard_map` + `ppermute`, scanned over ticks.
 
-    final_mbtd, aux = gpipe(stage_fn, stacked, shared, x_mbtd, start=..., mesh=mesh)
+    final_mbtd, stats_sm = gpipe(stage_fn, stacked, shared, x_mbtd, start=..., mesh=mesh)
 
 Stage s holds block s of every leaf of `stacked` (leading dim S, sharded over
 `stage`; the block keeps a leading dim of 1). At tick t = 0 .. M + S - 2 every
 stage runs `stage_fn` once: stage 0 on microbatch t (while t < M), stage s > 0
-on what stage s - 1 sent at tick t - 1. The boundary buffers then move one stage on with one `ppermute`, so
-microbatch m leaves the last stage at tick m + S - 1. A stage idles (runs on
+on what stage s - 1 sent at tick t - 1. The boundary buffers then move one
+stage on with one `ppermute`, so microbatch m leaves the last stage at tick
+m + S - 1. A stage idles (runs on
 zeros, its results masked) for S - 1 of the M + S - 1 ticks: the bubble
 fraction (S - 1) / (M + S - 1).
 

@@ -5,8 +5,8 @@
 
 Under a pipeline of S stages, local layer j of the model holds layers
 j, L/S + j, ..., (S - 1) L/S + j stacked along a leading dim of size S. That
-dim carries the logical axis name "stage" (`STAGE_AXIS`), which the sharding
-rules map onto the mesh's stage axis, so each device stores only its own
+dim carries the logical axis name "stage" (`rules.STAGE_NAME`), which the
+sharding rules map onto the mesh's stage axis, so each device stores only its own
 stage's layers, and the optimizer moments follow them: 1/S of the layer
 memory per device. The pipeline reads slice s on stage s without a copy.
 
@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.sharding import mesh as mesh_lib
+from k3jax.sharding.rules import STAGE_NAME  # the stacked leading dim's logical name
 
-STAGE_AXIS = mesh_lib.STAGE  # logical name of the stacked leading dim (rules.py maps it)
 STACKED = "stage_layers"     # the pipelined model's attribute (and state key) for them
 PLAIN = "layers"             # the plain model's
 
@@ -42,7 +41,7 @@ def _axes(var: nnx.Variable, ndim: int) -> tuple:
 
 def _stacked_var(*parts: nnx.Variable) -> nnx.Variable:
   value = jnp.stack([p.get_value() for p in parts])
-  return parts[0].replace(value, out_sharding=(STAGE_AXIS, *_axes(parts[0], value.ndim - 1)))
+  return parts[0].replace(value, out_sharding=(STAGE_NAME, *_axes(parts[0], value.ndim - 1)))
 
 
 def stack_layers(layers: Sequence[nnx.Module], stages: int) -> nnx.List:

@@ -159,10 +159,9 @@ def verify_checksums(step_dir: str) -> bool:
 def _place(host: dict, abstract: dict) -> dict:
   """Host arrays onto the shardings of `abstract` (ShapeDtypeStructs of the same tree)."""
   def one(x, a):
-    x = np.asarray(x)
+    x = np.asarray(x, dtype=a.dtype)
     if x.shape != a.shape:
       raise ValueError(f"saved shape {x.shape} where the template has {a.shape}")
-    x = x.astype(a.dtype)
     if a.sharding is None:
       return jnp.asarray(x)
     return jax.make_array_from_callback(a.shape, a.sharding, lambda index: x[index])
