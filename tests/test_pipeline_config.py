@@ -7,7 +7,6 @@ from k3jax.parallel.config import ParallelConfig
 from k3jax.parallel.pipeline_layout import PipelineLayout
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train.config_schema import parallel_config, validate
-from k3jax.train import trainer
 from k3jax.train.defaults import base_config
 from tests.config_helpers import set_dotted
 
@@ -80,10 +79,3 @@ def test_library_layout_and_parallel_config():
   with pytest.raises(ValueError, match=r"parallel.stages=0"):
     PipelineLayout(stages=0, microbatches=1)
   assert PipelineLayout(2, 6).bubble_fraction() == pytest.approx(1 / 7)
-
-
-def test_stages_across_processes_are_refused_before_the_run(tmp_path, monkeypatch):
-  monkeypatch.setattr(trainer.jax, "process_count", lambda: 2)
-  with pytest.raises(ValueError, match=r"parallel.stages=2 in a run of 2 processes"):
-    trainer.train_and_evaluate(_cfg(**{"parallel.stages": 2}), str(tmp_path / "run"))
-  assert not (tmp_path / "run").exists()

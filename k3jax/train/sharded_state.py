@@ -89,6 +89,33 @@ def place(tree: Any, shardings: Any) -> Any:
   return jax.tree.map(one, tree, shardings)
 
 
+def process_rows(mesh: Mesh, batch_size: int,
+                 rules: rules_lib.Rules = rules_lib.DEFAULT_RULES) -> tuple[int, int]:
+  """(index, count): this process's devices hold rows [index B / count, (index + 1) B / count)
+  of a [B, T] batch placed by `shard_batch`.
+
+  Processes whose devices split the batch feed different rows; processes that
+  differ only along axes the batch is replicated over (pipeline stages: every
+  stage reads the whole batch) feed the same rows.
+
+  Raises:
+    ValueError: this process's rows are not one contiguous block of B / count.
+  """
+  sharding = NamedSharding(mesh, rules_lib.activation_spec(("batch",), mesh, rules))
+  spans = {(rows.start or 0, batch_size if rows.stop is None else rows.stop)
+           for rows, in sharding.addressable_devices_indices_map((batch_size,)).values()}
+  start, stop = min(a for a, _ in spans), max(b for _, b in spans)
+  covered = np.zeros(batch_size, bool)
+  for a, b in spans:
+    covered[a:b] = True
+  size = stop - start
+  if not covered[start:stop].all() or batch_size % size or start % size:
+    raise ValueError(f"process {jax.process_index()} holds batch rows {sorted(spans)} of "
+                     f"{batch_size}, not one block of equal size: order the mesh so that each "
+                     "process's devices split a contiguous block of the batch")
+  return start // size, batch_size // size
+
+
 def shard_batch(batch: Mapping[str, Any], mesh: Mesh,
                 rules: rules_lib.Rules = rules_lib.DEFAULT_RULES) -> dict[str, jax.Array]:
   """Places a batch of [B, T] arrays (this process's rows) with batch and length sharded."""

@@ -279,12 +279,6 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   devices = _devices(config, nproc)
   # Every check, the mesh's included, runs before anything is computed.
   model_cfg, pconf, sizes = parallel_config(config, len(devices))
-  if sizes["stage"] > 1 and nproc > 1:
-    # Each process feeds its own rows of the batch, which every stage must see whole.
-    raise ConfigError(f"config parallel.stages={sizes['stage']} in a run of {nproc} processes: "
-                      "the pipeline runs within one process in this version (every process "
-                      "feeds its own rows, and every stage reads the whole batch); use "
-                      "parallel.stages=1 across processes")
   if model_fn is None:
     # The MoE layers' path is chosen here, once: expert-parallel when the mesh shards the experts.
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len,
@@ -297,11 +291,18 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   if resuming:  # before anything is read from or written to the run directory
     run_config.check_resume(workdir, config)
 
+  mesh = pconf.make_mesh(devices)
+  try:
+    # The rows this process's devices hold: its own block when processes split the batch,
+    # the same rows as its peers on other pipeline stages (the batch is replicated there).
+    row_block, row_blocks = sharded_state.process_rows(mesh, config.batch_size, pconf.rules)
+  except ValueError as e:
+    raise ConfigError(f"config parallel: {e}") from None
   try:
     dataset = make_dataset(config.data, seed=config.seed)
     dataset.check_seq_len(config.seq_len)
     data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
-                            seed=config.seed, process_index=jax.process_index(), process_count=nproc)
+                            seed=config.seed, process_index=row_block, process_count=row_blocks)
     eval_set = [data_it.local_rows(b)
                 for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
   except ValueError as e:  # the data modules name the file or the size; say which section to fix
@@ -310,7 +311,6 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
     raise ConfigError(f"config data (data.kind={config.data.kind!r}): {e}. Fix the data.* fields, "
                       "or seq_len and batch_size.") from e
 
-  mesh = pconf.make_mesh(devices)
   run_model_fn = model_fn
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.

@@ -1,0 +1,80 @@
+"""Two processes (two CPU devices each, gloo collectives) train one pipelined model, one stage
+per process: the one-process pipeline's losses, and a resume that moves the run to one
+device and back."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from k3jax.train.trainer import train_and_evaluate
+from tests.test_train import _stop_at
+from tests.test_train_pipeline import RTOL, _config, _losses
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One process of the run: argv = port, process id, workdir, the step to stop after (0: none).
+WORKER = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, pid, workdir, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
+                           process_id=pid)
+from k3jax.train.trainer import train_and_evaluate
+from tests.test_train import _stop_at
+from tests.test_train_pipeline import _config
+config = _config(stages=2)
+config.num_devices = 0  # all four: stage 2 x data 2, a stage per process
+out = train_and_evaluate(config, workdir, hooks=[_stop_at(stop)] if stop else [])
+print("RESULT " + json.dumps({k: out[k] for k in ("step", "mesh", "interrupted")}))
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _two_processes(workdir: str, stop: int) -> list[dict]:
+  port = _free_port()
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(pid), workdir, str(stop)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for pid in (0, 1)]
+  results = []
+  try:
+    for proc in procs:
+      out, _ = proc.communicate(timeout=600)
+      lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+      assert proc.returncode == 0 and lines, out[-4000:]
+      results.append(json.loads(lines[-1][len("RESULT "):]))
+  finally:
+    for proc in procs:
+      proc.kill()
+  return results
+
+
+def test_a_stage_per_process_matches_one_process_and_resumes(tmp_path):
+  ref_dir = str(tmp_path / "one_process")
+  train_and_evaluate(_config(stages=2), ref_dir)
+  ref = _losses(ref_dir)
+
+  run = str(tmp_path / "two_processes")
+  first = _two_processes(run, stop=2)
+  assert [r["step"] for r in first] == [2, 2] and all(r["interrupted"] for r in first)
+  assert first[0]["mesh"] == {"stage": 2, "data": 2, "fsdp": 1, "expert": 1, "context": 1}
+  # One device for step 3 (the stacked checkpoint read into the plain model), then the two
+  # processes again for step 4 (the plain checkpoint read into each process's stage).
+  assert train_and_evaluate(_config(stages=1), run, hooks=[_stop_at(3)])["step"] == 3
+  assert [r["step"] for r in _two_processes(run, stop=0)] == [4, 4]
+
+  got = _losses(run)
+  assert [s for s, *_ in got] == [1, 2, 3, 4]
+  for (s, loss, gn), (_, want_loss, want_gn) in zip(got, ref):
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL["loss"], err_msg=f"loss at step {s}")
+    np.testing.assert_allclose(gn, want_gn, rtol=RTOL["grad_norm"], err_msg=f"grad norm at {s}")
