@@ -1,6 +1,7 @@
-"""Two processes (two CPU devices each, gloo collectives) train one pipelined model, one stage
-per process: the one-process pipeline's losses, and a resume that moves the run to one
-device and back."""
+"""Two processes (two CPU devices each, gloo collectives) train one model: a pipeline with one
+stage per process (the processes feed the same rows) matches the one-process pipeline's losses
+and resumes through one device and back; data parallelism over both (each feeds its own
+rows) matches one process."""
 import json
 import os
 import socket
@@ -15,20 +16,21 @@ from tests.test_train_pipeline import RTOL, _config, _losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# One process of the run: argv = port, process id, workdir, the step to stop after (0: none).
+# One process of the run: argv = port, process id, workdir, the step to stop after (0: none),
+# stages (1: data parallelism over the four devices).
 WORKER = """
 import json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-port, pid, workdir, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+port, pid, workdir, stop, stages = sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:])
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
                            process_id=pid)
 from k3jax.train.trainer import train_and_evaluate
 from tests.test_train import _stop_at
 from tests.test_train_pipeline import _config
-config = _config(stages=2)
-config.num_devices = 0  # all four: stage 2 x data 2, a stage per process
+config = _config(stages=stages)
+config.num_devices = 0  # all four: stage 2 x data 2 (a stage per process), or data 4
 out = train_and_evaluate(config, workdir, hooks=[_stop_at(stop)] if stop else [])
 print("RESULT " + json.dumps({k: out[k] for k in ("step", "mesh", "interrupted")}))
 """
@@ -40,12 +42,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_processes(workdir: str, stop: int) -> list[dict]:
+def _two_processes(workdir: str, stop: int, stages: int = 2) -> list[dict]:
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(pid), workdir, str(stop)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True) for pid in (0, 1)]
+  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(pid), workdir,
+                             str(stop), str(stages)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for pid in (0, 1)]
   results = []
   try:
     for proc in procs:
@@ -76,5 +79,18 @@ def test_a_stage_per_process_matches_one_process_and_resumes(tmp_path):
   got = _losses(run)
   assert [s for s, *_ in got] == [1, 2, 3, 4]
   for (s, loss, gn), (_, want_loss, want_gn) in zip(got, ref):
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL["loss"], err_msg=f"loss at step {s}")
+    np.testing.assert_allclose(gn, want_gn, rtol=RTOL["grad_norm"], err_msg=f"grad norm at {s}")
+
+
+def test_data_parallel_processes_feed_their_own_rows(tmp_path):
+  ref_dir = str(tmp_path / "one_process")
+  config = _config(stages=1)
+  config.num_devices = 4
+  train_and_evaluate(config, ref_dir)
+  run = str(tmp_path / "two_processes")
+  results = _two_processes(run, stop=0, stages=1)
+  assert results[0]["mesh"] == {"stage": 1, "data": 4, "fsdp": 1, "expert": 1, "context": 1}
+  for (s, loss, gn), (_, want_loss, want_gn) in zip(_losses(run), _losses(ref_dir), strict=True):
     np.testing.assert_allclose(loss, want_loss, rtol=RTOL["loss"], err_msg=f"loss at step {s}")
     np.testing.assert_allclose(gn, want_gn, rtol=RTOL["grad_norm"], err_msg=f"grad norm at {s}")
