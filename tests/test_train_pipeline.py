@@ -4,7 +4,9 @@ import os
 
 import numpy as np
 
+from k3jax.parallel.pipelined_lm import PipelinedLM
 from k3jax.train.metrics import read_jsonl
+from k3jax.train.restore import restore_model
 from k3jax.train.trainer import train_and_evaluate
 from tests.test_train import _shrunk_tiny, _stop_at
 
@@ -64,3 +66,6 @@ def test_pipelined_trainer_matches_one_device_and_resumes_across_layouts(tmp_pat
   for (s, loss, gn), (_, want_loss, want_gn) in zip(got, ref_losses):
     np.testing.assert_allclose(loss, want_loss, rtol=RTOL["loss"], err_msg=f"loss at step {s}")
     np.testing.assert_allclose(gn, want_gn, rtol=RTOL["grad_norm"], err_msg=f"grad norm at {s}")
+  # The pipelined run's last checkpoint (stacked per stage) reads into the plain model.
+  model, _, step = restore_model(moved)
+  assert step == 4 and not isinstance(model, PipelinedLM) and len(model.layers) == 2
