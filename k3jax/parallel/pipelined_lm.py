@@ -21,8 +21,9 @@ embedding and the head run on every stage's devices.
 
 Under a pipeline, `aux_loss` is the mean over microbatches of the summed layer
 losses, and the per-layer statistics (`router/...`, `gate/...`) are reduced
-over microbatches (`_layer_stats`: the mean, the min for a `min`). Routers that look at the whole batch (quantile thresholds, capacities, the
-auxiliary loss) see one microbatch at a time, as under gradient accumulation.
+over microbatches (`_layer_stats`: the mean, the min for a `min`). Routers
+that look at the whole batch (quantile thresholds, capacities, the auxiliary
+loss) see one microbatch at a time, as under gradient accumulation.
 """
 from __future__ import annotations
 
