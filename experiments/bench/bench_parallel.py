@@ -1,14 +1,19 @@
-"""Train-step throughput with expert and context parallelism vs one device.
+"""Train-step throughput with expert, context and pipeline parallelism vs one device.
 
     PYTHONPATH=. python experiments/bench/bench_parallel.py                 # all visible devices
     PYTHONPATH=. python experiments/bench/bench_parallel.py --meshes=1,1,1:2,1,1:1,2,1:1,1,2 \
         --kda_implementation=pallas,xla                               # one table per implementation
+    PYTHONPATH=. python experiments/bench/bench_parallel.py --meshes=2,1,1:1,1,1,2 \
+        --microbatches=8 --first_layer_dense=false      # two pipeline stages against data 2
 
-Every mesh (data, expert, context) runs the same per-device work: each device
-holds `--batch_per_device` sequences of `--seq_per_device` tokens, so the
-global batch is batch_per_device * data * expert sequences of
-seq_per_device * context tokens. A perfect scaling keeps the step time of
-the one-device run, i.e. tokens/s grows with the device count.
+Every mesh (data, expert, context[, stage]) runs the same per-device work:
+each device holds `--batch_per_device` sequences of `--seq_per_device`
+tokens, so the global batch is batch_per_device * data * expert * stage
+sequences of seq_per_device * context tokens (a pipeline's stages each run
+their share of the layers on the whole batch, in `--microbatches`
+microbatches). A perfect scaling keeps the step time of the one-device run,
+i.e. tokens/s grows with the device count; a pipeline's best is 1 minus its
+bubble, (S - 1) / (M + S - 1), printed beside it.
 
 The table lists, per mesh: median step time, tokens/s, the scaling
 efficiency against the first mesh (tokens/s per device / the first mesh's),
@@ -33,13 +38,18 @@ from flax import nnx
 from k3jax.layers.moe_path import ExpertParallel
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
+from k3jax.parallel.pipeline_layout import PipelineLayout
+from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train import sharded_state
 from k3jax.train.step import make_train_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("meshes", "1,1,1:1,2,1:1,1,2:2,1,1",
-                    "colon-separated data,expert,context triples; the first is the baseline")
+                    "colon-separated data,expert,context[,stage] sizes; the first is the baseline")
+flags.DEFINE_integer("microbatches", 8, "pipeline microbatches of the meshes with stages")
+flags.DEFINE_bool("first_layer_dense", True, "a dense FFN in layer 0 (a pipeline needs False: "
+                  "every stage holds the same layer kinds)")
 flags.DEFINE_integer("batch_per_device", 4, "sequences per device")
 flags.DEFINE_integer("seq_per_device", 4096, "tokens per sequence per device (x context)")
 flags.DEFINE_integer("d_model", 1024, "model width")
@@ -74,7 +84,8 @@ def _config(kda_implementation: str) -> ModelConfig:
       layer_pattern=FLAGS.layer_pattern, num_heads=FLAGS.num_heads, head_dim=FLAGS.head_dim,
       num_kv_heads=FLAGS.num_heads, num_experts=FLAGS.num_experts, top_k=FLAGS.top_k,
       expert_hidden=FLAGS.expert_hidden, dense_hidden=4 * FLAGS.d_model,
-      kda_implementation=kda_implementation, dtype=FLAGS.dtype))
+      first_layer_dense=FLAGS.first_layer_dense, kda_implementation=kda_implementation,
+      dtype=FLAGS.dtype))
 
 
 def _median_time(fn, steps):
@@ -87,13 +98,13 @@ def _median_time(fn, steps):
 
 
 def _run(mesh_shape, config):
-  data, expert, context = mesh_shape
-  n = data * expert * context
+  data, expert, context, stage = mesh_shape
+  n = data * expert * context * stage
   if n > jax.device_count():
     raise ValueError(f"mesh {mesh_shape} needs {n} devices, {jax.device_count()} visible")
-  mesh = make_mesh(MeshConfig(data=data, expert=expert, context=context),
+  mesh = make_mesh(MeshConfig(data=data, expert=expert, context=context, stage=stage),
                    devices=jax.devices()[:n])
-  b = FLAGS.batch_per_device * data * expert
+  b = FLAGS.batch_per_device * data * expert * stage
   t = FLAGS.seq_per_device * context
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, config.vocab_size, (b, t), dtype=np.int32)
@@ -102,9 +113,12 @@ def _run(mesh_shape, config):
   tx = optax.adamw(1e-4)
   slots = FLAGS.dispatch_slot_factor if FLAGS.dispatch_slot_factor > 0 else None
   ep = ExpertParallel(dispatch_slot_factor=slots) if expert > 1 else None
-  graphdef, state = sharded_state.create_sharded_train_state(
-      lambda rngs: HybridLM(config, rngs=rngs, moe_impl=FLAGS.moe_impl, expert_parallel=ep),
-      tx, 0, mesh)
+
+  def model_fn(rngs):
+    model = HybridLM(config, rngs=rngs, moe_impl=FLAGS.moe_impl, expert_parallel=ep)
+    return pipeline_parallelize(model, FLAGS.microbatches, stage) if stage > 1 else model
+
+  graphdef, state = sharded_state.create_sharded_train_state(model_fn, tx, 0, mesh)
   step = make_train_step(graphdef, tx, optax.constant_schedule(1e-4))
 
   @jax.jit
@@ -132,7 +146,7 @@ def _run(mesh_shape, config):
     jax.block_until_ready(forward(holder["state"], batch))
     fwd_s = _median_time(lambda: forward(holder["state"], batch), FLAGS.steps)
     if FLAGS.profile_dir:
-      with jax.profiler.trace(f"{FLAGS.profile_dir}/mesh_{data}x{expert}x{context}"):
+      with jax.profiler.trace(f"{FLAGS.profile_dir}/mesh_{data}x{expert}x{context}x{stage}"):
         for _ in range(3):
           jax.block_until_ready(one_step())
     loss = float(jax.device_get(one_step()))
@@ -148,8 +162,9 @@ def main(argv):
       raise ValueError(f"--kda_implementation entry {impl!r}; allowed: {KDA_IMPLEMENTATIONS}")
   meshes = [tuple(int(x) for x in m.split(",")) for m in FLAGS.meshes.split(":")]
   for m in meshes:
-    if len(m) != 3:
-      raise ValueError(f"--meshes entries are data,expert,context triples, got {m}")
+    if len(m) not in (3, 4):
+      raise ValueError(f"--meshes entries are data,expert,context[,stage] sizes, got {m}")
+  meshes = [m if len(m) == 4 else (*m, 1) for m in meshes]
   for impl in impls:
     config = _config(impl)
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; model d={config.d_model} "
@@ -157,8 +172,8 @@ def main(argv):
           f"E={config.num_experts} k={config.top_k} eh={config.expert_hidden} {config.dtype}; "
           f"kda={config.kda.implementation}; moe={FLAGS.moe_impl}; per device {FLAGS.batch_per_device} x "
           f"{FLAGS.seq_per_device} tokens; dispatch_slot_factor={FLAGS.dispatch_slot_factor}")
-    header = ("mesh d,e,c", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
-              "eff vs base", "loss", "compile s")
+    header = ("mesh d,e,c,s", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
+              "eff vs base", "bubble", "loss", "compile s")
     print(" | ".join(header))
     base = None
     for m in meshes:
@@ -173,9 +188,11 @@ def main(argv):
         continue
       per_dev = r["tok_s"] / r["n"]
       base = per_dev if base is None else base
+      bubble = PipelineLayout(stages=m[3], microbatches=FLAGS.microbatches).bubble_fraction()
       print(" | ".join([",".join(map(str, m)), str(r["n"]), f"{r['b']}x{r['t']}",
                         f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['fwd_s']:.1f}",
-                        f"{r['tok_s']:.0f}", f"{per_dev / base:.3f}", f"{r['loss']:.4f}",
+                        f"{r['tok_s']:.0f}", f"{per_dev / base:.3f}",
+                        f"{bubble:.2f}" if m[3] > 1 else "-", f"{r['loss']:.4f}",
                         f"{r['compile_s']:.1f}"]), flush=True)
     print(flush=True)
 
