@@ -15,8 +15,10 @@ are unchanged. Checkpoints move between stage counts and to the plain model
 Under a mesh whose stage axis is S, `__call__` embeds the batch, cuts it
 into microbatches, runs the layers on the GPipe schedule (`pipeline.gpipe`,
 stage s holding layers [s L/S, (s + 1) L/S)) and applies the head. Under a
-mesh without stages (or none), it and `features`, `trace`, `prefill` and
-`decode` run the layers one after the other, each read from its stack. The
+mesh without stages (or none), it runs the layers one after the other, each
+read from its stack; so do `features`, `trace`, `prefill` and `decode` under
+any mesh (under a stage mesh that gathers each layer from its stage: for
+generation, restore the checkpoint into the plain model instead). The
 embedding and the head run on every stage's devices.
 
 Under a pipeline, `aux_loss` is the mean over microbatches of the summed layer
