@@ -27,7 +27,7 @@ from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
 from k3jax.parallel.pipeline_layout import PipelineLayout
 from k3jax.parallel.pipelined_lm import pipeline_parallelize
-from k3jax.parallel.stage_storage import STACKED
+from k3jax.parallel.stage_storage import PLAIN, STACKED
 from k3jax.sharding import rules as rules_lib
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 
@@ -99,7 +99,7 @@ def state_bytes_per_device(config: ModelConfig, stages: int, tx, *,
   shardings = jax.tree.leaves(rules_lib.tree_shardings(tree, mesh, rules))
   out = {"layers": 0, "other": 0}
   for (path, leaf), sharding in zip(jax.tree_util.tree_flatten_with_path(tree)[0], shardings):
-    part = "layers" if any(getattr(p, "key", None) in ("layers", STACKED) for p in path) else "other"
+    part = "layers" if any(getattr(p, "key", None) in (PLAIN, STACKED) for p in path) else "other"
     out[part] += int(np.prod(sharding.shard_shape(leaf.shape), dtype=np.int64)) * leaf.dtype.itemsize
   out["total"] = out["layers"] + out["other"]
   return out

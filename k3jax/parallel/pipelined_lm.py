@@ -64,7 +64,8 @@ class PipelinedLM(HybridLM):
     for j, stacked in enumerate(self.stage_layers):
       graphdef, state = nnx.split(stacked)
       for s in range(self.pipeline_stages):
-        layers[s * per_stage + j] = nnx.merge(graphdef, stage_storage.stage_slice(state, s))
+        layers[stage_storage.layer_index(s, j, per_stage)] = nnx.merge(
+            graphdef, stage_storage.stage_slice(state, s))
     return layers
 
   def __call__(self, tokens_bt: jax.Array, *, deterministic: bool = False):
@@ -109,12 +110,13 @@ def _stage_residual(config, layout: PipelineLayout) -> StageResidual:
                        blocks_per_stage=layout.blocks_per_stage(config))
 
 
-def pipelined_layers(model: HybridLM, tokens_bt: jax.Array, layout: PipelineLayout, *,
+def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineLayout, *,
                      deterministic: bool) -> tuple[jax.Array, dict]:
   """The embedding and the layers on the pipeline schedule.
 
   Args:
-    model: the model (its variables, possibly traced).
+    model: the model (its variables, possibly traced), whose layers
+      `pipeline_parallelize` checked and stacked for `layout.stages` stages.
     tokens_bt: [B, T] int; B divisible by the microbatches.
     layout: stages (the mesh's stage axis) and microbatches.
     deterministic: passed to the FFNs.
@@ -125,7 +127,6 @@ def pipelined_layers(model: HybridLM, tokens_bt: jax.Array, layout: PipelineLayo
     `router/...` and `gate/...` statistics over microbatches, `_layer_stats`).
   """
   cfg = model.config
-  layout.check_model(cfg)
   n_micro = layout.microbatches
   batch, length = tokens_bt.shape
   if batch % n_micro:
@@ -191,5 +192,5 @@ def _layer_stats(stats_sm: dict, per_stage: int) -> dict:
     kind, j, name = key.split("/", 2)
     reduced_s = jnp.min(value_sm, axis=1) if name == "min" else jnp.mean(value_sm, axis=1)
     for s in range(value_sm.shape[0]):
-      aux[f"{kind}/{s * per_stage + int(j)}/{name}"] = reduced_s[s]
+      aux[f"{kind}/{stage_storage.layer_index(s, int(j), per_stage)}/{name}"] = reduced_s[s]
   return aux

@@ -31,6 +31,11 @@ STACKED = "stage_layers"     # the pipelined model's attribute (and state key) f
 PLAIN = "layers"             # the plain model's
 
 
+def layer_index(stage: int, local: int, per_stage: int) -> int:
+  """The plain index of stage `stage`'s layer `local` (slice `stage` of stack `local`)."""
+  return stage * per_stage + local
+
+
 def _is_var(x) -> bool:
   return isinstance(x, nnx.Variable)
 
@@ -58,12 +63,12 @@ def stack_layers(layers: Sequence[nnx.Module], stages: int) -> nnx.List:
   per_stage = len(layers) // stages
   out = []
   for j in range(per_stage):
-    parts = [nnx.split(layers[s * per_stage + j]) for s in range(stages)]
+    parts = [nnx.split(layers[layer_index(s, j, per_stage)]) for s in range(stages)]
     graphdef = parts[0][0]
     for s, (other, _) in enumerate(parts):
       if other != graphdef:
-        raise ValueError(f"layer {s * per_stage + j} differs in structure from layer {j}: "
-                         "every pipeline stage must hold the same layers")
+        raise ValueError(f"layer {layer_index(s, j, per_stage)} differs in structure from "
+                         f"layer {j}: every pipeline stage must hold the same layers")
     state = jax.tree.map(_stacked_var, *[p[1] for p in parts], is_leaf=_is_var)
     out.append(nnx.merge(graphdef, state))
   return nnx.List(out)
@@ -108,7 +113,7 @@ def _layers_of(node: dict) -> dict[int, Any]:
   stacked = node[STACKED]
   per_stage = len(stacked)
   stages = {int(x.shape[0]) for x in jax.tree.leaves(stacked)}.pop()
-  return {s * per_stage + int(j): jax.tree.map(lambda x, s=s: x[s], sub)
+  return {layer_index(s, int(j), per_stage): jax.tree.map(lambda x, s=s: x[s], sub)
           for j, sub in stacked.items() for s in range(stages)}
 
 
@@ -141,7 +146,7 @@ def convert_layout(nested: dict, stages: int) -> dict:
   per_stage = n // stages
   out[STACKED] = {
       str(j): jax.tree.map(lambda *xs: np.stack(xs),
-                           *[layers[s * per_stage + j] for s in range(stages)])
+                           *[layers[layer_index(s, j, per_stage)] for s in range(stages)])
       for j in range(per_stage)}
   return out
 
@@ -158,5 +163,5 @@ def plain_items(flat_state) -> list[tuple[tuple, Any]]:
       out.append((tuple(path), value))
       continue
     for s in range(value.shape[0]):
-      out.append(((PLAIN, s * per_stage + int(path[1]), *path[2:]), value[s]))
+      out.append(((PLAIN, layer_index(s, int(path[1]), per_stage), *path[2:]), value[s]))
   return out

@@ -106,9 +106,10 @@ def _devices(config: Any, nproc: int) -> list:
 
 
 def _needs_sharded_state(abstract_model: nnx.Module, mesh: Mesh, pconf, sizes: dict) -> bool:
-  """False when the mesh only splits the batch: every parameter replicated, no expert or
-  context axis. Such runs keep the plain model and its one-device initialisation."""
-  if sizes["expert"] > 1 or sizes["context"] > 1:
+  """False when the mesh only splits the batch: every parameter replicated, no expert,
+  context or stage axis (a pipeline stores each stage's layers on that stage's devices).
+  Such runs keep the plain model and its one-device initialisation."""
+  if sizes["expert"] > 1 or sizes["context"] > 1 or sizes["stage"] > 1:
     return True
   shardings = rules_lib.tree_shardings(nnx.state(abstract_model), mesh, pconf.rules)
   return any(s.spec != P() for s in jax.tree.leaves(shardings))
@@ -315,8 +316,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
-  # A pipeline stores each stage's layers on that stage's devices: a sharded state.
-  sharded = sizes["stage"] > 1 or _needs_sharded_state(abstract, mesh, pconf, sizes)
+  sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
   if sharded or _splits_kernel_calls(config, sizes):
     model_fn = sharded_state.parallel_model_fn(model_fn)
   if sizes["stage"] > 1:
