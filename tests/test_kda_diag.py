@@ -75,12 +75,17 @@ def _vjp(fn, xs, do, dht):
   return jax.jit(run)(xs, do, dht)
 
 
-@pytest.mark.parametrize("gdn,diag_rows", [(False, None), (True, None), (False, 16)])
-def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn, diag_rows):
+# Rows per program of the score and gradient kernels: the defaults (one tile,
+# a chunk), then the other way round.
+_ROWS = ({}, {"diag_rows": None, "diag_bwd_rows": 16})
+
+
+@pytest.mark.parametrize("gdn,rows", [(False, _ROWS[0]), (True, _ROWS[0]), (False, _ROWS[1])])
+def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn, rows):
   """T = 72 on C = 32 (off the grid), L = 16 (levels 8, 4, 2, 1), K = 32 in
-  slices of 16: the op with `diag_kernels` (a chunk or one tile per program)
-  against the op without it and against the naive recurrence, f32,
-  unbounded gates."""
+  slices of 16: the op with `diag_kernels` (each kernel at a chunk or one
+  tile per program) against the op without it and against the naive
+  recurrence, f32, unbounded gates."""
   x = make_inputs(1, batch=1, seq_len=72, heads=2, dk=32, dv=16, scalar_gate=gdn)
   gshape = x.g.shape
   x.g = _unbounded_gates(jax.random.key(2), gshape)
@@ -90,11 +95,11 @@ def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn, diag_rows):
   xs = (*x.args(), x.h0)
 
   def pallas(diag_kernels):
-    rows = {"diag_rows": diag_rows} if diag_kernels else {}
     return functools.partial(api.chunk_kda, implementation="pallas", interpret=True,
                              chunk_size=32, sub_chunk=16, diagonal="pairwise",
                              config_overrides=dict(diag_kernels=diag_kernels, block_k=16,
-                                                   bwd_block_k=16, **rows))
+                                                   bwd_block_k=16,
+                                                   **(rows if diag_kernels else {})))
 
   own = _vjp(pallas(True), xs, do, dht)
   inside = _vjp(pallas(False), xs, do, dht)
@@ -119,17 +124,22 @@ def test_default_and_check():
   with pytest.raises(ValueError, match="diag_kernels=True needs inverse='blocked'"):
     make(backend="interpret", sub_chunk=16,
          overrides={"intra_bwd": "tiles", "diag_kernels": True})
-  for rows in (8, 24, 128):
-    with pytest.raises(ValueError, match="diag_rows must be None or a multiple of sub_chunk=16 "
-                                         "dividing chunk_size=64"):
-      make(backend="triton", sub_chunk=16, overrides={"diag_rows": rows})
+  # One tile per score program, a chunk per gradient program.
+  for ell in (16, 32):
+    cfg = make(backend="triton", sub_chunk=ell)
+    assert (cfg.diag_rows, cfg.diag_bwd_rows) == (ell, None)
+  for name in ("diag_rows", "diag_bwd_rows"):
+    for rows in (8, 24, 128):
+      with pytest.raises(ValueError, match=f"{name} must be None or a multiple of sub_chunk=16 "
+                                           "dividing chunk_size=64"):
+        make(backend="triton", sub_chunk=16, overrides={name: rows})
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("diag_rows", [None, 16])
-def test_gpu_bf16_own_kernels_against_the_f32_recurrence(diag_rows):
-  """bf16 at B1 T1024 H4 K = V = 128 with unbounded gates, a chunk or one tile
-  per program: the error bounds of the dense diagonal's twin (o 5e-3,
+@pytest.mark.parametrize("rows", _ROWS)
+def test_gpu_bf16_own_kernels_against_the_f32_recurrence(rows):
+  """bf16 at B1 T1024 H4 K = V = 128 with unbounded gates, each kernel at a
+  chunk or one tile per program: the error bounds of the dense diagonal's twin (o 5e-3,
   gradients 1e-2), and within bf16 noise of the levels inside the
   intra-chunk kernels."""
   x = make_inputs(4, batch=1, seq_len=1024, heads=4, dk=128, dv=128, dtype=jnp.bfloat16)
@@ -142,9 +152,9 @@ def test_gpu_bf16_own_kernels_against_the_f32_recurrence(diag_rows):
     return o, vjp(do)
 
   def pallas(diag_kernels):
-    rows = {"diag_rows": diag_rows} if diag_kernels else {}
     return functools.partial(api.chunk_kda, implementation="pallas", diagonal="pairwise",
-                             config_overrides={"diag_kernels": diag_kernels, **rows})
+                             config_overrides={"diag_kernels": diag_kernels,
+                                               **(rows if diag_kernels else {})})
 
   own = jax.jit(functools.partial(run, pallas(True)))(args, do)
   inside = jax.jit(functools.partial(run, pallas(False)))(args, do)

@@ -6,7 +6,8 @@ default policy runs at that shape (`segment_chunks` against
 `kernel_config.RESIDUAL_BUDGET_BYTES`), the compiled program's memory
 (`memory_analysis`: arguments + outputs + temporaries, less aliased bytes,
 XLA's own buffer assignment), whether every output is finite, and the
-pipelined time per call; "out of memory" when the program does not fit.
+pipelined time per call, with as many calls in flight as memory allows
+(`calls_in_flight`); "out of memory" when the program does not fit.
 
   python experiments/bench/bench_kda_memory.py          # B1 H16 D128, T = 2^13 ... 2^20
   python experiments/bench/bench_kda_memory.py --lengths=65536,1048576 --policies=default
@@ -77,6 +78,29 @@ def _compiled_bytes(compiled) -> int | None:
           - m.alias_size_in_bytes)
 
 
+def calls_in_flight(compiled, iters: int, limit: int | None = None) -> int:
+  """How many calls the pipelined timer may dispatch before it waits.
+
+  Each call in flight holds its own outputs and temporaries (the timer keeps
+  a round's results until its one wait), so at T = 2^20 five of them ask for
+  more than the device has although one call fits. Cap the round at what
+  half the memory left beside the arguments holds (at least one call); the
+  long rows take 100+ ms a call, so a wait per call costs them little.
+  `limit`: the device's bytes (default: its allocator's limit).
+  """
+  try:
+    m = compiled.memory_analysis()
+    if limit is None:
+      limit = jax.devices()[0].memory_stats()["bytes_limit"]
+  except Exception:  # pylint: disable=broad-except
+    return iters      # CPU (interpret) or no memory statistics: no cap
+  if m is None:
+    return iters
+  per_call = m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  free = limit - m.argument_size_in_bytes
+  return max(1, min(iters, int(0.5 * free // max(per_call, 1))))
+
+
 def measure(b: int, t: int, h: int, d: int, policy: str, *, iters: int,
             lower_bound: float) -> dict:
   """One row: {"compiled": bytes, "ms": float, "finite": bool} or {"error": text}."""
@@ -95,8 +119,9 @@ def measure(b: int, t: int, h: int, d: int, policy: str, *, iters: int,
     args = bench.make_inputs(jax.random.PRNGKey(0), b, t, h, d, jnp.bfloat16, lower_bound)
     do = jax.random.normal(jax.random.PRNGKey(1), args[2].shape, jnp.bfloat16)
     compiled = jax.jit(loss_grads).lower(*args, do).compile()
-    row = {"compiled": _compiled_bytes(compiled)}
-    row["ms"] = bench.pipelined_ms(compiled, *args, do, iters=iters, rounds=3, warmup=1)
+    row = {"compiled": _compiled_bytes(compiled), "in_flight": calls_in_flight(compiled, iters)}
+    row["ms"] = bench.pipelined_ms(compiled, *args, do, iters=row["in_flight"], rounds=3,
+                                   warmup=1)
     finite = all(bool(jnp.isfinite(x.astype(jnp.float32)).all())
                  for x in jax.tree.leaves(compiled(*args, do)))
     row["finite"] = finite
@@ -129,15 +154,15 @@ def main(argv):
       row = measure(b, t, h, d, policy, iters=f.iters, lower_bound=f.lower_bound)
       rows.append((t, kept, segments, policy, row))
       print(f"T={t} {policy}: {row}", flush=True)
-  print("\n| T | residuals GiB | default segments | policy | fwd+bwd ms | compiled GiB | "
-        "outputs finite |")
-  print("|---|---|---|---|---|---|---|")
+  print("\n| T | residuals GiB | default segments | policy | fwd+bwd ms | calls in flight | "
+        "compiled GiB | outputs finite |")
+  print("|---|---|---|---|---|---|---|---|")
   for t, kept, segments, policy, row in rows:
     if "error" in row:
-      print(f"| {t} | {_gib(kept)} | {segments} | {policy} | {row['error']} | | |")
+      print(f"| {t} | {_gib(kept)} | {segments} | {policy} | {row['error']} | | | |")
     else:
       print(f"| {t} | {_gib(kept)} | {segments} | {policy} | {row['ms']:.2f} | "
-            f"{_gib(row['compiled'])} | {row['finite']} |")
+            f"{row['in_flight']} | {_gib(row['compiled'])} | {row['finite']} |")
 
 
 if __name__ == "__main__":

@@ -122,9 +122,15 @@ class KernelConfig:
     diag_block_k: K slice of both `kernel_diag` kernels; a power of two
       at most K (dividing it when K is one). Default min(K, 64) at power-of-two K,
       else the widest power of two below K, at most 64 (as block_k).
-    diag_rows: rows of one program of both `kernel_diag` kernels, a
-      multiple of sub_chunk dividing chunk_size (its tiles are independent:
-      fewer rows, more programs). Default None: the chunk.
+    diag_rows, diag_bwd_rows: rows of one program of the score kernel
+      (`kernel_diag.diag_scores`) and of the gradient kernel
+      (`kernel_diag.diag_grads`): None (the chunk) or a multiple of
+      sub_chunk dividing chunk_size (the tiles are independent: fewer rows,
+      more programs). Default: one tile (sub_chunk rows) for the scores, the
+      chunk for the gradients: on the H200 at B16 T2048 H16 D128 bf16
+      (2026-12-05, `tune_kda.py`, sync ms in two calls) the score kernel took
+      0.681 / 0.741 at 16 rows against 0.771 / 0.835 at 64, the gradient
+      kernel 1.705 / 1.683 at 16 against 1.642 / 1.519 at 64.
   """
   backend: str
   block_v: int
@@ -144,6 +150,7 @@ class KernelConfig:
   diag_kernels: bool = False
   diag_block_k: int = 64
   diag_rows: int | None = None
+  diag_bwd_rows: int | None = None
 
   def __post_init__(self):
     if self.backend not in BACKENDS:
@@ -407,7 +414,8 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
       intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32),
       level_anchors="select" if on_tpu else "gather",
       diag_kernels=not on_tpu and ell >= 16,
-      diag_block_k=min(1 << (dk.bit_length() - 1), 64))
+      diag_block_k=min(1 << (dk.bit_length() - 1), 64),
+      diag_rows=None if on_tpu else ell)
   # Measured with 16-bit operands only; f32 ones double the pipelined buffers.
   if not on_tpu and dk == dv == 128 and mm_dtype != jnp.float32:
     programs = shape.state_programs
@@ -512,10 +520,11 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
         or (backend == "triton" and width < 16)):
       raise ValueError(f"{name} must be a power of two {'dividing' if dividing else 'at most'} "
                        f"K={head_k} (>= 16 on the GPU: a dot dim), got {width}")
-  if cfg.diag_rows is not None and (cfg.diag_rows < sub_chunk or cfg.diag_rows % sub_chunk
-                                    or chunk_size % cfg.diag_rows):
-    raise ValueError(f"diag_rows must be None or a multiple of sub_chunk={sub_chunk} dividing "
-                     f"chunk_size={chunk_size}, got {cfg.diag_rows}")
+  for name in ("diag_rows", "diag_bwd_rows"):
+    rows = getattr(cfg, name)
+    if rows is not None and (rows < sub_chunk or rows % sub_chunk or chunk_size % rows):
+      raise ValueError(f"{name} must be None or a multiple of sub_chunk={sub_chunk} dividing "
+                       f"chunk_size={chunk_size}, got {rows}")
   if backend == "triton" and sub_chunk < 16:
     for name, value in (("inverse", "blocked"), ("intra_bwd", "split")):
       if getattr(cfg, name) == value:

@@ -19,9 +19,10 @@ diagonal tiles, and take these kernels' results:
   f32, which `kernel_intra_bwd_split`'s second kernel starts its
   accumulators from.
 
-Each program takes R = `cfg.diag_rows` rows (R / L tiles, walked in a loop;
-default R = C, one chunk): the tiles are independent, so R trades programs
-for work per program.
+Each program takes R rows (R / L tiles, walked in a loop): `cfg.diag_rows`
+for the scores (default one tile), `cfg.diag_bwd_rows` for the gradients
+(default a chunk). The tiles are independent, so R trades programs for work
+per program.
 
 The products take the score dtype (`cfg.mm_dtype`) operands as the
 intra-chunk kernels' do, and the gate gradient uses the rounded operands on
@@ -96,7 +97,7 @@ def diag_scores(q, k, g_cum, beta, *, heads, chunk_size, sub_chunk, scale, cfg: 
   """
   b, tp, hk = q.shape
   h, ell = heads, sub_chunk
-  rows = rows_per_program(cfg, chunk_size)
+  rows = rows_per_program(cfg.diag_rows, chunk_size)
   dk = hk // h
   spec = chunk_specs(rows, dk, dk)
   tile_spec = pl.BlockSpec((None, None, rows, ell), lambda ib, ih, ir: (ib, ih, ir, 0))
@@ -110,10 +111,10 @@ def diag_scores(q, k, g_cum, beta, *, heads, chunk_size, sub_chunk, scale, cfg: 
   )(q, k, g_cum, beta)
 
 
-def rows_per_program(cfg: KernelConfig, chunk_size: int) -> int:
-  """R, the rows of one program of both kernels: `cfg.diag_rows` (checked by
-  `kernel_config.make_config`), or C when None."""
-  return chunk_size if cfg.diag_rows is None else cfg.diag_rows
+def rows_per_program(rows: int | None, chunk_size: int) -> int:
+  """R, the rows of one program: `cfg.diag_rows` or `cfg.diag_bwd_rows`
+  (checked by `kernel_config.make_config`), or C when None."""
+  return chunk_size if rows is None else rows
 
 
 def expand_tiles(d_ref, ell: int):
@@ -195,7 +196,7 @@ def diag_grads(q, k, g_cum, beta, da, daq, dat, daqt, *, heads, chunk_size, sub_
   """
   b, tp, hk = q.shape
   h, c, ell = heads, chunk_size, sub_chunk
-  rows = rows_per_program(cfg, c)
+  rows = rows_per_program(cfg.diag_bwd_rows, c)
   per_chunk = c // rows
   dk_ = hk // h
   spec = chunk_specs(rows, dk_, dk_)
