@@ -32,10 +32,11 @@ def _unbounded_gates(key, shape):
   return jnp.where(jax.random.bernoulli(k2, 0.125, shape), -40.0, g)
 
 
-@pytest.mark.parametrize("diag_rows", [None, 8, 16])
-def test_diag_scores_are_the_pair_decay_tiles(diag_rows):
+@pytest.mark.parametrize("diag_rows,loop", [(None, False), (8, False), (16, True)])
+def test_diag_scores_are_the_pair_decay_tiles(diag_rows, loop):
   """Both compact tiles, two chunks of four L = 8 tiles, K = 32 in slices of
-  16; one chunk, one tile or two tiles per program."""
+  16; one chunk, one tile or two tiles per program; levels unrolled or in a
+  loop."""
   b, h, c, ell, dk, nc = 1, 2, 32, 8, 32, 2
   tp = nc * c
   ks = jax.random.split(jax.random.key(0), 4)
@@ -47,7 +48,8 @@ def test_diag_scores_are_the_pair_decay_tiles(diag_rows):
   beta = jax.nn.sigmoid(jax.random.normal(ks[3], (b, tp, h)))
   cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=dk, head_v=dk,
                                   chunk_size=c, sub_chunk=ell,
-                                  overrides={"block_k": 16, "diag_rows": diag_rows})
+                                  overrides={"block_k": 16, "diag_rows": diag_rows,
+                                             "diag_level_loop": loop})
   scale = 0.3
   d_qk, d_kk = kernel_diag.diag_scores(
       q.reshape(b, tp, -1), k.reshape(b, tp, -1), g_cum.reshape(b, tp, -1),
@@ -75,9 +77,10 @@ def _vjp(fn, xs, do, dht):
   return jax.jit(run)(xs, do, dht)
 
 
-# Rows per program of the score and gradient kernels: the defaults (one tile,
-# a chunk), then the other way round.
-_ROWS = ({}, {"diag_rows": None, "diag_bwd_rows": 16})
+# Layouts of the two kernels: the defaults at L = 16 (rows per program: one
+# tile for the scores, a chunk for the gradients; levels unrolled), then rows
+# the other way round with the levels in a loop (the default from L = 32).
+_ROWS = ({}, {"diag_rows": None, "diag_bwd_rows": 16, "diag_level_loop": True})
 
 
 @pytest.mark.parametrize("gdn,rows", [(False, _ROWS[0]), (True, _ROWS[0]), (False, _ROWS[1])])
@@ -124,10 +127,17 @@ def test_default_and_check():
   with pytest.raises(ValueError, match="diag_kernels=True needs inverse='blocked'"):
     make(backend="interpret", sub_chunk=16,
          overrides={"intra_bwd": "tiles", "diag_kernels": True})
-  # One tile per score program, a chunk per gradient program.
-  for ell in (16, 32):
+  # One tile per score program, a chunk per gradient program; from L = 32
+  # the levels in a loop, more warps and (at 64) narrower K slices.
+  for ell, loop, warps, width in ((16, False, (2, 4), 64), (32, True, (4, 8), 64),
+                                  (64, True, (8, 8), 32)):
     cfg = make(backend="triton", sub_chunk=ell)
     assert (cfg.diag_rows, cfg.diag_bwd_rows) == (ell, None)
+    assert (cfg.diag_level_loop, cfg.diag_block_k) == (loop, width), ell
+    assert (dict(cfg.num_warps)["diag_fwd"], dict(cfg.num_warps)["diag_bwd"]) == warps, ell
+    # A block_v override resets the state kernels' warps, not these.
+    cfg = make(backend="triton", sub_chunk=ell, overrides={"block_v": 32})
+    assert (dict(cfg.num_warps)["diag_fwd"], dict(cfg.num_warps)["diag_bwd"]) == warps, ell
   for name in ("diag_rows", "diag_bwd_rows"):
     for rows in (8, 24, 128):
       with pytest.raises(ValueError, match=f"{name} must be None or a multiple of sub_chunk=16 "
@@ -136,10 +146,11 @@ def test_default_and_check():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", _ROWS)
-def test_gpu_bf16_own_kernels_against_the_f32_recurrence(rows):
-  """bf16 at B1 T1024 H4 K = V = 128 with unbounded gates, each kernel at a
-  chunk or one tile per program: the error bounds of the dense diagonal's twin (o 5e-3,
+@pytest.mark.parametrize("sub_chunk,rows", [(16, _ROWS[0]), (16, _ROWS[1]), (32, {})])
+def test_gpu_bf16_own_kernels_against_the_f32_recurrence(sub_chunk, rows):
+  """bf16 at B1 T1024 H4 K = V = 128 with unbounded gates, L = 16 (each
+  kernel at a chunk or one tile per program, levels unrolled or looped) and
+  L = 32 (its defaults): the error bounds of the dense diagonal's twin (o 5e-3,
   gradients 1e-2), and within bf16 noise of the levels inside the
   intra-chunk kernels."""
   x = make_inputs(4, batch=1, seq_len=1024, heads=4, dk=128, dv=128, dtype=jnp.bfloat16)
@@ -153,6 +164,7 @@ def test_gpu_bf16_own_kernels_against_the_f32_recurrence(rows):
 
   def pallas(diag_kernels):
     return functools.partial(api.chunk_kda, implementation="pallas", diagonal="pairwise",
+                             sub_chunk=sub_chunk,
                              config_overrides={"diag_kernels": diag_kernels,
                                                **(rows if diag_kernels else {})})
 

@@ -82,7 +82,10 @@ class KernelConfig:
     num_warps: Triton warps per stage, ((stage, warps), ...); an override
       may name only some stages. Default 4, 8 for "intra_bwd", 2 for
       "diag_fwd" (its [L, L] products; on the H200 at B16 T2048 H16 D128
-      0.75 ms against 1.00 at 4 warps and 1.06 at 1, diag_block_k 64).
+      0.75 ms against 1.00 at 4 warps and 1.06 at 1, diag_block_k 64); at
+      sub_chunk >= 32 L / 8 for "diag_fwd" and 8 for "diag_bwd", the
+      fewest that compile without spills for sm_90a (with the level loop
+      and diag_block_k 32 at L = 64).
     num_stages: Triton software-pipelining stages of every kernel. Default 2.
     inverse: how the intra forward forms M; one of INVERSES. Default
       "blocked" on the GPU with sub_chunk >= 16 (tensor-core products),
@@ -120,8 +123,17 @@ class KernelConfig:
       Default True wherever those are the defaults (the GPU at
       sub_chunk >= 16). Only read with diagonal="pairwise".
     diag_block_k: K slice of both `kernel_diag` kernels; a power of two
-      at most K (dividing it when K is one). Default min(K, 64) at power-of-two K,
-      else the widest power of two below K, at most 64 (as block_k).
+      at most K (dividing it when K is one). Default min(K, 64, 2048 / L) at
+      power-of-two K, else the widest power of two below K, at most that
+      (as block_k); 2048 / L keeps an [L, diag_block_k] operand at 2048
+      elements at L = 64.
+    diag_level_loop: the levels of both `kernel_diag` kernels in a loop
+      (one level's values live at a time) rather than unrolled; the same
+      arithmetic. Default True at sub_chunk >= 32, where the unrolled
+      levels spill (compiled for sm_90a: 2.5 and 19.9 KB a thread at 32,
+      46 and 17 KB at 64, for the score and gradient kernels); at 16 the
+      unrolled kernels are faster (H200, 2026-12-05, sync ms: scores 0.741
+      unrolled against 0.763 looped, gradients 1.519 against 1.834).
     diag_rows, diag_bwd_rows: rows of one program of the score kernel
       (`kernel_diag.diag_scores`) and of the gradient kernel
       (`kernel_diag.diag_grads`): None (the chunk) or a multiple of
@@ -149,6 +161,7 @@ class KernelConfig:
   segment_chunks: int | None = None
   diag_kernels: bool = False
   diag_block_k: int = 64
+  diag_level_loop: bool = False
   diag_rows: int | None = None
   diag_bwd_rows: int | None = None
 
@@ -387,6 +400,14 @@ def residual_bytes(shape: KernelShape, cfg: "KernelConfig") -> int | None:
   return shape.token_heads * per_pair
 
 
+def _default_warps(ell: int) -> tuple[tuple[str, int], ...]:
+  """Warps per stage before the state kernels' choices: the diagonal
+  kernels' grow with their L-row tiles from L = 32 (see `num_warps`)."""
+  if ell < 32:
+    return _DEFAULT_WARPS
+  return tuple({**dict(_DEFAULT_WARPS), "diag_fwd": ell // 8, "diag_bwd": 8}.items())
+
+
 def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
   """The default KernelConfig of `backend` for `shape` and q/k/v `dtype`.
 
@@ -414,14 +435,16 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
       intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32),
       level_anchors="select" if on_tpu else "gather",
       diag_kernels=not on_tpu and ell >= 16,
-      diag_block_k=min(1 << (dk.bit_length() - 1), 64),
-      diag_rows=None if on_tpu else ell)
+      diag_block_k=min(1 << (dk.bit_length() - 1), 64, max(2048 // ell, 16)),
+      diag_level_loop=ell >= 32,
+      diag_rows=None if on_tpu else ell,
+      num_warps=_default_warps(ell))
   # Measured with 16-bit operands only; f32 ones double the pipelined buffers.
   if not on_tpu and dk == dv == 128 and mm_dtype != jnp.float32:
     programs = shape.state_programs
     if programs is None or programs >= WHOLE_V_BWD_MIN_PROGRAMS:
       fields["bwd_block_v"] = 128
-      fields["num_warps"] = tuple({**dict(_DEFAULT_WARPS), "state_bwd": 8}.items())
+      fields["num_warps"] = tuple({**dict(fields["num_warps"]), "state_bwd": 8}.items())
     else:
       fields["rec_block_v"] = 32
       if programs <= NARROW_BWD_MAX_PROGRAMS:
@@ -486,12 +509,12 @@ def make_config(*, backend: str, dtype, head_k: int, head_v: int, chunk_size: in
     raise ValueError(f"unknown KernelConfig fields in overrides: {sorted(unknown)}")
   if "block_v" in overrides:
     overrides = {"rec_block_v": None, "bwd_block_v": None,
-                 "num_warps": _DEFAULT_WARPS, **overrides}
+                 "num_warps": _default_warps(sub_chunk), **overrides}
   if "num_warps" in overrides:
     unknown = {stage for stage, _ in overrides["num_warps"]} - set(STAGES)
     if unknown:
       raise ValueError(f"num_warps names unknown stages {sorted(unknown)}; stages are {STAGES}")
-    base = _DEFAULT_WARPS if "block_v" in overrides else cfg.num_warps
+    base = _default_warps(sub_chunk) if "block_v" in overrides else cfg.num_warps
     overrides["num_warps"] = tuple({**dict(base), **dict(overrides["num_warps"])}.items())
   if "diag_kernels" not in overrides and (overrides.get("inverse", cfg.inverse) != "blocked" or
                                           overrides.get("intra_bwd", cfg.intra_bwd) != "split"):

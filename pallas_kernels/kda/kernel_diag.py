@@ -46,6 +46,18 @@ from pallas_kernels.kda.kernel_config import KernelConfig
 _F32 = jnp.float32
 
 
+def _levels(ell: int, cfg: KernelConfig, body, carry):
+  """`carry = body(s, carry)` over the levels s = L/2, ..., 1: unrolled, or a
+  loop with s traced when `cfg.diag_level_loop` (one level's values live at a
+  time: the same arithmetic in fewer registers)."""
+  levels = pair_levels(ell)
+  if not cfg.diag_level_loop:
+    for s in levels:
+      carry = body(s, carry)
+    return carry
+  return lax.fori_loop(0, len(levels), lambda i, c: body(jnp.right_shift(ell // 2, i), c), carry)
+
+
 def _tile_scores(q_ref, k_ref, g_ref, beta_ref, start, *, scale, ell, cfg):
   """(A_qk, A_kk) [L, L] f32 of the diagonal tile whose first row is `start`.
 
@@ -61,12 +73,17 @@ def _tile_scores(q_ref, k_ref, g_ref, beta_ref, start, *, scale, ell, cfg):
     q = q_ref[rows, ks].astype(_F32) * scale
     k = k_ref[rows, ks].astype(_F32)
     xk = beta * k
-    for s in pair_levels(ell):
-      row_f, col_f = level_factors(g, s, anchor_picker(cfg, g_ref, start, ks))
+    pick = anchor_picker(cfg, g_ref, start, ks)
+
+    def level(s, acc, g=g, q=q, k=k, xk=xk, pick=pick):
+      a_qk, a_kk = acc
+      row_f, col_f = level_factors(g, s, pick)
       yk = k * col_f
       blk = same_block(ell, 2 * s)
-      s_qk = s_qk + jnp.where(blk, dot(q * row_f, yk, cfg, tb=True), 0.0)
-      s_kk = s_kk + jnp.where(blk, dot(xk * row_f, yk, cfg, tb=True), 0.0)
+      return (a_qk + jnp.where(blk, dot(q * row_f, yk, cfg, tb=True), 0.0),
+              a_kk + jnp.where(blk, dot(xk * row_f, yk, cfg, tb=True), 0.0))
+
+    s_qk, s_kk = _levels(ell, cfg, level, (s_qk, s_kk))
     s_qk = s_qk + jnp.where(eye, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
   return s_qk, s_kk
 
@@ -153,9 +170,11 @@ def _diag_grads_kernel(q_ref, k_ref, g_ref, beta_ref, da_ref, daq_ref, dat_ref, 
       bk = beta * k
       dq = d_qk * k                      # A_qk[i, i] = q_i . k_i: no decay, no dG term
       dk = d_qk * q
-      dgc = r_acc = jnp.zeros_like(g)
-      for s in pair_levels(ell):
-        row_f, col_f = level_factors(g, s, anchor_picker(cfg, g_ref, start, ks))
+      pick = anchor_picker(cfg, g_ref, start, ks)
+
+      def level(s, acc, g=g, q=q, k=k, bk=bk, pick=pick):
+        dq, dk, dgc, r_acc = acc
+        row_f, col_f = level_factors(g, s, pick)
         blk = same_block(ell, 2 * s)
         product = lambda side, x: dot(jnp.where(blk, blocks[side], 0), x, cfg, dtype=sdt)
         yk = rnd(k * col_f)
@@ -168,8 +187,10 @@ def _diag_grads_kernel(q_ref, k_ref, g_ref, beta_ref, da_ref, daq_ref, dat_ref, 
         r_acc = r_acc + row_f * t
         dgc = dgc + xk * t
         t = product("q_col", xq) + product("k_col", xk)
-        dk = dk + col_f * t
-        dgc = dgc - yk * t
+        return dq, dk + col_f * t, dgc - yk * t, r_acc
+
+      zero = jnp.zeros_like(g)
+      dq, dk, dgc, r_acc = _levels(ell, cfg, level, (dq, dk, zero, zero))
       dq_ref[rows, ks] = dq
       dk_ref[rows, ks] = dk + beta * r_acc
       dg_ref[rows, ks] = dgc
