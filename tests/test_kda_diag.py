@@ -114,6 +114,26 @@ def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn, rows):
     assert rel_err(a, n, jnp.float32) < 2e-5, name
 
 
+def test_wide_tiles_at_their_defaults():
+  """L = 32 (the decay ablation's tile-32 arm) at its defaults, where the
+  diagonal kernels loop over their five levels: the op against the naive
+  recurrence, f32, unbounded gates, T = 100 on C = 64 (off the grid)."""
+  x = make_inputs(5, batch=1, seq_len=100, heads=2, dk=32, dv=16)
+  x.g = _unbounded_gates(jax.random.key(6), x.g.shape)
+  k1, k2 = jax.random.split(jax.random.key(7))
+  do = jax.random.normal(k1, x.v.shape)
+  dht = jax.random.normal(k2, x.h0.shape)
+  xs = (*x.args(), x.h0)
+  cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=32, head_v=16,
+                                  chunk_size=64, sub_chunk=32)
+  assert cfg.diag_kernels and cfg.diag_level_loop
+  own = _vjp(functools.partial(api.chunk_kda, implementation="pallas", interpret=True,
+                               chunk_size=64, sub_chunk=32, diagonal="pairwise"), xs, do, dht)
+  naive = _vjp(reference.naive_recurrent_kda, xs, do, dht)
+  for name, a, n in zip(("o", "ht") + GRAD_NAMES, jax.tree.leaves(own), jax.tree.leaves(naive)):
+    assert rel_err(a, n, jnp.float32) < 2e-5, name
+
+
 def test_default_and_check():
   make = functools.partial(kernel_config.make_config, dtype=jnp.bfloat16, head_k=128,
                            head_v=128, chunk_size=64)
