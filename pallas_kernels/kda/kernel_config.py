@@ -83,9 +83,11 @@ class KernelConfig:
       may name only some stages. Default 4, 8 for "intra_bwd", 2 for
       "diag_fwd" (its [L, L] products; on the H200 at B16 T2048 H16 D128
       0.75 ms against 1.00 at 4 warps and 1.06 at 1, diag_block_k 64); at
-      sub_chunk >= 32 L / 8 for "diag_fwd" and 8 for "diag_bwd", the
-      fewest that compile without spills for sm_90a (with the level loop
-      and diag_block_k 32 at L = 64).
+      sub_chunk >= 32 L / 8 for "diag_fwd" and 8 for "diag_bwd" (with the
+      level loop, compiled for sm_90a: 228 and 240 registers a thread and
+      no spills at L = 32, where 2 and 4 warps take 255 and spill 292
+      bytes in the gradient kernel; 171 and 255 registers, 8 bytes spilled,
+      at L = 64 with diag_block_k 32). Not yet timed on the GPU.
     num_stages: Triton software-pipelining stages of every kernel. Default 2.
     inverse: how the intra forward forms M; one of INVERSES. Default
       "blocked" on the GPU with sub_chunk >= 16 (tensor-core products),
