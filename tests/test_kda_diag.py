@@ -70,6 +70,15 @@ def test_diag_scores_are_the_pair_decay_tiles(diag_rows, loop):
   assert rel_max(d_kk, want_kk) < 1e-5
 
 
+def _unbounded_case(seed: int, seq_len: int, *, gdn: bool = False):
+  """(inputs with the initial state, do, dht) of an f32 B1 H2 K32 V16 case whose
+  gates are unbounded (`_unbounded_gates`, key seed + 1; do and dht from seed + 2)."""
+  x = make_inputs(seed, batch=1, seq_len=seq_len, heads=2, dk=32, dv=16, scalar_gate=gdn)
+  x.g = _unbounded_gates(jax.random.key(seed + 1), x.g.shape)
+  k1, k2 = jax.random.split(jax.random.key(seed + 2))
+  return (*x.args(), x.h0), jax.random.normal(k1, x.v.shape), jax.random.normal(k2, x.h0.shape)
+
+
 def _vjp(fn, xs, do, dht):
   def run(xs, do, dht):
     out, vjp = jax.vjp(lambda *a: fn(*a[:5], initial_state=a[5], output_final_state=True), *xs)
@@ -89,13 +98,7 @@ def test_own_kernels_equal_the_levels_in_the_intra_kernels(gdn, rows):
   slices of 16: the op with `diag_kernels` (each kernel at a chunk or one
   tile per program) against the op without it and against the naive
   recurrence, f32, unbounded gates."""
-  x = make_inputs(1, batch=1, seq_len=72, heads=2, dk=32, dv=16, scalar_gate=gdn)
-  gshape = x.g.shape
-  x.g = _unbounded_gates(jax.random.key(2), gshape)
-  k1, k2 = jax.random.split(jax.random.key(3))
-  do = jax.random.normal(k1, x.v.shape)
-  dht = jax.random.normal(k2, x.h0.shape)
-  xs = (*x.args(), x.h0)
+  xs, do, dht = _unbounded_case(1, 72, gdn=gdn)
 
   def pallas(diag_kernels):
     return functools.partial(api.chunk_kda, implementation="pallas", interpret=True,
@@ -118,12 +121,7 @@ def test_wide_tiles_at_their_defaults():
   """L = 32 (the decay ablation's tile-32 arm) at its defaults, where the
   diagonal kernels loop over their five levels: the op against the naive
   recurrence, f32, unbounded gates, T = 100 on C = 64 (off the grid)."""
-  x = make_inputs(5, batch=1, seq_len=100, heads=2, dk=32, dv=16)
-  x.g = _unbounded_gates(jax.random.key(6), x.g.shape)
-  k1, k2 = jax.random.split(jax.random.key(7))
-  do = jax.random.normal(k1, x.v.shape)
-  dht = jax.random.normal(k2, x.h0.shape)
-  xs = (*x.args(), x.h0)
+  xs, do, dht = _unbounded_case(5, 100)
   cfg = kernel_config.make_config(backend="interpret", dtype=jnp.float32, head_k=32, head_v=16,
                                   chunk_size=64, sub_chunk=32)
   assert cfg.diag_kernels and cfg.diag_level_loop
