@@ -3,8 +3,8 @@
 * matmuls and exponentials: `dot`, `exp`, `iota`, `add_all`; static slices
   of the head widths: `k_slices`, `width_slices`;
 * the anchored decay factors of a row sub-tile (`tile_factors`) and of the
-  pairwise diagonal's levels (`pair_levels`, `level_factors`, `anchor_picker`,
-  `same_block`);
+  pairwise diagonal's levels (`pair_levels`, `level_factors`, `level_decay`,
+  `level_pairs`, `anchor_picker`, `same_block`);
 * BlockSpecs of the per-chunk kernels (`chunk_specs`) and the grid of the
   state kernels (`state_grid`, `state_launch_options`);
 * the score gradients shared by both intra backward bodies
@@ -180,11 +180,39 @@ def level_factors(g_rk, s: int, pick=None):
     col_rk: e^{u - G_j} on lower-half rows, zero on upper-half rows.
     Both [R, K'] f32; exponents are masked before exp.
   """
-  row = iota((g_rk.shape[0], 1), 0)
-  upper = jnp.bitwise_and(row, s) != 0
-  diff = g_rk - (pick or anchors_by_reshape)(g_rk, s)
-  e = exp(jnp.where(upper, diff, -diff))                             # <= 1 on both halves
+  upper = _upper_half(g_rk.shape[0], s)
+  e = level_decay(g_rk, s, pick)
   return jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
+
+
+def _upper_half(rows: int, s):
+  """[R, 1] bool: the rows in the upper half of their aligned 2s-row block."""
+  return jnp.bitwise_and(iota((rows, 1), 0), s) != 0
+
+
+def level_decay(g_rk, s, pick=None):
+  """Level s's decay factors of `level_factors`, unmasked: [R, K'] f32,
+  e^{G_i - u} on upper-half rows and e^{u - G_j} on lower-half rows.
+
+  Both are <= 1 (as `level_factors`), so a product of any two rows' factors
+  is finite: a kernel may use these unmasked operands and mask the [R, R]
+  product to the level's pairs (`level_pairs`) instead of zeroing half of
+  each operand. The sign goes into the exponent's log2 e factor (one
+  multiply, no select); the values equal `level_factors`' bit for bit.
+  """
+  diff = g_rk - (pick or anchors_by_reshape)(g_rk, s)
+  sign = jnp.where(_upper_half(g_rk.shape[0], s), _LOG2_E, -_LOG2_E)
+  return jnp.exp2(diff * sign)
+
+
+def level_pairs(rows: int, s, transpose: bool = False):
+  """[R, R] bool: level s's pairs (i, j), i in the upper and j in the lower
+  half of one aligned 2s-row block (`level_factors`); with `transpose`, the
+  same pairs as (j, i)."""
+  row, col = iota((rows, 1), 0), iota((1, rows), 1)
+  later, earlier = (col, row) if transpose else (row, col)
+  return ((jnp.bitwise_and(row, -2 * s) == jnp.bitwise_and(col, -2 * s))
+          & (jnp.bitwise_and(later, s) != 0) & (jnp.bitwise_and(earlier, s) == 0))
 
 
 def anchors_by_reshape(g_rk, s: int):

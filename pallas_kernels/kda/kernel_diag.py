@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (anchor_picker, chunk_specs, dot, iota, k_slices,
-                                              level_factors, pair_levels, same_block)
+                                              level_decay, level_pairs, pair_levels)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -62,30 +62,33 @@ def _tile_scores(q_ref, k_ref, g_ref, beta_ref, start, *, scale, ell, cfg):
   """(A_qk, A_kk) [L, L] f32 of the diagonal tile whose first row is `start`.
 
   A_qk holds j <= i (its diagonal q_i . k_i, no decay), A_kk j < i; both
-  summed over K slices of cfg.diag_block_k, one masked product per level and slice.
+  summed over K slices of cfg.diag_block_k, two products per level and
+  slice. Each level's operands are q e and k e with its unmasked factors
+  (`level_decay`): k e serves as the row operand of A_kk and the column
+  operand of both, the [L, L] products are masked to the level's pairs
+  (`level_pairs`), and the scale and beta multiply the [L, L] sums.
   """
   rows = pl.ds(start, ell)
-  beta = beta_ref[rows, :]
   s_qk = s_kk = jnp.zeros((ell, ell), _F32)
-  eye = iota((ell, 1), 0) == iota((1, ell), 1)
+  on_diag = jnp.zeros((ell, 1), _F32)
   for ks in k_slices(cfg, q_ref.shape[1], cfg.diag_block_k):
     g = g_ref[rows, ks]
-    q = q_ref[rows, ks].astype(_F32) * scale
+    q = q_ref[rows, ks].astype(_F32)
     k = k_ref[rows, ks].astype(_F32)
-    xk = beta * k
     pick = anchor_picker(cfg, g_ref, start, ks)
 
-    def level(s, acc, g=g, q=q, k=k, xk=xk, pick=pick):
+    def level(s, acc, g=g, q=q, k=k, pick=pick):
       a_qk, a_kk = acc
-      row_f, col_f = level_factors(g, s, pick)
-      yk = k * col_f
-      blk = same_block(ell, 2 * s)
-      return (a_qk + jnp.where(blk, dot(q * row_f, yk, cfg, tb=True), 0.0),
-              a_kk + jnp.where(blk, dot(xk * row_f, yk, cfg, tb=True), 0.0))
+      e = level_decay(g, s, pick)
+      ke = k * e
+      pairs = level_pairs(ell, s)
+      return (a_qk + jnp.where(pairs, dot(q * e, ke, cfg, tb=True), 0.0),
+              a_kk + jnp.where(pairs, dot(ke, ke, cfg, tb=True), 0.0))
 
     s_qk, s_kk = _levels(ell, cfg, level, (s_qk, s_kk))
-    s_qk = s_qk + jnp.where(eye, jnp.sum(q * k, axis=1, keepdims=True), 0.0)
-  return s_qk, s_kk
+    on_diag = on_diag + jnp.sum(q * k, axis=1, keepdims=True)
+  eye = iota((ell, 1), 0) == iota((1, ell), 1)
+  return scale * (s_qk + jnp.where(eye, on_diag, 0.0)), beta_ref[rows, :] * s_kk
 
 
 def _diag_scores_kernel(q_ref, k_ref, g_ref, beta_ref, dqk_ref, dkk_ref, *, scale, ell, cfg):
@@ -173,21 +176,25 @@ def _diag_grads_kernel(q_ref, k_ref, g_ref, beta_ref, da_ref, daq_ref, dat_ref, 
       pick = anchor_picker(cfg, g_ref, start, ks)
 
       def level(s, acc, g=g, q=q, k=k, bk=bk, pick=pick):
+        # The factors unmasked (`level_decay`): the [L, L] blocks masked to
+        # the level's pairs select the rows of each operand that count, and
+        # every row of t = block @ x outside them is zero.
         dq, dk, dgc, r_acc = acc
-        row_f, col_f = level_factors(g, s, pick)
-        blk = same_block(ell, 2 * s)
-        product = lambda side, x: dot(jnp.where(blk, blocks[side], 0), x, cfg, dtype=sdt)
-        yk = rnd(k * col_f)
-        xq = rnd(q * row_f)
-        xk = rnd(bk * row_f)
+        e = level_decay(g, s, pick)
+        pairs = {"row": level_pairs(ell, s), "col": level_pairs(ell, s, transpose=True)}
+        product = lambda side, x: dot(jnp.where(pairs[side[2:]], blocks[side], 0), x, cfg,
+                                      dtype=sdt)
+        yk = rnd(k * e)
+        xq = rnd(q * e)
+        xk = rnd(bk * e)
         t = product("q_row", yk)
-        dq = dq + row_f * t
+        dq = dq + e * t
         dgc = dgc + xq * t
         t = product("k_row", yk)
-        r_acc = r_acc + row_f * t
+        r_acc = r_acc + e * t
         dgc = dgc + xk * t
         t = product("q_col", xq) + product("k_col", xk)
-        return dq, dk + col_f * t, dgc - yk * t, r_acc
+        return dq, dk + e * t, dgc - yk * t, r_acc
 
       zero = jnp.zeros_like(g)
       dq, dk, dgc, r_acc = _levels(ell, cfg, level, (dq, dk, zero, zero))
