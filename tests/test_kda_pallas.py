@@ -257,6 +257,24 @@ class KdaPallasChecks:
       assert err < GRAD_TOL[(self.backend, "bfloat16")], f"{name}: {err:.2e}"
 
   @pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
+  def test_f16_at_the_bound(self, diagonal):
+    """f16 inputs with gates at the bound: the diagonal tiles' factors reach
+    e^{|g_min| (L - 1)} = e^75, past f16's range, so the kernels take bf16
+    operands (`kernel_config.heuristic_config`); o (in f16) and the
+    gradients stay within the bf16 tolerances of the f32 recurrence."""
+    b, t, h, dk, dv = self.shape
+    q, k, v, g, beta, key = _inputs(14, b, t, h, dk, dv, dtype=jnp.float16, at_bound=True)
+    do = jax.random.normal(key, (b, t, h, dv), jnp.float16)
+    o, grads = _o_and_vjp(self._pallas(diagonal), (q, k, v, g, beta), do)
+    f32 = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    o_ref, grads_ref = _o_and_vjp(reference.naive_recurrent_kda, f32, do.astype(jnp.float32))
+    assert o.dtype == jnp.float16
+    assert rel_err(o.astype(jnp.float32), o_ref, jnp.bfloat16) < TOL[(self.backend, "bfloat16")]
+    for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
+      err = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
+      assert err < GRAD_TOL[(self.backend, "bfloat16")], f"{name}: {err:.2e}"
+
+  @pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
   def test_causal_under_future_gates(self, diagonal):
     """Changing gates after position p leaves outputs before p bit-identical."""
     b, t, h, dk, dv = self.shape

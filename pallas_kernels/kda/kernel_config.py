@@ -96,8 +96,9 @@ class KernelConfig:
       GPU with sub_chunk >= 16, else "tiles"; "split" is not lowered for TPU.
     mm_dtype: operand dtype of every matmul outside the intra backward and
       of stored intermediates (f32 accumulation). Default the input dtype
-      (f32 inputs: 3xTF32 on the GPU). The blocked inverse's diagonal levels
-      take bf16 operands unless it is f32.
+      (f32 inputs: 3xTF32 on the GPU), but bf16 for f16 inputs, whose range
+      (e^-9.7 to e^11) cannot hold the diagonal tiles' decay factors. The
+      blocked inverse's diagonal levels take bf16 operands unless it is f32.
     intra_bwd_mm_dtype: operand dtype of the intra backward's matmuls, and
       storage dtype of the saved M, entry states, V' and the per-chunk dS.
       Default the input dtype on the GPU at K * V > 64 * 128 (f32 operands
@@ -418,7 +419,11 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
   dtype = jnp.dtype(dtype)
   on_tpu = backend in ("tpu", "tpu_interpret")
   dk, dv, ell = shape.head_k, shape.head_v, shape.sub_chunk
-  mm_dtype = jnp.dtype(jnp.float32) if dtype == jnp.float32 else dtype
+  # f16's range ends at e^11: the dense diagonal's column factors overflow
+  # it within the bound and every path's small factors underflow it, so f16
+  # inputs take bf16 operands (f32 accumulation, as every matmul here).
+  mm_dtype = {jnp.dtype(jnp.float32): jnp.dtype(jnp.float32),
+              jnp.dtype(jnp.float16): jnp.dtype(jnp.bfloat16)}.get(dtype, dtype)
   # f32 intra-backward operands overflow shared memory at K = V = 128; a
   # width between 64 x 128 and that (96 x 96) takes the input dtype too, as
   # 128 does, and as it did when it was padded to 128.
