@@ -19,6 +19,7 @@ from pallas_kernels.kda import api
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import reference
+from pallas_kernels.kda import spec
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
 from tests.kda_inputs import rel_err
 
@@ -255,6 +256,38 @@ class KdaPallasChecks:
     for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta"), grads, grads_ref):
       err = rel_err(a.astype(jnp.float32), r, jnp.bfloat16)
       assert err < GRAD_TOL[(self.backend, "bfloat16")], f"{name}: {err:.2e}"
+
+  def test_dense_at_the_limit_of_the_bound(self):
+    """g_min = -85 / (L - 1), the most negative bound the dense diagonal
+    takes (`spec.MAX_EXP_ARG`), gates at it: its column factors reach e^85
+    and its row factors e^-85, where unshifted row operands underflowed f32
+    (o was 30% off; `kernel_common.DIAG_SHIFT`). o, the final state and
+    every gradient against the naive recurrence, f32; dG at 1e-4: at this
+    decay its norm is small against its terms (3.6e-5 measured in
+    interpret mode)."""
+    b, t, h, dk, dv = self.shape
+    bound = -spec.MAX_EXP_ARG / (self.sub_chunk - 1)
+    q, k, v, _, beta, key = _inputs(15, b, t, h, dk, dv)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    g = bound * jax.nn.sigmoid(6.0 + jax.random.normal(k4, q.shape))
+    h0 = jax.random.normal(k1, (b, h, dk, dv))
+    do = jax.random.normal(k2, (b, t, h, dv))
+    dht = jax.random.normal(k3, (b, h, dk, dv))
+
+    def loss(fn, *xs):
+      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
+      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
+
+    xs = (q, k, v, g, beta, h0)
+    pallas = self._pallas("dense", lower_bound=bound)
+    (_, (o, ht)), got = _jit_vg(functools.partial(loss, pallas))(*xs)
+    (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
+    tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
+    for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+                          (o, ht, *got), (o_r, ht_r, *want)):
+      err = rel_err(a, r, jnp.float32)
+      limit = tol if name in ("o", "ht") else (max(gtol, 1e-4) if name == "dg" else gtol)
+      assert err < limit, f"{name}: {err:.2e}"
 
   @pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
   def test_f16_at_the_bound(self, diagonal):

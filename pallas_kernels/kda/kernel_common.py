@@ -57,15 +57,37 @@ def iota(shape, axis):
 _LOG2_E = 1.4426950408889634
 
 
-def exp(x):
-  """e^x as 2^(x log2 e), for every exponential inside the kernels.
+# Power of two carried by the anchored decay factors of a row tile
+# (`tile_factors`): the row factor e^{G_i - a} (down to e^-85 in a dense
+# diagonal tile) times 2^DIAG_SHIFT, the column factor e^{a - G_j} (up to
+# e^85) times 2^-DIAG_SHIFT; their products are unchanged. Unshifted, a row
+# operand x e^{G_i - a} underflowed f32's (and bf16's) smallest normal,
+# 1.18e-38, for every entry |x| < 1.18e-38 e^85 = 0.097, losing own-tile
+# terms as large as x itself (30% error in o at |g_min| (L - 1) = 84, f32).
+# Shifted, only entries below 1.18e-38 e^85 2^-29 = 1.8e-10 can; the column
+# factor stays below e^85 2^-29 = 1.5e28, and an off-diagonal column factor
+# (<= 2^-29) underflows only where its term is below 2^-97 of the operands.
+DIAG_SHIFT = 29
+
+
+def exp(x, shift: int = 0):
+  """e^x 2^shift as 2^(x log2 e + shift), for every exponential inside the kernels.
 
   The Triton lowering maps jnp.exp to libdevice's expf, about 9 SASS
   instructions per element, and exp2 to one MUFU.EX2 plus a few. The extra
-  rounding of x log2 e is a relative error of about 2^-24 |x log2 e|: below
-  1e-5 even for the largest dense diagonal factor (|x| <= 85, `tiling`).
+  rounding of x log2 e (+ shift) is a relative error of about
+  2^-24 |x log2 e + shift|: below 1e-5 even for the largest dense diagonal
+  factor (|x| <= 85, `spec.MAX_EXP_ARG`). `shift` (an int) scales by an
+  exact power of two inside the exponent (`DIAG_SHIFT`).
   """
-  return jnp.exp2(x * _LOG2_E)
+  return jnp.exp2(x * _LOG2_E + shift) if shift else jnp.exp2(x * _LOG2_E)
+
+
+def shifted_pair(d, shift: int = DIAG_SHIFT):
+  """(e^d 2^shift, e^-d 2^-shift) from one exponent, t = d log2 e + shift:
+  2^t and 2^-t (a row factor and its tile's column factor, `DIAG_SHIFT`)."""
+  t = d * _LOG2_E + shift
+  return jnp.exp2(t), jnp.exp2(-t)
 
 
 def k_slices(cfg: KernelConfig, dk: int, width: int | None = None) -> list:
@@ -126,19 +148,22 @@ def tile_factors(g_ck, anchor_1k, r: int, ell: int, diagonal: str):
     anchor_1k: [1, K], g_ck at row r * ell.
 
   Returns:
-    row_ck: e^{G_i - a} on the rows of tile r (<= 1), zero elsewhere.
-    col_ck: e^{a - G_j} on the columns tile r may see through the anchored
-      matmul (earlier tiles: <= 1; its own tile when `dense`:
-      <= e^{|g_min| (L - 1)}), zero elsewhere. Exponents are masked before
-      exp, so nothing overflows.
+    row_ck: e^{G_i - a} 2^DIAG_SHIFT on the rows of tile r (<= 2^DIAG_SHIFT),
+      zero elsewhere.
+    col_ck: e^{a - G_j} 2^-DIAG_SHIFT on the columns tile r may see through
+      the anchored matmul (earlier tiles: e^{a - G_j} <= 1; its own tile
+      when `dense`: <= e^{|g_min| (L - 1)}), zero elsewhere. Exponents are
+      masked before exp, so nothing overflows; the shifts cancel in every
+      row-by-column product (`DIAG_SHIFT`: without them the row operands
+      underflow at the bound).
   """
   c = g_ck.shape[0]
   row = iota((c, 1), 0)
   in_r = (row >= r * ell) & (row < (r + 1) * ell)
   visible = row < ((r + 1) * ell if diagonal == "dense" else r * ell)
   diff = g_ck - anchor_1k
-  row_ck = jnp.where(in_r, exp(jnp.where(in_r, diff, 0.0)), 0.0)
-  col_ck = jnp.where(visible, exp(jnp.where(visible, -diff, 0.0)), 0.0)
+  row_ck = jnp.where(in_r, exp(jnp.where(in_r, diff, 0.0), DIAG_SHIFT), 0.0)
+  col_ck = jnp.where(visible, exp(jnp.where(visible, -diff, 0.0), -DIAG_SHIFT), 0.0)
   return row_ck, col_ck
 
 

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (chunk_specs, dot, exp, iota, k_slices,
-                                              anchor_picker, level_factors, pair_levels,
-                                              same_block, tile_factors, width_slices)
+from pallas_kernels.kda.kernel_common import (DIAG_SHIFT, chunk_specs, dot, exp, iota,
+                                              k_slices, anchor_picker, level_factors, pair_levels,
+                                              same_block, shifted_pair, tile_factors,
+                                              width_slices)
 from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -136,7 +137,7 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
       p_qk = p_kk = jnp.zeros((ell, c), _F32)     # no earlier tile to see
     else:
       anchor = g_ref[pl.ds(r * ell, 1), :]
-      row_f = exp(g_ref[rows, :] - anchor)               # <= 1
+      row_f = exp(g_ref[rows, :] - anchor, DIAG_SHIFT)   # <= 2^DIAG_SHIFT, as tile_factors'
       _, col_f = tile_factors(g, anchor, r, ell, diagonal)
       yk = k * col_f
       p_qk = dot(q_l * row_f, yk, cfg, tb=True, dtype=sdt)
@@ -196,15 +197,16 @@ def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scal
     if r + 1 < nt:
       a_next = jnp.where(in_tile[r], anchors[r + 1], a_next)
   k = k_ref[:, ks].astype(_F32)
-  row_f = exp(g - a_own)                                         # <= 1
+  # The anchored factors carry 2^+-DIAG_SHIFT (`kernel_common.tile_factors`).
+  row_f, own_f = shifted_pair(g - a_own)                         # <= 2^DIAG_SHIFT; own tile
   xq = q_ref[:, ks].astype(_F32) * scale * row_f
   xk = beta_ref[...] * k * row_f
-  k_next = k * exp(a_next - g)                                   # <= 1 off the last tile
+  k_next = k * exp(a_next - g, -DIAG_SHIFT)                      # <= 2^-DIAG_SHIFT off the last tile
   if diagonal == "dense":
     same = jnp.zeros((c, c), jnp.bool_)
     for r in range(nt):
       same = same | (in_tile[r] & (col >= r * ell) & (col < (r + 1) * ell))
-    k_own = k * exp(a_own - g)                                   # <= e^{|g_min| (L-1)}
+    k_own = k * own_f                                            # <= e^{|g_min| (L-1)} 2^-DIAG_SHIFT
     p_qk = p_qk + jnp.where(same, dot(xq, k_own, cfg, tb=True, dtype=sdt), 0.0)
     p_kk = p_kk + jnp.where(same, dot(xk, k_own, cfg, tb=True, dtype=sdt), 0.0)
   for s in range(nt - 1):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels.kda import tiling
 from pallas_kernels.kda import spec as spec_lib
 from pallas_kernels.kda import inputs
+from pallas_kernels.kda.kernel_common import DIAG_SHIFT as _DIAG_SHIFT
 from pallas_kernels.kda.spec import KdaSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -139,7 +140,11 @@ def _anchored_scores(x_ck, y_ck, g_cum_ck, *, sub_chunk, diagonal, strict):
   x_rlk = x_ck.reshape(batch + (n_tiles, ell, dk))
   g_rlk = g_cum_ck.reshape(batch + (n_tiles, ell, dk))
   g_anchor_rk = g_rlk[..., 0, :]
-  x_anch = x_rlk * jnp.exp(g_rlk - g_anchor_rk[..., None, :])
+  # The factors carry 2^+-29, which cancel in each product: unshifted, x
+  # e^{G - a} underflows float32 for entries below 0.1 when the column
+  # factor reaches e^85 (`kernel_common.DIAG_SHIFT`).
+  shift = 2.0 ** _DIAG_SHIFT
+  x_anch = x_rlk * (jnp.exp(g_rlk - g_anchor_rk[..., None, :]) * shift)
 
   # Column factor per row tile: exp(G_a - G_j) for the columns this tile may
   # see. The exponent is masked *before* exp so that no inf (and no NaN in
@@ -150,7 +155,8 @@ def _anchored_scores(x_ck, y_ck, g_cum_ck, *, sub_chunk, diagonal, strict):
     visible_rc = tile_of[None, :] < jnp.arange(n_tiles)[:, None]
   expo = g_anchor_rk[..., :, None, :] - g_cum_ck[..., None, :, :]
   expo = jnp.where(visible_rc[..., None], expo, 0.0)
-  y_anch = jnp.where(visible_rc[..., None], y_ck[..., None, :, :] * jnp.exp(expo), 0.0)
+  y_anch = jnp.where(visible_rc[..., None], y_ck[..., None, :, :] * (jnp.exp(expo) / shift),
+                     0.0)
   scores = _einsum("...rik,...rjk->...rij", x_anch, y_anch).reshape(batch + (c, c))
 
   if diagonal == "pairwise":
