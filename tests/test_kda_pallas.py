@@ -58,6 +58,25 @@ def _jit_vg(loss):
                                                 has_aux=True)(*xs))
 
 
+def _with_states(fn, xs, key):
+  """((o, ht), the gradients w.r.t. q, k, v, g, beta and h0) of `fn` on xs =
+  (q, k, v, g, beta) with a random initial state h0, against random
+  cotangents of o and of the final state ht; h0 and both cotangents from key."""
+  q, v = xs[0], xs[2]
+  b, t, h, dk = q.shape
+  k1, k2, k3 = jax.random.split(key, 3)
+  h0 = jax.random.normal(k1, (b, h, dk, v.shape[-1]))
+  do = jax.random.normal(k2, v.shape)
+  dht = jax.random.normal(k3, h0.shape)
+
+  def loss(*args):
+    o, ht = fn(*args[:5], initial_state=args[5], output_final_state=True)
+    return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
+
+  (_, out), grads = _jit_vg(loss)(*xs, h0)
+  return out, grads
+
+
 def _o_and_vjp(fn, xs, do):
   """Jitted (o, grads) of `fn(*xs)[0]` with cotangent `do`."""
   def run(xs, do):
@@ -137,18 +156,8 @@ class KdaPallasChecks:
     """o, final state and all six gradients; KDA gates at the bound / GDN gates."""
     b, t, h, dk, dv = self.shape
     q, k, v, g, beta, key = _inputs(2, b, t, h, dk, dv, gdn=gdn, at_bound=at_bound)
-    k1, k2, k3 = jax.random.split(key, 3)
-    h0 = jax.random.normal(k1, (b, h, dk, dv))
-    do = jax.random.normal(k2, (b, t, h, dv))
-    dht = jax.random.normal(k3, (b, h, dk, dv))
-
-    def loss(fn, *xs):
-      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
-      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
-
-    xs = (q, k, v, g, beta, h0)
-    (_, (o, ht)), got = _jit_vg(functools.partial(loss, self._pallas(diagonal)))(*xs)
-    (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
+    (o, ht), got = _with_states(self._pallas(diagonal), (q, k, v, g, beta), key)
+    (o_r, ht_r), want = _with_states(reference.naive_recurrent_kda, (q, k, v, g, beta), key)
     tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
     assert o.shape == o_r.shape and o.dtype == q.dtype
     assert rel_err(o, o_r, jnp.float32) < tol
@@ -268,20 +277,11 @@ class KdaPallasChecks:
     b, t, h, dk, dv = self.shape
     bound = -spec.MAX_EXP_ARG / (self.sub_chunk - 1)
     q, k, v, _, beta, key = _inputs(15, b, t, h, dk, dv)
-    k1, k2, k3, k4 = jax.random.split(key, 4)
-    g = bound * jax.nn.sigmoid(6.0 + jax.random.normal(k4, q.shape))
-    h0 = jax.random.normal(k1, (b, h, dk, dv))
-    do = jax.random.normal(k2, (b, t, h, dv))
-    dht = jax.random.normal(k3, (b, h, dk, dv))
-
-    def loss(fn, *xs):
-      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True)
-      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
-
-    xs = (q, k, v, g, beta, h0)
-    pallas = self._pallas("dense", lower_bound=bound)
-    (_, (o, ht)), got = _jit_vg(functools.partial(loss, pallas))(*xs)
-    (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
+    gate_key, key = jax.random.split(key)
+    g = bound * jax.nn.sigmoid(6.0 + jax.random.normal(gate_key, q.shape))
+    xs = (q, k, v, g, beta)
+    (o, ht), got = _with_states(self._pallas("dense", lower_bound=bound), xs, key)
+    (o_r, ht_r), want = _with_states(reference.naive_recurrent_kda, xs, key)
     tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
     for name, a, r in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
                           (o, ht, *got), (o_r, ht_r, *want)):
