@@ -12,6 +12,8 @@ Layouts follow fla: q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K] (KDA) or [B,T,H]
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -140,11 +142,13 @@ def _anchored_scores(x_ck, y_ck, g_cum_ck, *, sub_chunk, diagonal, strict):
   x_rlk = x_ck.reshape(batch + (n_tiles, ell, dk))
   g_rlk = g_cum_ck.reshape(batch + (n_tiles, ell, dk))
   g_anchor_rk = g_rlk[..., 0, :]
-  # The factors carry 2^+-29, which cancel in each product: unshifted, x
-  # e^{G - a} underflows float32 for entries below 0.1 when the column
-  # factor reaches e^85 (`kernel_common.DIAG_SHIFT`).
-  shift = 2.0 ** _DIAG_SHIFT
-  x_anch = x_rlk * (jnp.exp(g_rlk - g_anchor_rk[..., None, :]) * shift)
+  # The factors carry e^+-c, c = 29 ln 2, which cancel in each product:
+  # unshifted, x e^{G - a} underflows float32 for entries below 0.1 when the
+  # column factor reaches e^85 (`kernel_common.DIAG_SHIFT`). The shift sits
+  # inside the exponent so that autodiff's cotangent of each factor, the size
+  # of the other factor's reciprocal, does not underflow either.
+  shift = _DIAG_SHIFT * math.log(2.0)
+  x_anch = x_rlk * jnp.exp(g_rlk - g_anchor_rk[..., None, :] + shift)
 
   # Column factor per row tile: exp(G_a - G_j) for the columns this tile may
   # see. The exponent is masked *before* exp so that no inf (and no NaN in
@@ -155,8 +159,7 @@ def _anchored_scores(x_ck, y_ck, g_cum_ck, *, sub_chunk, diagonal, strict):
     visible_rc = tile_of[None, :] < jnp.arange(n_tiles)[:, None]
   expo = g_anchor_rk[..., :, None, :] - g_cum_ck[..., None, :, :]
   expo = jnp.where(visible_rc[..., None], expo, 0.0)
-  y_anch = jnp.where(visible_rc[..., None], y_ck[..., None, :, :] * (jnp.exp(expo) / shift),
-                     0.0)
+  y_anch = jnp.where(visible_rc[..., None], y_ck[..., None, :, :] * jnp.exp(expo - shift), 0.0)
   scores = _einsum("...rik,...rjk->...rij", x_anch, y_anch).reshape(batch + (c, c))
 
   if diagonal == "pairwise":
