@@ -270,7 +270,7 @@ class KdaPallasChecks:
     """g_min = -85 / (L - 1), the most negative bound the dense diagonal
     takes (`spec.MAX_EXP_ARG`), gates at it: its column factors reach e^85
     and its row factors e^-85, where unshifted row operands underflowed f32
-    (o was 30% off; `kernel_common.DIAG_SHIFT`). o, the final state and
+    (o was 30-50% off; `kernel_common.DIAG_SHIFT`). o, the final state and
     every gradient against the naive recurrence, f32; dG at 1e-4: at this
     decay its norm is small against its terms (3.6e-5 measured in
     interpret mode)."""
