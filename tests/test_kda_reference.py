@@ -171,29 +171,34 @@ class TestDiagonalStrategies:
     assert_close(o_b, o_b_ref, rtol_for(jnp.float32, 64), "bounded dense")
 
 
+def _outputs_and_grads(fn, inp, key, **kw):
+  """(o, the gradients w.r.t. q, k, v, g, beta and h0) of `fn` on `inp` with
+  its initial state, against random cotangents of o and of the final state
+  drawn from `key`; jitted."""
+  ct_key_o, ct_key_s = jax.random.split(key)
+
+  @jax.jit
+  def run(primals):
+    def f(q, k, v, g, beta, h0):
+      return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    out, vjp = jax.vjp(f, *primals)
+    ct = (jax.random.normal(ct_key_o, out[0].shape),
+          jax.random.normal(ct_key_s, out[1].shape))
+    return out[0], vjp(ct)
+
+  return run((*inp.args(), inp.h0))
+
+
 class TestGradients:
 
   @pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
   @pytest.mark.parametrize("scalar_gate", [False, True])
   def test_vjp_matches_naive(self, diagonal, scalar_gate):
     inp = make_inputs(15, seq_len=45, scalar_gate=scalar_gate, gate="mixed")
-    ct_key_o, ct_key_s = jax.random.split(jax.random.key(1))
-    primals = (*inp.args(), inp.h0)
-
-    def run(fn, **kw):
-      @jax.jit
-      def grads(primals):
-        def f(q, k, v, g, beta, h0):
-          return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
-        out, vjp = jax.vjp(f, *primals)
-        ct = (jax.random.normal(ct_key_o, out[0].shape),
-              jax.random.normal(ct_key_s, out[1].shape))
-        return vjp(ct)
-      return grads(primals)
-
-    grads_ref = run(reference.naive_recurrent_kda)
-    grads = run(reference.chunk_kda_xla, chunk_size=16, sub_chunk=8, diagonal=diagonal,
-                lower_bound=-5.0)
+    _, grads_ref = _outputs_and_grads(reference.naive_recurrent_kda, inp, jax.random.key(1))
+    _, grads = _outputs_and_grads(reference.chunk_kda_xla, inp, jax.random.key(1),
+                                  chunk_size=16, sub_chunk=8, diagonal=diagonal,
+                                  lower_bound=-5.0)
     for name, gr, gx in zip(("q", "k", "v", "g", "beta", "h0"), grads_ref, grads):
       assert_close(gx, gr, 5 * rtol_for(jnp.float32, 45, 16), f"d{name}")
 
@@ -207,23 +212,10 @@ class TestGradients:
     recurrence, f32."""
     g_min = -spec_lib.MAX_EXP_ARG / (sub_chunk - 1)
     inp = make_inputs(17, batch=1, seq_len=150, dk=32, g_min=g_min, gate="at")
-    ct_key_o, ct_key_s = jax.random.split(jax.random.key(2))
-    primals = (*inp.args(), inp.h0)
-
-    def run(fn, **kw):
-      @jax.jit
-      def outputs_and_grads(primals):
-        def f(q, k, v, g, beta, h0):
-          return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
-        out, vjp = jax.vjp(f, *primals)
-        ct = (jax.random.normal(ct_key_o, out[0].shape),
-              jax.random.normal(ct_key_s, out[1].shape))
-        return out[0], vjp(ct)
-      return outputs_and_grads(primals)
-
-    o_ref, grads_ref = run(reference.naive_recurrent_kda)
-    o, grads = run(reference.chunk_kda_xla, chunk_size=64, sub_chunk=sub_chunk,
-                   diagonal="dense", lower_bound=g_min)
+    o_ref, grads_ref = _outputs_and_grads(reference.naive_recurrent_kda, inp, jax.random.key(2))
+    o, grads = _outputs_and_grads(reference.chunk_kda_xla, inp, jax.random.key(2),
+                                  chunk_size=64, sub_chunk=sub_chunk, diagonal="dense",
+                                  lower_bound=g_min)
     tol = rtol_for(jnp.float32, 150)
     assert_close(o, o_ref, tol, "o")
     for name, gr, gx in zip(("q", "k", "v", "g", "beta", "h0"), grads_ref, grads):
