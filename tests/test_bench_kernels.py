@@ -98,6 +98,9 @@ def test_tuning_grid_and_table():
   # Stages a row did not run print as "-"; the split kernels are not added to bwd sum twice.
   assert "| 13.000 | - | - | 5.500* | 15.000 |" in rows["a"]
   assert "| 14.000 | 3.000* | 11.000* | 6.000 | 16.000 |" in rows["d"]
+  # A row of stages outside both sums (tune_kda --stages=diag_fwd,diag_bwd) has no sums.
+  only_diag = bench.stage_table([("e", {"diag_fwd": 0.2, "diag_bwd": 0.4})]).splitlines()[2]
+  assert only_diag == "| e | 0.200* | 0.400* | - | - |"
 
 
 @pytest.mark.parametrize("block_v", [12, 128, 0])

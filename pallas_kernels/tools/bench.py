@@ -359,8 +359,10 @@ def stage_table(rows: list[tuple[str, dict | str]]) -> str:
   values = []
   for label, r in rows:
     if isinstance(r, dict):
-      sums = {"fwd sum": sum(r[s] for s in FWD_STAGES if s in r),
-              "bwd sum": sum(r[s] for s in BWD_STAGES if s in r)}
+      # A sum of stages none of which ran (--stages) prints as "-", not 0.
+      sums = {name: sum(r[s] for s in group if s in r)
+              for name, group in (("fwd sum", FWD_STAGES), ("bwd sum", BWD_STAGES))
+              if any(s in r for s in group)}
       values.append((label, {**r, **sums}))
     else:
       values.append((label, r))
