@@ -15,17 +15,23 @@ then evaluate (GPU wheels installed as in configs/gpu_150m.py):
 
   python3 experiments/run_ablations.py --out=/tmp/long --setting=full --sweeps=long --seeds=0,1,2 \
       --jobs=6 --max_wall_s=400 --stop_after_s=540 --summary=$OUT/long_train.json
-  python3 experiments/long_context.py --out=/tmp/long --setting=full --seeds=0,1,2 \
+  python3 experiments/long_context.py --out=/tmp/long --setting=full --seeds=0,1,2 --notrain \
       --summary=$OUT/long_context_full.json
 
 (`run_ablations.py` already evaluates each run; repeat the first command until its summary lists no
-missing runs; the second command only collects the cached records and prints the tables.) Then, in the checkout, render the results page from the copied summary:
+missing runs; the second command only collects the cached records and prints the tables, and with
+--notrain stops with an error rather than training a missing run inside the call.) Then, in the checkout, render the results page from the copied summary:
 
   python experiments/long_context.py --render_only --summary=docs/results/long_context_full.json \
       --results_page=docs/results.md
 
-Run directories trained elsewhere (e.g. `configs/long_context.py` at the gpu_150m scale) are
-evaluated with `--runs=DIR1,DIR2 --names=bounded,softplus`.
+Run directories trained elsewhere (e.g. `configs/ablations/long_context.py` at the gpu_150m scale) are
+evaluated with `--runs=DIR1,DIR2 --names=bounded,softplus`. A run directory lives only as long as the
+call that trained it, so each call evaluates its own runs into a summary of its own, and the summaries
+come together here:
+
+  python experiments/long_context.py --combine=long_bounded.json,long_softplus.json,long_attention.json \
+      --summary=docs/results/long_context_full.json --results_page=docs/results.md
 """
 import json
 import os
@@ -63,6 +69,9 @@ flags.DEFINE_integer("decode_new", 256, "--runs: tokens decoded after the prefil
 flags.DEFINE_string("summary", None, "Summary JSON to write (default: <out>/long_context_summary.json).")
 flags.DEFINE_string("results_page", None, "Markdown page whose `<!-- long:NAME -->` tables are rendered.")
 flags.DEFINE_bool("render_only", False, "Only render --results_page from --summary.")
+flags.DEFINE_list("combine", [], "Summaries of earlier calls (e.g. one per arm, each evaluated with "
+                  "--runs in the call that trained it) to combine into --summary (later files win per "
+                  "run); then print the tables and render --results_page.")
 
 
 def _ints(values, name):
@@ -126,6 +135,15 @@ def main(argv):
     if not FLAGS.summary or not FLAGS.results_page:
       raise app.UsageError("--render_only needs --summary and --results_page")
     summary = summary_lib.read_summary(FLAGS.summary)
+  elif FLAGS.combine:
+    if not FLAGS.summary or FLAGS.runs or FLAGS.out:
+      raise app.UsageError("--combine needs --summary (the combined file to write), and no --runs or --out")
+    try:
+      summary = summary_lib.combine_summaries(summary_lib.read_summary(p) for p in FLAGS.combine)
+    except ValueError as e:
+      raise app.UsageError(f"--combine: {e}") from e
+    summary_lib.write_summary(summary, FLAGS.summary)
+    print(f"wrote {FLAGS.summary}: {len(summary['runs'])} runs from {len(FLAGS.combine)} summaries")
   else:
     if FLAGS.runs:
       records = _dir_records()

@@ -13,6 +13,7 @@ from flax import nnx
 
 from k3jax.ablations import evaluate
 from k3jax.ablations import long_context as lc
+from k3jax.ablations import summary as summary_lib
 from k3jax.models import lm
 from k3jax.models.config import ModelConfig
 
@@ -259,6 +260,30 @@ def test_driver_evaluates_run_directories(run_dir, tmp_path):
   assert rec["variant"] == "tiny" and rec["task"] == "bytes" and rec["long"]["decode"]["num_new"] == 3
   assert [e["seq_len"] for e in rec["long"]["lengths"]] == [32, 64]
   assert "| tiny | 64 (2x) | 1 |" in res.stdout
+
+
+def test_driver_combines_the_summaries_of_separate_calls(tmp_path):
+  """One summary per call (e.g. one arm each) -> one summary and page; a later file wins per run."""
+  paths = []
+  for i, recs in enumerate(([_record("bounded", "bytes", 0, 1.0), _record("softplus", "bytes", 0, 2.0)],
+                            [_record("softplus", "bytes", 0, 5.0)])):
+    paths.append(str(tmp_path / f"call{i}.json"))
+    summary_lib.write_summary(summary_lib.make_summary(recs, setting="quick"), paths[-1])
+  page = tmp_path / "page.md"
+  page.write_text("x\n<!-- long:text -->\n<!-- /long -->\n")
+  out = tmp_path / "combined.json"
+  script = os.path.join(ROOT, "experiments", "long_context.py")
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  run = lambda *args: subprocess.run([sys.executable, script, *args], capture_output=True, text=True,
+                                     env=env, timeout=300, check=False)
+  res = run(f"--combine={','.join(paths)}", f"--summary={out}", f"--results_page={page}")
+  assert res.returncode == 0, res.stderr[-3000:]
+  runs = {r["variant"]: r for r in json.loads(out.read_text())["runs"]}
+  assert sorted(runs) == ["bounded", "softplus"]
+  assert runs["softplus"]["long"]["lengths"][0]["loss"] == 5.5   # the later call's record
+  assert "| softplus | 16 (2x) | 1 |" in page.read_text()
+  res = run(f"--combine={paths[0]}", f"--runs={tmp_path}", f"--summary={out}")
+  assert res.returncode != 0 and "--combine needs --summary" in res.stderr
 
 
 # -- GPU twins (skipped without a GPU) ---------------------------------------------------------
