@@ -58,19 +58,22 @@ def _jit_vg(loss):
                                                 has_aux=True)(*xs))
 
 
-def _with_states(fn, xs, key):
+def _with_states(fn, xs, key, cu_seqlens=None):
   """((o, ht), the gradients w.r.t. q, k, v, g, beta and h0) of `fn` on xs =
   (q, k, v, g, beta) with a random initial state h0, against random
-  cotangents of o and of the final state ht; h0 and both cotangents from key."""
+  cotangents of o and of the final state ht; h0 and both cotangents from key.
+  With cu_seqlens ([N + 1] int32, B = 1) there is one state per sequence."""
   q, v = xs[0], xs[2]
   b, t, h, dk = q.shape
+  n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1
   k1, k2, k3 = jax.random.split(key, 3)
-  h0 = jax.random.normal(k1, (b, h, dk, v.shape[-1]))
+  h0 = jax.random.normal(k1, (n, h, dk, v.shape[-1]))
   do = jax.random.normal(k2, v.shape)
   dht = jax.random.normal(k3, h0.shape)
+  varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
 
   def loss(*args):
-    o, ht = fn(*args[:5], initial_state=args[5], output_final_state=True)
+    o, ht = fn(*args[:5], initial_state=args[5], output_final_state=True, **varlen)
     return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
 
   (_, out), grads = _jit_vg(loss)(*xs, h0)
@@ -172,20 +175,10 @@ class KdaPallasChecks:
     # Lengths not multiples of the chunk, one sequence shorter than a chunk.
     cuts = sorted({0, 5, t // 2 + 3, t})
     cu = jnp.asarray(cuts, jnp.int32)
-    n = len(cuts) - 1
     q, k, v, g, beta, key = _inputs(3, 1, t, h, dk, dv)
-    k1, k2, k3 = jax.random.split(key, 3)
-    h0 = jax.random.normal(k1, (n, h, dk, dv))
-    do = jax.random.normal(k2, (1, t, h, dv))
-    dht = jax.random.normal(k3, (n, h, dk, dv))
-
-    def loss(fn, *xs):
-      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
-      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
-
-    xs = (q, k, v, g, beta, h0)
-    (_, (o, ht)), got = _jit_vg(functools.partial(loss, self._pallas("dense")))(*xs)
-    (_, (o_r, ht_r)), want = _jit_vg(functools.partial(loss, reference.naive_recurrent_kda))(*xs)
+    xs = (q, k, v, g, beta)
+    (o, ht), got = _with_states(self._pallas("dense"), xs, key, cu)
+    (o_r, ht_r), want = _with_states(reference.naive_recurrent_kda, xs, key, cu)
     tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
     assert rel_err(o, o_r, jnp.float32) < tol
     assert rel_err(ht, ht_r, jnp.float32) < tol
@@ -198,25 +191,15 @@ class KdaPallasChecks:
     of the chunk), initial and final states, all six gradients, gates near g_min."""
     _, t, h, dk, dv = self.shape
     cu = jnp.asarray(sorted({0, 7, t // 2 + 5, t}), jnp.int32)
-    n = cu.shape[0] - 1
     q, k, v, g, beta, key = _inputs(12, 1, t, h, dk, dv)
-    k1, k2, k3 = jax.random.split(key, 3)
-    h0 = jax.random.normal(k1, (n, h, dk, dv))
-    do = jax.random.normal(k2, (1, t, h, dv))
-    dht = jax.random.normal(k3, (n, h, dk, dv))
-
-    def loss(fn, *xs):
-      o, ht = fn(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu)
-      return jnp.sum(o * do) + jnp.sum(ht * dht), (o, ht)
-
-    xs = (q, k, v, g, beta, h0)
-    runs = {name: _jit_vg(functools.partial(loss, fn))(*xs) for name, fn in (
+    xs = (q, k, v, g, beta)
+    runs = {name: _with_states(fn, xs, key, cu) for name, fn in (
         ("pairwise", self._pallas("pairwise")), ("dense", self._pallas("dense")),
         ("naive", reference.naive_recurrent_kda))}
     tol, gtol = TOL[(self.backend, "float32")], GRAD_TOL[(self.backend, "float32")]
-    (_, (o_p, ht_p)), got = runs["pairwise"]
+    (o_p, ht_p), got = runs["pairwise"]
     for ref in ("dense", "naive"):
-      (_, (o_r, ht_r)), want = runs[ref]
+      (o_r, ht_r), want = runs[ref]
       assert rel_err(o_p, o_r, jnp.float32) < tol, ref
       assert rel_err(ht_p, ht_r, jnp.float32) < tol, ref
       for name, a, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
