@@ -1,6 +1,8 @@
 """The Pallas grouped matmuls (`pallas_kernels.gmm`) against plain-jnp references:
 uneven, empty and long groups, gathered and scaled rows, both products and the
 weight gradient; interpret mode here, the Triton kernels in the GPU twins."""
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -74,12 +76,15 @@ def test_gmm_matches_reference(gathered, transpose_rhs):
     np.testing.assert_array_equal(np.asarray(out)[np.asarray(kw["row_index"]) >= source_rows], 0)
 
 
-@pytest.mark.parametrize("lhs_gathered, rhs_scaled, block_m, wgrad_rows", [
-    (True, True, 16, 64), (False, False, 16, 64), (True, True, 32, 16)])
-def test_tgmm_matches_reference(lhs_gathered, rhs_scaled, block_m, wgrad_rows):
+@pytest.mark.parametrize("lhs_gathered, rhs_scaled, block_m, wgrad_rows, wgrad_tile, n", [
+    (True, True, 16, 64, (16, None), 48), (False, False, 16, 64, (16, None), 48),
+    (True, True, 32, 16, (16, None), 48),
+    (True, True, 16, 64, (16, 32), 64),    # [16, 32] result tiles
+    (True, False, 16, 64, (32, 16), 48)])  # [32, 16]
+def test_tgmm_matches_reference(lhs_gathered, rhs_scaled, block_m, wgrad_rows, wgrad_tile, n):
   rng = np.random.default_rng(1)
   tiles, starts = _layout(SIZES, block_m)
-  m, k, n, source_rows = tiles.num_rows, 32, 48, 70
+  m, k, source_rows = tiles.num_rows, 32, 70
   kw = {}
   lhs, index, scale = _operand(rng, lhs_gathered, starts, m, k, source_rows)
   if lhs_gathered:
@@ -88,7 +93,9 @@ def test_tgmm_matches_reference(lhs_gathered, rhs_scaled, block_m, wgrad_rows):
   if rhs_scaled:
     kw.update(rhs_index=_row_index(rng, SIZES, starts, m, m),
               rhs_scale=jnp.asarray(rng.standard_normal(m), jnp.float32))
-  cfg = GmmConfig(block_m=block_m, block_n=16, block_k=16, wgrad_rows=wgrad_rows, wgrad_block=16)
+  cfg = GmmConfig(block_m=block_m, block_n=16, block_k=16, wgrad_rows=wgrad_rows,
+                  wgrad_block=wgrad_tile[0], wgrad_block_n=wgrad_tile[1])
+  assert cfg.wgrad_tile(k, n) == (wgrad_tile[0], wgrad_tile[1] or wgrad_tile[0])
   out = api.tgmm(lhs, rhs, tiles, config=cfg, interpret=True, **kw)
   want = reference.tgmm_reference(lhs, rhs, tiles, **kw)
   assert out.shape == (len(SIZES), k, n) and out.dtype == jnp.float32
@@ -104,8 +111,15 @@ def test_config_and_argument_errors():
     GmmConfig(block_n=96)
   with pytest.raises(ValueError, match="wgrad_block"):
     GmmConfig(wgrad_block=96)
+  with pytest.raises(ValueError, match="wgrad_block_n"):
+    GmmConfig(wgrad_block_n=96)
   with pytest.raises(ValueError, match="wgrad_rows"):
     GmmConfig(wgrad_rows=48)
+  # [K, N] result tiles: square by default, each side shrunk to the power of two dividing it.
+  assert GmmConfig().wgrad_tile(1536, 1536) == (128, 128)
+  assert GmmConfig(wgrad_block_n=256).wgrad_tile(1536, 1536) == (128, 256)
+  assert GmmConfig(wgrad_block_n=256).wgrad_tile(96, 768) == (32, 256)
+  assert GmmConfig(wgrad_block=64, wgrad_block_n=256).wgrad_tile(1536, 1536) == (64, 256)
   assert GmmConfig(block_m=32, wgrad_rows=64).wgrad_step == 32
   with pytest.raises(ValueError, match="multiple of 16"):
     default_config().fit(40, 32)
@@ -155,9 +169,20 @@ def test_gpu_kernel_calls_match_reference(call, dtype, out_dtype):
   """Each operand form the layer uses, on a routed layout of realistic size, with
   float32 results and (products) results in the operands' 16-bit dtype, as the layer
   writes them."""
+  _check_layer_call(call, dtype, out_dtype, default_config(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("call", [c for c in LAYER_CALLS if LAYER_CALLS[c][0] == "tgmm"])
+def test_gpu_tgmm_with_128_by_256_result_tiles_matches_reference(call):
+  """The weight gradients with [128, 256] result tiles at 8 warps (`wgrad_block_n`)."""
+  cfg = dataclasses.replace(default_config(jnp.bfloat16), wgrad_block_n=256, wgrad_warps=8)
+  _check_layer_call(call, jnp.bfloat16, jnp.float32, cfg)
+
+
+def _check_layer_call(call, dtype, out_dtype, cfg):
   kind, lhs_index, lhs_scale, rhs_index, rhs_scale, transpose = LAYER_CALLS[call]
   rng = np.random.default_rng(3)
-  cfg = default_config(dtype)
   sizes = [0, 300, 1, 700, 0, 129, 2000, 64]    # empty, ragged and many-tile groups
   tiles, starts = _layout(sizes, cfg.block_m)
   m, k, n, source_rows = tiles.num_rows, 384, 512, 3000  # n: two 256-wide column tiles
@@ -172,7 +197,7 @@ def test_gpu_kernel_calls_match_reference(call, dtype, out_dtype):
       kw["row_scale"] = scale()
     x = normal(source_rows if lhs_index else m, k)
     w = normal(*((len(sizes), n, k) if transpose else (len(sizes), k, n))) * k ** -0.5
-    out = api.gmm(x, w.astype(dtype), tiles, out_dtype=out_dtype, **kw)
+    out = api.gmm(x, w.astype(dtype), tiles, out_dtype=out_dtype, config=cfg, **kw)
     want = reference.gmm_reference(x, w.astype(dtype), tiles, **kw)
   else:
     if out_dtype != jnp.float32:
@@ -188,7 +213,7 @@ def test_gpu_kernel_calls_match_reference(call, dtype, out_dtype):
       kw["rhs_scale"] = scale()
     x = normal(source_rows if lhs_index else m, k)
     y = normal(source_rows if rhs_index else m, n)
-    out = api.tgmm(x, y, tiles, **kw)
+    out = api.tgmm(x, y, tiles, config=cfg, **kw)
     want = reference.tgmm_reference(x, y, tiles, **kw)
     np.testing.assert_array_equal(np.asarray(out)[[0, 4]], 0.0)  # empty groups
   top = float(jnp.abs(want).max())

@@ -56,3 +56,29 @@ def test_pairwise_diagonal_lowers_to_16_bit_tensor_core_products(tmp_path):
     assert dots, name
     assert all(line.count("xbf16>") == 2 for line in dots), (name, dots)
     assert "scf.for" not in ir, name
+
+
+def test_lower_program_takes_any_pallas_program(tmp_path):
+  """The grouped weight gradient with [128, 256] result tiles at 8 warps: one
+  kernel, the launch options of its config, a [128, 256] f32 accumulator."""
+  import dataclasses
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.gmm import api as gmm_api
+  from pallas_kernels.gmm import layout
+  from pallas_kernels.gmm.config import default_config
+
+  cfg = dataclasses.replace(default_config(jnp.bfloat16), wgrad_block_n=256, wgrad_warps=8)
+  rows, k, n, groups = 1024, 256, 512, 4
+
+  def wgrad(x, y, starts, sizes):
+    tiles = layout.tile_map(starts, sizes, rows, cfg.block_m)
+    return gmm_api.tgmm(x, y, tiles, config=cfg, interpret=False)
+
+  spec = jax.ShapeDtypeStruct
+  entries = triton_ir.lower_program(str(tmp_path), wgrad, (
+      spec((rows, k), jnp.bfloat16), spec((rows, n), jnp.bfloat16),
+      spec((groups,), jnp.int32), spec((groups,), jnp.int32)))
+  assert [(e["name"], e["num_warps"], e["num_stages"]) for e in entries] == [
+      ("tgmm", 8, cfg.wgrad_stages)]
+  assert "tensor<128x256xf32" in Path(entries[0]["file"]).read_text()

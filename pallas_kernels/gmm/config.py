@@ -30,10 +30,15 @@ class GmmConfig:
       pipelining, which a gathered operand needs: its row indices take a
       pipeline stage of their own.
     wgrad_stages, wgrad_warps: Triton launch options of `tgmm`.
-    wgrad_block: side of `tgmm`'s square [K, N] result tile (shrunk to
-      divide K and N). Its own field because the products' best block_n
-      (256) would give each tgmm program a 256 x 256 float32 accumulator,
-      which spills (0.10 of the dense rate on the H200).
+    wgrad_block: K side of `tgmm`'s [K, N] result tile (shrunk to divide
+      K). Its own field because the products' best block_n (256) would give
+      each tgmm program a 256 x 256 float32 accumulator, which spills (0.10
+      of the dense rate on the H200).
+    wgrad_block_n: N side of that tile (shrunk to divide N); None: square,
+      wgrad_block. A [128, 256] tile streams each lhs row tile (the layer's
+      gathered rows) half as often as [128, 128]; with wgrad_warps=8 its
+      float32 accumulator is 128 registers a thread, as the products' 128 x
+      256 tiles at 8 warps.
   """
 
   block_m: int = 128
@@ -46,10 +51,13 @@ class GmmConfig:
   wgrad_stages: int = 5
   wgrad_warps: int = 4
   wgrad_block: int = 128
+  wgrad_block_n: int | None = None
 
   def __post_init__(self):
-    for name in ("block_m", "block_n", "block_k", "wgrad_block"):
+    for name in ("block_m", "block_n", "block_k", "wgrad_block", "wgrad_block_n"):
       value = getattr(self, name)
+      if name == "wgrad_block_n" and value is None:
+        continue
       if not _is_pow2(value) or value < 16:
         raise ValueError(f"GmmConfig.{name}={value!r}; must be a power of two >= 16 "
                          "(Triton tiles are powers of two; tensor cores take 16)")
@@ -65,6 +73,13 @@ class GmmConfig:
         raise ValueError(f"GmmConfig.{name}={getattr(self, name)!r}; must be 1, 2, 4, 8 or 16")
     if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
       raise ValueError(f"GmmConfig.num_stages={self.num_stages!r}; must be an int >= 1")
+
+  def wgrad_tile(self, k: int, n: int) -> tuple[int, int]:
+    """`tgmm`'s [K, N] result tile for an lhs of width K and an rhs of width N:
+    (wgrad_block, wgrad_block_n or wgrad_block), each shrunk to the largest power
+    of two dividing its side."""
+    return (min(self.wgrad_block, k & -k),
+            min(self.wgrad_block if self.wgrad_block_n is None else self.wgrad_block_n, n & -n))
 
   @property
   def wgrad_step(self) -> int:

@@ -1,13 +1,14 @@
 """`tgmm`: out[g] = sum over group g's rows m of lhs_row(m)^T rhs_row(m).
 
-The weight gradient of `gmm`. Grid (N / wgrad_block, K / wgrad_block, G), group
-slowest: the programs of one group run together and stream the same rows,
-so each row tile comes from HBM about once and is reused from L2 (with the
-group fastest, one wave of programs spans many groups, and every lhs row is
-re-read N / wgrad_block times and every rhs row K / wgrad_block times). A program owns one [wgrad_block, wgrad_block] tile of one group's [K, N] result and
-walks that group's row tiles (`TileMap.group_tile_start/count`) in steps of
-`wgrad_rows` rows, so an
-empty group writes zeros and a long group simply runs more steps. Either
+The weight gradient of `gmm`. Grid (N / BN, K / BK, G) for a [BK, BN] result
+tile (`GmmConfig.wgrad_tile`), group slowest: the programs of one group run
+together and stream the same rows, so each row tile comes from HBM about
+once and is reused from L2 (with the group fastest, one wave of programs
+spans many groups, and every lhs row is re-read N / BN times and every rhs
+row K / BK times). A program owns one [BK, BN] tile of one group's [K, N]
+result and walks that group's row tiles (`TileMap.group_tile_start/count`)
+in steps of `wgrad_rows` rows, so an empty group writes zeros and a long
+group simply runs more steps. Either
 operand may be gathered through a row index (indices past its rows load
 zero rows) and scaled per row before the product.
 """
@@ -81,12 +82,12 @@ def tgmm_call(lhs, rhs, group_tile_start, group_tile_count, lhs_index, lhs_scale
               rhs_scale, *, num_rows: int, out_dtype, cfg: GmmConfig, interpret: bool):
   """The pallas_call; `api.tgmm` checks the arguments. Returns [G, K, N] out_dtype.
 
-  The [K, N] result tile is wgrad_block x wgrad_block (K here is the lhs
+  The [K, N] result tile is `cfg.wgrad_tile(K, N)` (K here is the lhs
   width, a result dimension; the contraction runs over rows in steps of
   wgrad_step)."""
   num_groups = group_tile_start.shape[0]
   k, n = lhs.shape[1], rhs.shape[1]
-  bk, bn = min(cfg.wgrad_block, k & -k), min(cfg.wgrad_block, n & -n)
+  bk, bn = cfg.wgrad_tile(k, n)
   grid = (n // bn, k // bk, num_groups)
   full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
   inputs = [group_tile_start, group_tile_count]

@@ -1,7 +1,7 @@
-"""Triton IR and SASS of the Pallas KDA kernels, read on a CPU machine (no GPU).
+"""Triton IR and SASS of the Pallas kernels, read on a CPU machine (no GPU).
 
-`lower_kernels` lowers a jitted forward+VJP for CUDA (sm_90) and captures
-each pallas_call's Triton IR; `compile_kernel` (needs the `triton` package,
+`lower_kernels` lowers the KDA forward+VJP for CUDA (sm_90) and captures
+each pallas_call's Triton IR (`lower_program`, any jitted program); `compile_kernel` (needs the `triton` package,
 which is not a dependency) compiles one for sm_90a and reports registers,
 spills and the SASS mix. The front end is `experiments/bench/inspect_triton.py`,
 whose docstring has the commands and caveats. Reads the lowering through
@@ -50,31 +50,40 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
     file (the .ttir path). Source locations are stripped, so a compiler's
     line info points at lines of the .ttir file itself.
   """
+  b, t, h, d = shape
+  bound = -5.0 if sub_chunk <= 16 else -80.0 / (sub_chunk - 1)
+  gate = dict(lower_bound=bound, sub_chunk=sub_chunk,
+              **(dict(gate_activation="bounded_sigmoid") if fused_gate else {}))
+
+  def loss(q, k, v, g, beta, *bias):
+    # As `api.chunk_kda` runs a traced gate: the dense path clamps it inside the cumsums.
+    o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, scale=d ** -0.5, backend="triton",
+                                      diagonal=diagonal, config_overrides=overrides,
+                                      gate_bias=bias[0] if bias else None,
+                                      clamp_gates=diagonal == "dense" and not fused_gate,
+                                      **gate)
+    return jnp.sum(o.astype(jnp.float32) ** 2)
+
+  qkv = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  g_dtype = jnp.bfloat16 if fused_gate else jnp.float32
+  args = (qkv, qkv, qkv, jax.ShapeDtypeStruct((b, t, h, d), g_dtype),
+          jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16))
+  if fused_gate:
+    args += (jax.ShapeDtypeStruct((h, d), jnp.float32),)
+  return lower_program(out_dir, jax.grad(loss, argnums=tuple(range(len(args)))), args)
+
+
+def lower_program(out_dir: str, fn, args) -> list[dict]:
+  """Lowers `jax.jit(fn)` on `args` (ShapeDtypeStructs) for CUDA (sm_90) and
+  writes each pallas_call's Triton IR; returns `lower_kernels`' entries.
+
+  Any program of Pallas kernels in their Triton form: `lower_kernels` builds
+  the KDA training step; `experiments/bench/inspect_triton.py --op=moe` the
+  routed experts' grouped matmuls (which must be called with interpret=False).
+  """
   os.makedirs(out_dir, exist_ok=True)
   with capture_cuda_lowering() as (modules, params):
-    b, t, h, d = shape
-
-    bound = -5.0 if sub_chunk <= 16 else -80.0 / (sub_chunk - 1)
-    gate = dict(lower_bound=bound, sub_chunk=sub_chunk,
-                **(dict(gate_activation="bounded_sigmoid") if fused_gate else {}))
-
-    def loss(q, k, v, g, beta, *bias):
-      # As `api.chunk_kda` runs a traced gate: the dense path clamps it inside the cumsums.
-      o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, scale=d ** -0.5, backend="triton",
-                                        diagonal=diagonal, config_overrides=overrides,
-                                        gate_bias=bias[0] if bias else None,
-                                        clamp_gates=diagonal == "dense" and not fused_gate,
-                                        **gate)
-      return jnp.sum(o.astype(jnp.float32) ** 2)
-
-    qkv = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
-    g_dtype = jnp.bfloat16 if fused_gate else jnp.float32
-    args = (qkv, qkv, qkv, jax.ShapeDtypeStruct((b, t, h, d), g_dtype),
-            jax.ShapeDtypeStruct((b, t, h), jnp.bfloat16))
-    if fused_gate:
-      args += (jax.ShapeDtypeStruct((h, d), jnp.float32),)
-    jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   for entry in params:
     del entry["aliases"]
   if len(modules) != len(params):
