@@ -82,3 +82,27 @@ def test_lower_program_takes_any_pallas_program(tmp_path):
   assert [(e["name"], e["num_warps"], e["num_stages"]) for e in entries] == [
       ("tgmm", 8, cfg.wgrad_stages)]
   assert "tensor<128x256xf32" in Path(entries[0]["file"]).read_text()
+
+
+def test_inspect_triton_lowers_the_routed_experts(tmp_path):
+  """`inspect_triton.py --op=moe`: the routed experts' forward+VJP, four products and two
+  weight gradients, with the --gmm_config fields in their launch options."""
+  import os
+  import subprocess
+  import sys
+  root = Path(__file__).resolve().parents[1]
+  res = subprocess.run(
+      [sys.executable, str(root / "experiments" / "bench" / "inspect_triton.py"), "--op=moe",
+       f"--out={tmp_path}", "--moe_shape=1,256,64,4,2,64", "--gmm_config=wgrad_warps=8"],
+      capture_output=True, text=True, timeout=300, check=False,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert res.returncode == 0, res.stderr[-3000:]
+  entries = json.loads((tmp_path / "kernels.json").read_text())
+  assert sorted(e["name"] for e in entries) == ["gmm"] * 4 + ["tgmm"] * 2
+  assert {e["num_warps"] for e in entries if e["name"] == "tgmm"} == {8}
+  bad = subprocess.run(
+      [sys.executable, str(root / "experiments" / "bench" / "inspect_triton.py"), "--op=moe",
+       f"--out={tmp_path}", "--gmm_config=wgrad_block_n=96"],
+      capture_output=True, text=True, timeout=300, check=False,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert bad.returncode != 0 and "wgrad_block_n=96" in bad.stderr
