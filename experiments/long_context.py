@@ -20,7 +20,8 @@ then evaluate (GPU wheels installed as in configs/gpu_150m.py):
 
 (`run_ablations.py` already evaluates each run; repeat the first command until its summary lists no
 missing runs; the second command only collects the cached records and prints the tables, and with
---notrain stops with an error rather than training a missing run inside the call.) Then, in the checkout, render the results page from the copied summary:
+--notrain stops with an error rather than training a missing run inside the call.) Then, in the
+checkout, render the results page from the copied summary:
 
   python experiments/long_context.py --render_only --summary=docs/results/long_context_full.json \
       --results_page=docs/results.md

@@ -2,8 +2,9 @@
 
 No GPU needed. The Triton lowering of every kernel in one jitted forward+VJP
 (`--op=kda`: chunked KDA; `--op=moe`: the routed experts' grouped matmuls,
-`k3jax.layers.routed_gmm`, on a dropless plan) is captured as Triton IR (one `.ttir` file per pallas_call, with its warps and
-pipeline stages in `kernels.json`). With `--compile`, a separately installed
+`k3jax.layers.routed_gmm`, on a dropless plan) is captured as Triton IR (one
+`.ttir` file per pallas_call, with its warps and pipeline stages in
+`kernels.json`). With `--compile`, a separately installed
 `triton` package (not a dependency of this project; its wheel carries ptxas,
 cuobjdump and nvdisasm) compiles each file for sm_90a and prints, per kernel,
 the registers per thread, the spilled bytes and counts of the SASS
@@ -19,7 +20,7 @@ counts per Triton IR operation type. The functions live in
   python experiments/bench/inspect_triton.py --op=moe --out=/tmp/moe --compile --kernels=tgmm \\
       --gmm_config=wgrad_block_n=256,wgrad_warps=8
 
-The second command needs `triton` installed next to the project's stack
+The commands with `--compile` need `triton` installed next to the project's stack
 (`pip install triton==3.6.0`, the version on the H200 image).
 
 Caveats: this runs pip Triton's pass pipeline, not the one inside the GPU

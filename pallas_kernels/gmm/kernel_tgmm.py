@@ -8,9 +8,9 @@ spans many groups, and every lhs row is re-read N / BN times and every rhs
 row K / BK times). A program owns one [BK, BN] tile of one group's [K, N]
 result and walks that group's row tiles (`TileMap.group_tile_start/count`)
 in steps of `wgrad_rows` rows, so an empty group writes zeros and a long
-group simply runs more steps. Either
-operand may be gathered through a row index (indices past its rows load
-zero rows) and scaled per row before the product.
+group simply runs more steps. Either operand may be gathered through a row
+index (indices past its rows load zero rows) and scaled per row before the
+product.
 """
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Triton IR and SASS of the Pallas kernels, read on a CPU machine (no GPU).
 
 `lower_kernels` lowers the KDA forward+VJP for CUDA (sm_90) and captures
-each pallas_call's Triton IR (`lower_program`, any jitted program); `compile_kernel` (needs the `triton` package,
-which is not a dependency) compiles one for sm_90a and reports registers,
-spills and the SASS mix. The front end is `experiments/bench/inspect_triton.py`,
+each pallas_call's Triton IR (`lower_program` does so for any jitted
+program); `compile_kernel` (needs the `triton` package, which is not a
+dependency) compiles one for sm_90a and reports registers, spills and the
+SASS mix. The front end is `experiments/bench/inspect_triton.py`,
 whose docstring has the commands and caveats. Reads the lowering through
 private modules of jax 0.11.2 (`jax._src.pallas.triton`).
 """
