@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.gmm import api, layout, reference
-from pallas_kernels.gmm.config import GmmConfig, default_config
+from pallas_kernels.gmm.config import GmmConfig, default_config, with_fields
 
 SMALL = GmmConfig(block_m=16, block_n=16, block_k=16, wgrad_block=16)
 
@@ -120,6 +120,12 @@ def test_config_and_argument_errors():
   assert GmmConfig(wgrad_block_n=256).wgrad_tile(1536, 1536) == (128, 256)
   assert GmmConfig(wgrad_block_n=256).wgrad_tile(96, 768) == (32, 256)
   assert GmmConfig(wgrad_block=64, wgrad_block_n=256).wgrad_tile(1536, 1536) == (64, 256)
+  # The benchmarks' --gmm_config items over the heuristic.
+  assert with_fields(["wgrad_block_n=256", "wgrad_warps=8"]) == GmmConfig(wgrad_block_n=256,
+                                                                         wgrad_warps=8)
+  for bad in ("wgrad_block_n", "no_such_field=4", "wgrad_warps=eight", "wgrad_block_n=96"):
+    with pytest.raises(ValueError, match="GmmConfig"):
+      with_fields([bad])
   assert GmmConfig(block_m=32, wgrad_rows=64).wgrad_step == 32
   with pytest.raises(ValueError, match="multiple of 16"):
     default_config().fit(40, 32)

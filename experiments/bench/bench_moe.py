@@ -156,11 +156,7 @@ def _dense_fns(d, hidden, dtype, x_btd):
 
 def _gmm_config(dtype) -> gmm_config.GmmConfig:
   """--gmm_config applied to the heuristic's tiles."""
-  fields = {}
-  for item in FLAGS.gmm_config:
-    name, _, value = item.partition("=")
-    fields[name] = int(value)
-  return dataclasses.replace(gmm_config.default_config(dtype), **fields)
+  return gmm_config.with_fields(FLAGS.gmm_config, dtype)
 
 
 def _config(shape, impl_spec, dtype):

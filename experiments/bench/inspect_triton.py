@@ -68,7 +68,6 @@ _GMM_CONFIG = flags.DEFINE_list("gmm_config", [], "--op=moe: GmmConfig fields ov
 
 def _lower_moe(out_dir: str):
   """The bf16 routed experts' forward+VJP (`routed_gmm`, dropless, tiles of --gmm_config)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from k3jax.layers import moe_dispatch, routed_gmm  # pylint: disable=g-import-not-at-top
@@ -76,9 +75,7 @@ def _lower_moe(out_dir: str):
   from pallas_kernels.tools import triton_ir  # pylint: disable=g-import-not-at-top
   try:
     b, t, d, e, k, h = (int(x) for x in _MOE_SHAPE.value.split(","))
-    fields = {name: int(value) for name, _, value in
-              (item.partition("=") for item in _GMM_CONFIG.value)}
-    cfg = dataclasses.replace(gmm_config.default_config(jnp.bfloat16), **fields)
+    cfg = gmm_config.with_fields(_GMM_CONFIG.value, jnp.bfloat16)
   except (ValueError, TypeError) as err:
     raise app.UsageError(f"--moe_shape is B,T,d,E,k,h and --gmm_config name=int GmmConfig "
                          f"fields: {err}") from err

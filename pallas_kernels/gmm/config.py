@@ -120,6 +120,27 @@ def default_config(dtype=jnp.bfloat16) -> GmmConfig:
   return GmmConfig()
 
 
+def with_fields(items, dtype=jnp.bfloat16) -> GmmConfig:
+  """`default_config(dtype)` with `name=int` items replacing its fields (the
+  benchmarks' and inspect_triton's --gmm_config, e.g. ["wgrad_block_n=256"]).
+
+  Raises:
+    ValueError: an item is not name=int for a field of GmmConfig, or the
+      result is not a valid config.
+  """
+  names = {f.name for f in dataclasses.fields(GmmConfig)}
+  fields = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep or name not in names:
+      raise ValueError(f"GmmConfig field {item!r}: give name=int with a name in {sorted(names)}")
+    try:
+      fields[name] = int(value)
+    except ValueError as err:
+      raise ValueError(f"GmmConfig field {item!r}: the value must be an int") from err
+  return dataclasses.replace(default_config(dtype), **fields)
+
+
 def on_gpu() -> bool:
   """Whether the default backend is an NVIDIA GPU (the Triton kernels' target)."""
   return jax.default_backend() == "gpu"
