@@ -3,7 +3,8 @@
 With `diagonal="pairwise"` (any gate) the scores inside each diagonal tile of
 L rows take the exact pair decay e^{G_i - G_j}, formed by the nested anchors
 of `kernel_common.level_factors`: log2(L) levels, one masked product per
-level and score. Inside the intra-chunk kernels those products are [C, C]
+level and score (here with the unmasked factors, `level_decay`, and each
+product masked to its level's pairs, `level_pairs`). Inside the intra-chunk kernels those products are [C, C]
 (every level of every tile at once) and run next to all the other terms of
 the chunk, at the register cap. Here they run alone, one diagonal tile at a
 time: every operand is [L, diag_block_k] and every product [L, L] (forward)
