@@ -4,6 +4,7 @@
     pip install -e ".[notebooks]"   # ablation notebooks
     pip install -e ".[bench]"       # PyTorch/fla peer for kernel benchmarks (GPU)
     pip install -e ".[tokamax]"     # tokamax grouped matmul for the dropless MoE mode (GPU)
+    pip install -e ".[data]"        # sentencepiece tokenizers and parquet input for prepare_data.py
 """
 from setuptools import find_packages, setup
 
@@ -27,12 +28,19 @@ setup(
         "numpy>=1.26",
         "tqdm>=4.60",
         "tensorboardX>=2.6",
+        # Prepared data: array_record shards read through Grain, HF tokenizers (experiments/prepare_data.py).
+        "grain>=0.2.18",
+        "array-record>=0.8.6",
+        "tokenizers>=0.23.3",
     ],
     extras_require={
-        # nbclient/ipykernel/matplotlib: tests/test_notebooks.py executes the ablation notebooks.
+        # nbclient/ipykernel/matplotlib: tests/test_notebooks.py executes the ablation notebooks;
+        # sentencepiece/pyarrow: the tokenizer and prepared-data tests cover the optional inputs.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "nbclient>=0.10",
-                 "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8"],
+                 "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8", "sentencepiece", "pyarrow"],
         "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.10", "ipykernel", "matplotlib>=3.8"],
+        # Optional inputs of experiments/prepare_data.py: sentencepiece .model tokenizers, parquet files.
+        "data": ["sentencepiece", "pyarrow"],
         "bench": ["torch>=2.5", "flash-linear-attention>=0.6.0"],
         # Optional grouped-matmul kernel for the dropless MoE mode (GPU; needs jax >= 0.11.1).
         "tokamax": ["tokamax==0.0.17"],

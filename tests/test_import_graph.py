@@ -26,7 +26,7 @@ LEVELS = {
 }
 
 # Optional dependencies, imported where they are used so that the package works without them.
-OPTIONAL = {"tokamax", "tensorboardX", "triton"}
+OPTIONAL = {"tokamax", "tensorboardX", "triton", "sentencepiece", "pyarrow"}
 
 
 def _modules() -> dict[str, str]:
