@@ -3,6 +3,14 @@
 Full-sequence calls use `jax.nn.dot_product_attention`: cuDNN's fused kernel
 on GPU for 16-bit compute when it compiles for the layer's head shape, XLA
 otherwise (CPU, float32). Decoding keeps a preallocated KV cache.
+
+Documents packed in a row (`segments`): each token attends only within its
+own run, through a [B, 1, T, T] boolean mask (same run and causal) beside
+`is_causal=True`; XLA applies it to the logits and cuDNN takes it as an
+additive bias without a bias gradient. Not wired: on TPU the fused path
+would be splash attention with segment ids, and cuDNN's packed layout
+(`q_offsets`/`kv_offsets` of `jax._src.cudnn.fused_attention_stablehlo`)
+would skip the [T, T] mask, but it is private API.
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.params import fan_in_init, logical_param
+from k3jax.layers.segments import Segments
 from k3jax.sharding import rules as rules_lib
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
@@ -96,29 +105,41 @@ class CausalSelfAttention(nnx.Module):
   def _out(self, o_bthk):
     return jnp.einsum("bthk,hkd->btd", o_bthk.astype(self.dtype), self.wo[...].astype(self.dtype))
 
-  def _attend(self, q, k, v):
-    """Causal attention of [B, T, H|KVH, hd] q, k, v -> [B, T, H, hd].
+  def _attend(self, q, k, v, mask_b1tt=None):
+    """Causal attention of [B, T, H|KVH, hd] q, k, v -> [B, T, H, hd], within the
+    [B, 1, T, T] boolean mask when given (documents in a row).
 
     On a mesh whose sequence is split (context axis), the operands are
     re-laid out with the whole sequence on each device and the heads split over
     the context axis instead ("attn_heads"): one all-to-all in and one out,
     and cuDNN's fused kernel, which refuses a split sequence, still runs.
     Head counts the axis does not divide fall back to gathering the sequence.
+    The mask is split like the batch only, whole on every device.
     """
     split = all(rules_lib.divides("attn_heads", n) for n in (self.num_heads, self.num_kv_heads))
     axes = ("batch", None, "attn_heads" if split else None, "kv")
     q, k, v = (rules_lib.constrain(x, axes, skip_indivisible=True) for x in (q, k, v))
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+    if mask_b1tt is not None:
+      mask_b1tt = rules_lib.constrain(mask_b1tt, ("batch", None, None, None),
+                                      skip_indivisible=True)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask_b1tt, is_causal=True,
+                                        implementation=self.implementation)
 
   def _check(self, x_btd):
     if x_btd.ndim != 3 or x_btd.shape[-1] != self.d_model:
       raise ValueError(f"attention expects [B, T, {self.d_model}], got {x_btd.shape}")
 
-  def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, dict]:
-    """x_btd: [B, T, D] -> ([B, T, D] compute dtype, stats {})."""
+  def __call__(self, x_btd: jax.Array, segments: Segments | None = None
+               ) -> tuple[jax.Array, dict]:
+    """x_btd: [B, T, D] -> ([B, T, D] compute dtype, stats {}).
+
+    With `segments` (`k3jax.layers.segments`) each token attends only to
+    earlier tokens of its own document.
+    """
     self._check(x_btd)
     q, k, v = self._qkv(x_btd)
-    return self._out(self._attend(q, k, v)), {}
+    mask = None if segments is None else segments.attention_mask_b1tt()
+    return self._out(self._attend(q, k, v, mask)), {}
 
   def prefill(self, x_btd: jax.Array, max_len: int) -> tuple[jax.Array, dict, dict]:
     """Full causal pass over a prompt that also fills a cache of `max_len` slots.

@@ -15,6 +15,8 @@ With `fuse_gate` the layer passes the pre-activation x W_fa W_fb and b_f to
 `chunk_kda(..., gate_activation="bounded_sigmoid")`, whose gate-cumsum kernels
 apply the sigmoid and its derivative, so the [B, T, H, K] float32 g is never
 written (off by default until timed on the GPU: `experiments/bench/bench_gate_fusion.py`).
+With `segments` (documents packed in a row) the convolutions stop at document
+boundaries and the state restarts at each document (`chunk_kda_rows`).
 Decoding carries the conv windows and the [B, H, K, V] float32 state and
 steps it with `pallas_kernels.kda.decode.kda_decode_step`
 (`decode_implementation`).
@@ -30,23 +32,58 @@ from flax import nnx
 from k3jax.layers import gates
 from k3jax.layers.norms import l2_norm, rms_norm
 from k3jax.layers.params import fan_in_init, logical_param
+from k3jax.layers.segments import Segments
 from pallas_kernels.kda import api as kda_api
 from pallas_kernels.kda import decode as kda_decode
 from pallas_kernels.kda.spec import KdaSpec
 
 
-def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array) -> jax.Array:
+def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array,
+                          tap_mask_btw: jax.Array | None = None) -> jax.Array:
   """y[t] = sum_j w[j] * x[t - (W - 1) + j], zeros before the start.
 
-  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K].
+  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K]. tap_mask_btw
+  [B, T, W] bool (`Segments.conv_mask_btw`): tap j of position t adds nothing
+  where False, so no tap reaches across a document boundary.
   """
   width = w_whk.shape[0]
   t = x_bthk.shape[1]
   xp = jnp.pad(x_bthk, ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
   y = jnp.zeros_like(x_bthk)
   for j in range(width):
-    y = y + xp[:, j:j + t] * w_whk[j].astype(x_bthk.dtype)
+    tap = xp[:, j:j + t]
+    if tap_mask_btw is not None:
+      tap = jnp.where(tap_mask_btw[:, :, j, None, None], tap, jnp.zeros((), tap.dtype))
+    y = y + tap * w_whk[j].astype(x_bthk.dtype)
   return y
+
+
+def chunk_kda_rows(q, k, v, g, beta, offsets_bm: jax.Array, **kernel_kwargs):
+  """`chunk_kda` with the state restarting at every document start of every row.
+
+  Row b runs as one packed sequence (B == 1, `cu_seqlens=offsets_bm[b]`, M
+  sequences, empty trailing ones allowed), mapped over the rows by `jax.vmap`:
+  the rows stay parallel (one flattened [1, B T] sequence would make the
+  state recurrence B times longer). Cost: each row's chunk grid grows from
+  ceil(T / C) to ceil(T / C) + M chunks (every document starts a chunk), plus
+  the pack and unpack gathers of q, k, v, g, beta and o (and of their
+  gradients).
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] or [B, T, H] (the
+      log-decay, or the fused gate's pre-activation); beta: [B, T, H].
+    offsets_bm: [B, M + 1] int32 run starts per row, then T (`Segments.offsets_bm`).
+    kernel_kwargs: `chunk_kda`'s keywords (spec, interpret, the fused gate's
+      gate_activation and gate_bias); no initial or final state.
+
+  Returns:
+    o [B, T, H, V] in q's dtype.
+  """
+  def row(q_thk, k_thk, v_thv, g_th, beta_th, cu_m):
+    o, _ = kda_api.chunk_kda(q_thk[None], k_thk[None], v_thv[None], g_th[None], beta_th[None],
+                             cu_seqlens=cu_m, **kernel_kwargs)
+    return o[0]
+  return jax.vmap(row)(q, k, v, g, beta, offsets_bm)
 
 
 def _conv_tail(x_bthk: jax.Array, width: int) -> jax.Array:
@@ -175,10 +212,15 @@ class KDA(nnx.Module):
     return self.spec.implementation == "pallas" and jax.default_backend() == "cpu"
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
-              gate_bias=None):
-    """chunk_kda on the layer's spec; with gate_bias [H, K], g is the fused gate's pre-activation."""
+              gate_bias=None, offsets_bm=None):
+    """chunk_kda on the layer's spec; with gate_bias [H, K], g is the fused gate's
+    pre-activation; with offsets_bm [B, M + 1] the state restarts at every document
+    start (`chunk_kda_rows`; no states in or out)."""
     fused = {} if gate_bias is None else dict(gate_activation="bounded_sigmoid",
                                               gate_bias=gate_bias)
+    if offsets_bm is not None:
+      return chunk_kda_rows(q, k, v, g, beta, offsets_bm, spec=self.spec,
+                            interpret=self.interpret, **fused), None
     return kda_api.chunk_kda(
         q, k, v, g, beta, spec=self.spec, initial_state=initial_state,
         output_final_state=output_final_state, interpret=self.interpret, **fused)
@@ -207,9 +249,15 @@ class KDA(nnx.Module):
 
   # -- public entry points ---------------------------------------------------
 
-  def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, dict]:
-    """x_btd: [B, T, D] -> ([B, T, D] compute dtype, {g_mean, g_min})."""
-    y, stats, _ = self._forward(x_btd, with_cache=False)
+  def __call__(self, x_btd: jax.Array, segments: Segments | None = None
+               ) -> tuple[jax.Array, dict]:
+    """x_btd: [B, T, D] -> ([B, T, D] compute dtype, {g_mean, g_min}).
+
+    With `segments` (the rows' documents, `k3jax.layers.segments`) no conv
+    tap reaches across a document boundary and the state restarts at every
+    document start (`chunk_kda_rows`, whose docstring gives the cost).
+    """
+    y, stats, _ = self._forward(x_btd, with_cache=False, segments=segments)
     return y, stats
 
   def prefill(self, x_btd: jax.Array, max_len: int | None = None) -> tuple[jax.Array, dict, dict]:
@@ -223,16 +271,22 @@ class KDA(nnx.Module):
     del max_len
     return self._forward(x_btd, with_cache=True)
 
-  def _forward(self, x_btd, *, with_cache):
+  def _forward(self, x_btd, *, with_cache, segments=None):
     self._check(x_btd)
+    tap_mask, offsets = None, None
+    if segments is not None:
+      if segments.ids_bt.shape != x_btd.shape[:2]:
+        raise ValueError(f"segments of shape {segments.ids_bt.shape} for KDA input "
+                         f"{x_btd.shape}: they must cover [B, T]")
+      tap_mask, offsets = segments.conv_mask_btw(self.conv_size), segments.offsets_bm
     qp, kp, vp = self._project(x_btd)
-    q = causal_depthwise_conv(qp, self.conv_q[...])
-    k = causal_depthwise_conv(kp, self.conv_k[...])
-    v = causal_depthwise_conv(vp, self.conv_v[...])
+    q = causal_depthwise_conv(qp, self.conv_q[...], tap_mask)
+    k = causal_depthwise_conv(kp, self.conv_k[...], tap_mask)
+    v = causal_depthwise_conv(vp, self.conv_v[...], tap_mask)
     q, k, v = self._activate(q, k, v)
     g_in, gate_bias, beta, stats = self._kernel_gates(x_btd)
     o, state = self._kernel(q, k, v, g_in, beta, output_final_state=with_cache,
-                            gate_bias=gate_bias)
+                            gate_bias=gate_bias, offsets_bm=offsets)
     y = self._output(x_btd, o)
     cache = None
     if with_cache:

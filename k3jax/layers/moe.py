@@ -162,12 +162,18 @@ class MoE(nnx.Module):
     self.router_state = None if state is None else RouterState(state)
     self.path = c.path()
 
-  def __call__(self, x_btd: jax.Array, *, deterministic: bool = False):
+  def __call__(self, x_btd: jax.Array, *, deterministic: bool = False, segments=None):
     """Applies the layer.
 
     Args:
       x_btd: [B, T, d] input.
       deterministic: eval mode; the router state is read but not updated.
+      segments: the rows' documents (`k3jax.layers.segments.Segments`) or
+        None. Padding tokens (segment id 0) are masked out of routing
+        (`route(..., token_mask_t=...)`): no expert, no capacity, no part in
+        thresholds, biases or statistics, so the real tokens route as if the
+        padding were absent. Their routed output is 0; the shared experts
+        still run on them (masked from the loss by the caller).
 
     Returns:
       y_btd: [B, T, d] in x's dtype.
@@ -184,8 +190,9 @@ class MoE(nnx.Module):
     scores_ne = jax.nn.sigmoid(
         jnp.dot(x_nd.astype(jnp.float32), self.router_kernel[...].astype(jnp.float32)))
     state = None if self.router_state is None else self.router_state.get_value()
+    mask_n = None if segments is None else segments.token_mask_bt().reshape(b * t)
     idx_nk, w_nk, stats, new_state = routing.route(
-        scores_ne, k=c.top_k, config=c.router, state=state)
+        scores_ne, k=c.top_k, config=c.router, state=state, token_mask_t=mask_n)
     if self.router_state is not None and not deterministic:
       self.router_state.set_value(new_state)
     y_nd, dispatch_drop = self.path(x_nd, idx_nk, w_nk, self.wi_gate[...], self.wi_up[...],

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import segments as segments_lib
 from k3jax.layers.attention import CausalSelfAttention
 from k3jax.layers.ffn import SwiGLU
 from k3jax.layers.kda import KDA
@@ -47,8 +48,8 @@ class DenseFFN(nnx.Module):
   def __init__(self, d_model: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
     self.mlp = SwiGLU(d_model, hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x_btd, *, deterministic: bool = False):
-    del deterministic
+  def __call__(self, x_btd, *, deterministic: bool = False, segments=None):
+    del deterministic, segments  # per token: documents need nothing
     return self.mlp(x_btd), {}
 
 
@@ -81,6 +82,16 @@ def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
                              config.head_dim, dtype=dtype, param_dtype=pdt, rngs=rngs)
 
 
+def _full_pass(segments: segments_lib.Segments | None):
+  """The mixer_fn of full-sequence passes: each mixer on its input, within the rows'
+  documents when `segments` is given."""
+  def mixer_fn(i, mixer, h):
+    del i
+    out, stats = mixer(h, segments)
+    return out, stats, None
+  return mixer_fn
+
+
 def mixer_stats(i: int, kind: str, stats: dict) -> dict:
   """aux entries of layer i's mixer: `gate/<i>/mean`, `gate/<i>/min` of a KDA layer's g."""
   if kind != "K" or not stats:
@@ -111,7 +122,18 @@ class HybridLM(nnx.Module):
 
   aux keys: `aux_loss` (sum over MoE layers, 0 without experts),
   `router/<layer>/<stat>` for every router statistic of every MoE layer, and
-  `gate/<layer>/mean`, `gate/<layer>/min` of the KDA log-decay g.
+  `gate/<layer>/mean`, `gate/<layer>/min` of the KDA log-decay g; with
+  segment ids, `segments/overflow_rows`.
+
+  Documents in a row: `segment_ids` int [B, T] (equal nonzero ids form one
+  contiguous document, 0 is padding) keep every document from seeing the
+  others: each maximal run of equal ids (a padding run included) is its own
+  segment for the convolutions, the KDA state and attention, and padding
+  takes no expert (`k3jax.layers.segments`). `max_segments`, a static int,
+  bounds the runs of any row (padding run included); None counts them from
+  concrete ids (traced ids need it). A row with more runs merges its extra
+  runs into the last one, and `aux["segments/overflow_rows"]` (float32)
+  counts such rows. `segment_ids=None` is the plain path, unchanged.
 
   `moe_impl` overrides `config.moe_impl` (the MoE layers' expert path:
   "ragged", "buffered" or "dense"); None keeps the config's. `expert_parallel`
@@ -149,11 +171,14 @@ class HybridLM(nnx.Module):
     return jnp.einsum("btd,dv->btv", h, w.astype(self.config.compute_dtype),
                       preferred_element_type=jnp.float32)
 
-  def _run(self, tokens_bt, mixer_fn, *, deterministic, trace=None, project=True):
+  def _run(self, tokens_bt, mixer_fn, *, deterministic, trace=None, project=True,
+           segments=None):
     """Runs every layer; mixer_fn(layer, mixer, h) -> (out, stats, cache).
 
     `trace`, if a dict, collects the intermediates `HybridLM.trace` returns.
     `project=False` returns the final stream [B, T, D] instead of the logits.
+    `segments` (the rows' documents) reach the FFNs here and the mixers
+    through `mixer_fn` (`_full_pass`).
     """
     cfg = self.config
     if tokens_bt.ndim != 2 or not jnp.issubdtype(tokens_bt.dtype, jnp.integer):
@@ -181,51 +206,57 @@ class HybridLM(nnx.Module):
       aux.update(mixer_stats(i, layer.kind, stats))
       state = self.residual.write(state, 2 * i, out)
       h = layer.ffn_norm(self.residual.read(state, 2 * i + 1))
-      out, ffn_aux = layer.ffn(h, deterministic=deterministic)
+      out, ffn_aux = layer.ffn(h, deterministic=deterministic, segments=segments)
       out = _shard_btd(out)
       record("sublayer_out", out)
       aux_loss = aux_loss + jnp.asarray(ffn_aux.get("aux_loss", 0.0), jnp.float32)
       aux.update(ffn_stats(i, ffn_aux))
       state = self.residual.write(state, 2 * i + 1, out)
     aux["aux_loss"] = aux_loss
+    aux.update(segments_lib.overflow_aux(segments))
     final = self.residual.finish(state)
     record("stream", final)
     return (self._logits(final) if project else final), aux, caches
 
   # -- public entry points ---------------------------------------------------
 
-  def __call__(self, tokens_bt: jax.Array, *, deterministic: bool = False):
-    """tokens_bt: [B, T] int -> (logits [B, T, V] float32, aux dict)."""
-    def mixer_fn(i, mixer, h):
-      del i
-      out, stats = mixer(h)
-      return out, stats, None
-    logits, aux, _ = self._run(tokens_bt, mixer_fn, deterministic=deterministic)
+  def __call__(self, tokens_bt: jax.Array, *, segment_ids: jax.Array | None = None,
+               max_segments: int | None = None, deterministic: bool = False):
+    """tokens_bt: [B, T] int -> (logits [B, T, V] float32, aux dict).
+
+    segment_ids: [B, T] int documents of each row, or None; max_segments: the
+    static bound on runs per row (see the class docstring).
+    """
+    segments = segments_lib.for_tokens(tokens_bt, segment_ids, max_segments)
+    logits, aux, _ = self._run(tokens_bt, _full_pass(segments), deterministic=deterministic,
+                               segments=segments)
     return logits, aux
 
-  def features(self, tokens_bt: jax.Array) -> jax.Array:
+  def features(self, tokens_bt: jax.Array, *, segment_ids: jax.Array | None = None,
+               max_segments: int | None = None) -> jax.Array:
     """The deterministic forward up to the output head: tokens_bt [B, T] int -> final
     residual stream [B, T, D] (before the final norm); `head_logits` maps it to logits.
+    `segment_ids`, `max_segments` as in `__call__`.
 
     With the head applied per slice of positions, long sequences never hold a
     [B, T, V] float32 array.
     """
-    def mixer_fn(i, mixer, h):
-      del i
-      out, stats = mixer(h)
-      return out, stats, None
-    final, _, _ = self._run(tokens_bt, mixer_fn, deterministic=True, project=False)
+    segments = segments_lib.for_tokens(tokens_bt, segment_ids, max_segments)
+    final, _, _ = self._run(tokens_bt, _full_pass(segments), deterministic=True, project=False,
+                            segments=segments)
     return final
 
   def head_logits(self, final_btd: jax.Array) -> jax.Array:
     """Final norm + output projection: [B, T, D] stream (from `features`) -> [B, T, V] float32."""
     return self._logits(final_btd)
 
-  def trace(self, tokens_bt: jax.Array) -> tuple[jax.Array, dict]:
+  def trace(self, tokens_bt: jax.Array, *, segment_ids: jax.Array | None = None,
+            max_segments: int | None = None) -> tuple[jax.Array, dict]:
     """The deterministic forward with its residual-stream intermediates.
 
     Args:
       tokens_bt: [B, T] int.
+      segment_ids, max_segments: the rows' documents, as in `__call__`.
 
     Returns:
       (logits [B, T, V] float32, {"stream": L + 1 [B, T, D] float32 tensors,
@@ -235,13 +266,9 @@ class HybridLM(nnx.Module):
       state held at once}).
     """
     trace = {}
-
-    def mixer_fn(i, mixer, h):
-      del i
-      out, stats = mixer(h)
-      return out, stats, None
-
-    logits, _, _ = self._run(tokens_bt, mixer_fn, deterministic=True, trace=trace)
+    segments = segments_lib.for_tokens(tokens_bt, segment_ids, max_segments)
+    logits, _, _ = self._run(tokens_bt, _full_pass(segments), deterministic=True, trace=trace,
+                             segments=segments)
     return logits, trace
 
   def prefill(self, tokens_bt: jax.Array, max_len: int):

@@ -28,21 +28,22 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.sharding import mesh as mesh_lib
 
-# stage_fn(stage_block, shared, buf_in, x_btd, stage) -> (buf_out, final_btd, stats)
-StageFn = Callable[[Any, Any, jax.Array, jax.Array, jax.Array],
+# stage_fn(stage_block, shared, buf_in, x_btd, stage, side) -> (buf_out, final_btd, stats)
+StageFn = Callable[[Any, Any, jax.Array, jax.Array, jax.Array, Any],
                    tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
 
 
 def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
           start: Callable[[jax.Array], jax.Array], mesh: Mesh,
-          axis: str = mesh_lib.STAGE) -> tuple[jax.Array, jax.Array]:
+          axis: str = mesh_lib.STAGE, side_m: Any = None) -> tuple[jax.Array, jax.Array]:
   """Runs `stage_fn` over S stages and M microbatches on the GPipe schedule.
 
   Args:
     stage_fn: one stage's work on one microbatch: (its block of `stacked`,
       every leaf with a leading dim of 1,
       `shared`, the received boundary buffer, the microbatch's input (stage 0
-      uses it), the stage index (traced)) -> (the buffer for the next stage,
+      uses it), the stage index (traced), the microbatch's slice of `side_m`)
+      -> (the buffer for the next stage,
       the stage's final output [mb, T, D], a dict of float32 scalars: the
       stage's statistics of that microbatch).
     stacked: pytree whose leaves have a leading dim S (one slice per stage).
@@ -52,6 +53,9 @@ def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
       buffer's shape.
     mesh: the mesh (or abstract mesh) with the stage axis.
     axis: the stage axis name.
+    side_m: None, or a pytree of [M, ...] leaves every stage reads per
+      microbatch (such as the documents of its rows): the stage working on
+      microbatch m gets slice m (on an idle tick, a clipped index).
 
   Returns:
     (final outputs of the last stage [M, mb, T, D], replicated over the
@@ -66,7 +70,7 @@ def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
   buf_shape = jax.eval_shape(start, jax.ShapeDtypeStruct(x_mbtd.shape[1:], x_mbtd.dtype))
   forward = [(s, s + 1) for s in range(n_stages - 1)]
 
-  def per_stage(stacked_local, shared, x_mbtd):
+  def per_stage(stacked_local, shared, x_mbtd, side_m):
     stage = lax.axis_index(axis)
     last = stage == n_stages - 1
 
@@ -74,7 +78,11 @@ def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
       recv, outs_mbtd = carry
       x_btd = lax.dynamic_index_in_dim(x_mbtd, jnp.minimum(t, n_micro - 1), 0, keepdims=False)
       buf_in = jnp.where(stage == 0, start(x_btd), recv)
-      buf_out, final_btd, stats_t = stage_fn(stacked_local, shared, buf_in, x_btd, stage)
+      # This stage works on microbatch t - stage at tick t.
+      m_here = jnp.clip(t - stage, 0, n_micro - 1)
+      side = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, m_here, 0, keepdims=False),
+                          side_m)
+      buf_out, final_btd, stats_t = stage_fn(stacked_local, shared, buf_in, x_btd, stage, side)
       m_out = jnp.clip(t - (n_stages - 1), 0, n_micro - 1)
       kept = lax.dynamic_index_in_dim(outs_mbtd, m_out, 0, keepdims=False)
       done = last & (t >= n_stages - 1)
@@ -97,6 +105,6 @@ def gpipe(stage_fn: StageFn, stacked: Any, shared: Any, x_mbtd: jax.Array, *,
   # check_vma=False: the layers' own scans (KDA's chunk loop) start from carries that do
   # not vary over the stage axis and return ones that do, which the varying-axes check
   # refuses; the replicated inputs' gradients are summed over the stages either way.
-  return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), P(), P()),
+  return jax.shard_map(per_stage, mesh=mesh, in_specs=(P(axis), P(), P(), P()),
                        out_specs=(P(), P(axis)), axis_names={axis},
-                       check_vma=False)(stacked, shared, x_mbtd)
+                       check_vma=False)(stacked, shared, x_mbtd, side_m)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import segments as segments_lib
 from k3jax.models.lm import HybridLM, ffn_stats, mixer_stats
 from k3jax.parallel import pipeline, stage_storage
 from k3jax.parallel.pipeline_layout import PipelineLayout
@@ -68,18 +69,26 @@ class PipelinedLM(HybridLM):
             graphdef, stage_storage.stage_slice(state, s))
     return layers
 
-  def __call__(self, tokens_bt: jax.Array, *, deterministic: bool = False):
-    """tokens_bt: [B, T] int -> (logits [B, T, V] float32, aux dict)."""
+  def __call__(self, tokens_bt: jax.Array, *, segment_ids: jax.Array | None = None,
+               max_segments: int | None = None, deterministic: bool = False):
+    """tokens_bt: [B, T] int -> (logits [B, T, V] float32, aux dict).
+
+    `segment_ids` and `max_segments` as in `HybridLM.__call__`: the documents
+    are cut into microbatches with the tokens and reach every stage's layers.
+    """
     stages = mesh_lib.axis_size(mesh_lib.current_mesh(), mesh_lib.STAGE)
     if stages == 1:
-      return super().__call__(tokens_bt, deterministic=deterministic)
+      return super().__call__(tokens_bt, segment_ids=segment_ids, max_segments=max_segments,
+                              deterministic=deterministic)
     if stages != self.pipeline_stages:
       raise ValueError(
           f"the model stores its layers for {self.pipeline_stages} pipeline stages and the mesh "
           f"has {stages}: build it with pipeline_parallelize(..., stages={stages}) (a checkpoint "
           "restores under any stage count)")
     layout = PipelineLayout(stages=stages, microbatches=self.pipeline_microbatches)
-    final_btd, aux = pipelined_layers(self, tokens_bt, layout, deterministic=deterministic)
+    segments = segments_lib.for_tokens(tokens_bt, segment_ids, max_segments)
+    final_btd, aux = pipelined_layers(self, tokens_bt, layout, deterministic=deterministic,
+                                      segments=segments)
     return self._logits(final_btd), aux
 
 
@@ -110,8 +119,14 @@ def _stage_residual(config, layout: PipelineLayout) -> StageResidual:
                        blocks_per_stage=layout.blocks_per_stage(config))
 
 
+def _microbatches(x_b, n_micro: int):
+  """[B, ...] -> [M, B / M, ...]: microbatch m holds rows m, M + m, 2M + m, ..."""
+  return x_b.reshape(x_b.shape[0] // n_micro, n_micro, *x_b.shape[1:]).swapaxes(0, 1)
+
+
 def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineLayout, *,
-                     deterministic: bool) -> tuple[jax.Array, dict]:
+                     deterministic: bool, segments: segments_lib.Segments | None = None
+                     ) -> tuple[jax.Array, dict]:
   """The embedding and the layers on the pipeline schedule.
 
   Args:
@@ -120,11 +135,14 @@ def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineL
     tokens_bt: [B, T] int; B divisible by the microbatches.
     layout: stages (the mesh's stage axis) and microbatches.
     deterministic: passed to the FFNs.
+    segments: the rows' documents (`k3jax.layers.segments`) or None; cut into
+      microbatches like the tokens, each stage's layers get their microbatch's.
 
   Returns:
     (the final stream [B, T, D] before the head, HybridLM's aux dict: the mean
     over microbatches of the layers' summed aux losses, and the per-layer
-    `router/...` and `gate/...` statistics over microbatches, `_layer_stats`).
+    `router/...` and `gate/...` statistics over microbatches, `_layer_stats`;
+    with segments, `segments/overflow_rows` of the whole batch).
   """
   cfg = model.config
   n_micro = layout.microbatches
@@ -135,8 +153,8 @@ def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineL
   x_btd = _shard(jnp.take(model.embed[...], tokens_bt, axis=0).astype(cfg.compute_dtype), _BTD)
   # Microbatch m holds rows m, M + m, 2M + m, ...: a reshape that keeps each device's
   # rows (a batch split over n devices in blocks of B / n, a multiple of M) in place.
-  x_mbtd = x_btd.reshape(batch // n_micro, n_micro, length, -1).swapaxes(0, 1)
-  x_mbtd = _shard(x_mbtd, (None, *_BTD))
+  x_mbtd = _shard(_microbatches(x_btd, n_micro), (None, *_BTD))
+  segments_m = jax.tree.map(lambda a: _microbatches(a, n_micro), segments)
   residual = _stage_residual(cfg, layout)
   graphdefs, layer_states = zip(*(nnx.split(stack) for stack in model.stage_layers))
   stacked, shared = {"layers": list(layer_states)}, {}
@@ -148,7 +166,7 @@ def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineL
     stacked["queries"] = padded[:-1].reshape(layout.stages, -1, queries.shape[-1])
     shared["finish"] = padded[-1]
 
-  def stage_fn(block, shared, buf_in, x_btd, stage):
+  def stage_fn(block, shared, buf_in, x_btd, stage, segments):
     del x_btd  # stage 0's buffer is built by `start`
     stream = residual.enter(buf_in, stage)
     # Keyed by the local layer j; `_layer_stats` renames them by the global layer.
@@ -160,10 +178,11 @@ def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineL
         query = block["queries"][0, local] if residual.mixes else None
         stream_btd = residual.read(stream, query)
         if sub == 0:
-          out, mixer_aux = layer.mixer(layer.mixer_norm(stream_btd))
+          out, mixer_aux = layer.mixer(layer.mixer_norm(stream_btd), segments)
           stats.update(mixer_stats(j, layer.kind, mixer_aux))
         else:
-          out, ffn_aux = layer.ffn(layer.ffn_norm(stream_btd), deterministic=deterministic)
+          out, ffn_aux = layer.ffn(layer.ffn_norm(stream_btd), deterministic=deterministic,
+                                   segments=segments)
           stats["aux_loss"] += jnp.asarray(ffn_aux.get("aux_loss", 0.0), jnp.float32)
           stats.update(ffn_stats(j, ffn_aux))
         stream = residual.write(stream, local, _shard(out, _BTD))
@@ -172,9 +191,11 @@ def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineL
 
   mesh = mesh_lib.current_mesh()
   final_mbtd, stats_sm = pipeline.gpipe(stage_fn, stacked, shared, x_mbtd,
-                                        start=residual.start, mesh=mesh)
+                                        start=residual.start, mesh=mesh, side_m=segments_m)
   final_btd = final_mbtd.swapaxes(0, 1).reshape(batch, length, -1)
-  return _shard(final_btd, _BTD), _layer_stats(stats_sm, len(graphdefs))
+  aux = _layer_stats(stats_sm, len(graphdefs))
+  aux.update(segments_lib.overflow_aux(segments))
+  return _shard(final_btd, _BTD), aux
 
 
 def _layer_stats(stats_sm: dict, per_stage: int) -> dict:

@@ -1,6 +1,9 @@
 """Routers as pure functions of (scores [T, E], k, config[, state]) + balance metrics.
 
     indices_tk, weights_tk, stats, new_state = route(scores_te, k=8, config=cfg, state=s)
+
+A token mask (`token_mask_t`, False for padding) makes every router route
+the unmasked tokens as if the masked ones were absent.
 """
 import jax
 
@@ -21,7 +24,8 @@ _ROUTERS = {
 }
 
 
-def route(scores_te: jax.Array, *, k: int, config: RouterConfig, state=None):
+def route(scores_te: jax.Array, *, k: int, config: RouterConfig, state=None,
+          token_mask_t: jax.Array | None = None):
   """Routes T tokens to k of E experts with the router named by config.name.
 
   Args:
@@ -30,6 +34,12 @@ def route(scores_te: jax.Array, *, k: int, config: RouterConfig, state=None):
     config: RouterConfig.
     state: the router's carried state ({"bias": [E]}) for quantile_lagged and
       bias_sign, from init_router_state or the previous call; None otherwise.
+    token_mask_t: [T] bool or None. A False token (padding) gets no expert
+      (weights 0, so no slot downstream) and counts nowhere: T in the
+      capacity and the balanced count is the number of True tokens, and
+      thresholds, biases, the aux loss and the stats see only those, so they
+      route exactly as the batch without the masked tokens would (up to the
+      order of float sums in the stats). None: every token counts.
 
   Returns:
     indices_tk: [T, k] int32 expert ids.
@@ -51,10 +61,14 @@ def route(scores_te: jax.Array, *, k: int, config: RouterConfig, state=None):
     raise ValueError(f"k={k!r}; must be an int in [1, E={num_experts}]")
   if scores_te.shape[0] < 1:
     raise ValueError("scores must hold at least one token")
+  if token_mask_t is not None and (token_mask_t.shape != scores_te.shape[:1]
+                                   or token_mask_t.dtype != jax.numpy.bool_):
+    raise ValueError(f"token_mask_t must be bool [T={scores_te.shape[0]}], got "
+                     f"{token_mask_t.dtype}{token_mask_t.shape}")
   fn = _ROUTERS[config.name]
   if config.stateful:
-    return fn(scores_te, k=k, config=config, state=state)
-  return fn(scores_te, k=k, config=config)
+    return fn(scores_te, k=k, config=config, state=state, valid_t=token_mask_t)
+  return fn(scores_te, k=k, config=config, valid_t=token_mask_t)
 
 
 __all__ = [

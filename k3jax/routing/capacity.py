@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 
 
-def share(total: int, parts: int, factor: float, *, at_most: int) -> int:
+def share(total: int | jax.Array, parts: int, factor: float, *,
+          at_most: int | jax.Array) -> int | jax.Array:
   """ceil(factor * total / parts), clipped to [1, at_most]: the one capacity formula.
 
   `total` items spread over `parts` buffers, each sized `factor` times an even
@@ -13,15 +14,30 @@ def share(total: int, parts: int, factor: float, *, at_most: int) -> int:
   functions below: an expert's capacity (`expert_capacity`, also the quantile
   router's balanced count at factor 1), and the expert-parallel slots per
   device pair (`dispatch_slots`) and per local expert (`local_expert_capacity`).
+  A traced `total` (the unmasked tokens of a masked batch, `counted_tokens`)
+  gives a traced int32 by the same formula in float32 arithmetic, which is
+  exact for the factors in use (1, 1.25) below 2^24 items.
   """
+  if isinstance(total, jax.Array):
+    raw = jnp.ceil(factor * total.astype(jnp.float32) / parts).astype(jnp.int32)
+    return jnp.maximum(1, jnp.minimum(at_most, raw))
   return max(1, min(at_most, math.ceil(factor * total / parts)))
 
 
-def expert_capacity(num_tokens: int, num_experts: int, k: int,
-                    capacity_factor: float | None) -> int | None:
+def counted_tokens(num_tokens: int, valid_t: jax.Array | None) -> int | jax.Array:
+  """The tokens a router counts: `num_tokens`, or the unmasked ones of `valid_t` [T] bool
+  (a traced int32 scalar)."""
+  if valid_t is None:
+    return num_tokens
+  return jnp.sum(valid_t.astype(jnp.int32))
+
+
+def expert_capacity(num_tokens: int | jax.Array, num_experts: int, k: int,
+                    capacity_factor: float | None) -> int | jax.Array | None:
   """Assignments one expert may keep per batch: ceil(cf * T * k / E), at most T.
 
-  None (dropless) when capacity_factor is None.
+  None (dropless) when capacity_factor is None. A traced T (`counted_tokens`
+  of a masked batch) gives a traced capacity.
   """
   if capacity_factor is None:
     return None
@@ -62,8 +78,9 @@ _COUNT_MAX_KEYS = 256
 
 
 def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
-                         capacity: int | None,
-                         positions: str = "auto") -> tuple[jax.Array, jax.Array]:
+                         capacity: int | jax.Array | None,
+                         positions: str = "auto",
+                         valid_t: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Fills each token's k slots from its ranked candidates under a capacity.
 
   Candidates are visited rank by rank (all tokens' first choices, then all
@@ -80,11 +97,14 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
       within a row.
     k: slots per token.
     num_experts: E.
-    capacity: per-expert limit, or None for dropless (first k candidates).
+    capacity: per-expert limit (an int, or a traced int32 scalar), or None
+      for dropless (first k candidates).
     positions: how a token's place among the same rank's tokens wanting the
       same expert is found: "sort" (a stable sort of the candidates), "count"
       (a one-hot running count, cheaper for few experts) or "auto" ("count"
       up to 256 experts). The result is the same either way.
+    valid_t: [T] bool or None; a False token takes no slot and keeps nothing,
+      so the others fill as if it were absent.
 
   Returns:
     indices_tk: [T, k] int32. Dropped slots hold the token's original choice
@@ -97,7 +117,8 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
   check_positions(positions)
   cand_tm = cand_tm.astype(jnp.int32)
   if capacity is None:
-    return cand_tm[:, :k], jnp.ones((num_tokens, k), bool)
+    kept_tk = jnp.ones((num_tokens, k), bool)
+    return cand_tm[:, :k], kept_tk if valid_t is None else kept_tk & valid_t[:, None]
 
   token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
   counts_e = jnp.zeros((num_experts,), jnp.int32)
@@ -106,6 +127,8 @@ def assign_with_capacity(cand_tm: jax.Array, *, k: int, num_experts: int,
   for rank in range(num_cand):
     e_t = cand_tm[:, rank]
     want_t = filled_t < k
+    if valid_t is not None:
+      want_t = want_t & valid_t
     key_t = jnp.where(want_t, e_t, num_experts)
     pos_t = rank_within_key(key_t, num_experts, positions=positions)
     accept_t = want_t & (counts_e[e_t] + pos_t < capacity)

@@ -8,18 +8,22 @@ _RADIX_PASSES = 4
 _RADIX_BITS = 32 // _RADIX_PASSES
 
 
-def column_threshold_exact(v_te: jax.Array, count: int) -> jax.Array:
+def column_threshold_exact(v_te: jax.Array, count: int | jax.Array) -> jax.Array:
   """The `count`-th largest value of each column.
 
   Args:
     v_te: [T, E] values.
-    count: static int in [1, T].
+    count: static int in [1, T], or a traced int32 scalar in [1, T] (then
+      each column is sorted instead of `top_k`, which needs a static count).
 
   Returns:
     q_e: [E] float32, so that exactly `count` rows of column e hold v >= q_e
     (absent ties).
   """
   _check(v_te, count)
+  if isinstance(count, jax.Array):
+    ascending_et = jnp.sort(v_te.T.astype(jnp.float32), axis=1)
+    return jnp.take(ascending_et, v_te.shape[0] - count, axis=1)
   top_ec, _ = jax.lax.top_k(v_te.T.astype(jnp.float32), count)
   return top_ec[:, -1]
 
@@ -50,8 +54,8 @@ def column_threshold_radix(v_te: jax.Array, count: int) -> jax.Array:
   sort, so the cost grows with T E, not with T log T per column.
 
   Args:
-    v_te: [T, E] values (finite).
-    count: static int in [1, T].
+    v_te: [T, E] values (finite, or -inf for rows that must not count).
+    count: int in [1, T], static or a traced int32 scalar.
 
   Returns:
     q_e: [E] float32, equal to `column_threshold_exact(v_te, count)`.
@@ -82,7 +86,8 @@ def column_threshold_radix(v_te: jax.Array, count: int) -> jax.Array:
   return _float_of_keys(prefix_e)
 
 
-def column_threshold_histogram(v_te: jax.Array, count: int, num_bins: int) -> jax.Array:
+def column_threshold_histogram(v_te: jax.Array, count: int | jax.Array, num_bins: int,
+                               valid_t: jax.Array | None = None) -> jax.Array:
   """Approximate `column_threshold_exact` from a histogram of each column.
 
   Each column gets `num_bins` equal bins over its own [min, max]. The bin that
@@ -92,8 +97,10 @@ def column_threshold_histogram(v_te: jax.Array, count: int, num_bins: int) -> ja
 
   Args:
     v_te: [T, E] values.
-    count: static int in [1, T].
+    count: int in [1, T], static or a traced int32 scalar.
     num_bins: static int >= 2.
+    valid_t: [T] bool or None: only the True rows count, in the range and
+      the bins alike.
 
   Returns:
     q_e: [E] float32.
@@ -101,13 +108,20 @@ def column_threshold_histogram(v_te: jax.Array, count: int, num_bins: int) -> ja
   _check(v_te, count)
   num_tokens, num_experts = v_te.shape
   v_te = v_te.astype(jnp.float32)
-  lo_e = jnp.min(v_te, axis=0)
-  hi_e = jnp.max(v_te, axis=0)
+  if valid_t is None:
+    lo_e = jnp.min(v_te, axis=0)
+    hi_e = jnp.max(v_te, axis=0)
+  else:
+    lo_e = jnp.min(jnp.where(valid_t[:, None], v_te, jnp.inf), axis=0)
+    hi_e = jnp.max(jnp.where(valid_t[:, None], v_te, -jnp.inf), axis=0)
   # A constant column gets a tiny positive width so binning stays finite.
   width_e = jnp.maximum((hi_e - lo_e) / num_bins, jnp.finfo(jnp.float32).tiny)
   bin_te = jnp.clip(
       jnp.floor((v_te - lo_e) / width_e).astype(jnp.int32), 0, num_bins - 1)
-  flat = (jnp.arange(num_experts, dtype=jnp.int32) * num_bins + bin_te).reshape(-1)
+  flat = jnp.arange(num_experts, dtype=jnp.int32) * num_bins + bin_te
+  if valid_t is not None:  # masked rows go to an id past the last bin, which is dropped
+    flat = jnp.where(valid_t[:, None], flat, num_experts * num_bins)
+  flat = flat.reshape(-1)
   hist_eb = jax.ops.segment_sum(
       jnp.ones_like(flat), flat, num_segments=num_experts * num_bins,
       indices_are_sorted=False).reshape(num_experts, num_bins)
@@ -122,19 +136,26 @@ def column_threshold_histogram(v_te: jax.Array, count: int, num_bins: int) -> ja
   return jnp.minimum(upper_e - frac * width_e, hi_e)
 
 
-def column_threshold(v_te: jax.Array, count: int, *, impl: str, num_bins: int) -> jax.Array:
-  """Dispatches to the exact or histogram threshold; see those for shapes."""
+def column_threshold(v_te: jax.Array, count: int | jax.Array, *, impl: str, num_bins: int,
+                     valid_t: jax.Array | None = None) -> jax.Array:
+  """Dispatches to the exact or histogram threshold; see those for shapes.
+
+  valid_t: [T] bool or None: the threshold of the True rows only, as if the
+  others were absent (count, at most their number, may then be traced).
+  """
+  if impl == "histogram":
+    return column_threshold_histogram(v_te, count, num_bins, valid_t)
+  if valid_t is not None:  # masked rows sink below every counted value
+    v_te = jnp.where(valid_t[:, None], v_te.astype(jnp.float32), -jnp.inf)
   if impl == "exact":
     return column_threshold_exact(v_te, count)
   if impl == "radix":
     return column_threshold_radix(v_te, count)
-  if impl == "histogram":
-    return column_threshold_histogram(v_te, count, num_bins)
   raise ValueError(f"quantile impl={impl!r}; allowed: ('exact', 'radix', 'histogram')")
 
 
 def _check(v_te, count):
   if v_te.ndim != 2:
     raise ValueError(f"expected values of shape [T, E], got {v_te.shape}")
-  if not 1 <= count <= v_te.shape[0]:
+  if not isinstance(count, jax.Array) and not 1 <= count <= v_te.shape[0]:
     raise ValueError(f"count={count} must lie in [1, T={v_te.shape[0]}]")

@@ -63,7 +63,8 @@ def combine_weights(scores_te: jax.Array, indices_tk: jax.Array,
 
 
 def select_rank_assign(scores_te: jax.Array, select_te: jax.Array, *, k: int,
-                       config: RouterConfig, aux_loss: jax.Array | None = None):
+                       config: RouterConfig, aux_loss: jax.Array | None = None,
+                       valid_t: jax.Array | None = None):
   """Ranks experts by `select_te`, applies the capacity, weighs by `scores_te`.
 
   Args:
@@ -72,19 +73,23 @@ def select_rank_assign(scores_te: jax.Array, select_te: jax.Array, *, k: int,
     k: experts per token.
     config: RouterConfig (capacity_factor, overflow_choices).
     aux_loss: optional scalar to pass through to the stats.
+    valid_t: [T] bool or None: False tokens keep nothing (weight 0) and count
+      neither in the capacity (that of the True tokens) nor in the stats.
 
   Returns:
     indices_tk int32, weights_tk float32, stats dict, routed_tk (the preferred
     top-k before the capacity).
   """
   num_tokens, num_experts = scores_te.shape
-  cap = capacity_lib.expert_capacity(num_tokens, num_experts, k, config.capacity_factor)
+  cap = capacity_lib.expert_capacity(capacity_lib.counted_tokens(num_tokens, valid_t),
+                                     num_experts, k, config.capacity_factor)
   extra = k if config.overflow_choices is None else config.overflow_choices
   num_cand = k if cap is None else min(num_experts, k + extra)
   _, cand_tm = top_k(jax.lax.stop_gradient(select_te), num_cand)
   indices_tk, kept_tk = capacity_lib.assign_with_capacity(
-      cand_tm, k=k, num_experts=num_experts, capacity=cap)
+      cand_tm, k=k, num_experts=num_experts, capacity=cap, valid_t=valid_t)
   weights_tk = combine_weights(scores_te, indices_tk, kept_tk)
   routed_tk = cand_tm[:, :k]
-  stats = stats_lib.routing_stats(indices_tk, kept_tk, routed_tk, num_experts, aux_loss)
+  stats = stats_lib.routing_stats(indices_tk, kept_tk, routed_tk, num_experts, aux_loss,
+                                  valid_t=valid_t)
   return indices_tk, weights_tk, stats, routed_tk
