@@ -56,9 +56,16 @@ class _StandIn(nnx.Module):
     self.calls = _Counter(jnp.zeros((), jnp.int32))
     self.nan_after = nan_after
 
-  def __call__(self, tokens_bt, *, deterministic=False):
+  def __call__(self, tokens_bt, *, segment_ids=None, max_segments=None, deterministic=False):
+    del max_segments
     h = self.embed(tokens_bt)
-    h = h + jnp.cumsum(jax.nn.gelu(self.mix(h)), axis=1) / jnp.arange(1, h.shape[1] + 1)[None, :, None]
+    # A causal running mean, within each document when the rows carry segment ids.
+    t = tokens_bt.shape[1]
+    seen_btt = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (tokens_bt.shape[0], t, t))
+    if segment_ids is not None:
+      seen_btt = seen_btt & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    weights = seen_btt / jnp.sum(seen_btt, axis=-1, keepdims=True)
+    h = h + jnp.einsum("bts,bsd->btd", weights, jax.nn.gelu(self.mix(h)))
     logits = self.out(h).astype(jnp.float32)
     if not deterministic:
       self.calls[...] = self.calls[...] + 1

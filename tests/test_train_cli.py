@@ -75,6 +75,14 @@ def _resumable_run_dir(tmp_path):
     (["--workdr=x"], ["workdr", "workdir"]),
     # Input data that does not exist.
     (["--config.data.paths=/no/such/corpus"], ["'/no/such/corpus' does not exist", "data.*"]),
+    # Prepared data that was never made, or a packing it does not take.
+    (["--config.data.kind=prepared", "--config.data.path=/no/such/data"],
+     ["'/no/such/data' does not exist", "experiments/prepare_data.py"]),
+    (["--config.data.kind=prepared", "--config.data.path=/x", "--config.data.packing=windows"],
+     ["data.packing='windows'", "drop data.packing"]),
+    # Packed documents cannot be split over a context axis.
+    (["--config.parallel.context=2"], ["context parallelism does not carry document segments",
+                                       "data.reset_at_boundaries=False"]),
 ])
 def test_config_error_is_one_paragraph_with_exit_status_2(tmp_path, args, needles):
   result = _train(tmp_path / "run", *args)

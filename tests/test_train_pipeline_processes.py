@@ -1,7 +1,8 @@
 """Two processes (two CPU devices each, gloo collectives) train one model: a pipeline with one
 stage per process (the processes feed the same rows) matches the one-process pipeline's losses
 and resumes through one device and back; data parallelism over both (each feeds its own
-rows) matches one process."""
+rows of sampled windows) matches one process. Packed documents are read per process, so their
+global batch depends on how the processes split it (tests/test_documents_processes.py)."""
 import json
 import os
 import socket
@@ -17,13 +18,14 @@ from tests.test_train_pipeline import RTOL, _config, _losses
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One process of the run: argv = port, process id, workdir, the step to stop after (0: none),
-# stages (1: data parallelism over the four devices).
+# stages (1: data parallelism over the four devices), data.packing.
 WORKER = """
 import json, sys
 import jax
 jax.config.update("jax_num_cpu_devices", 2)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-port, pid, workdir, stop, stages = sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(int, sys.argv[4:])
+port, pid, workdir, stop, stages, packing = (sys.argv[1], int(sys.argv[2]), sys.argv[3],
+                                             int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
 jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
                            process_id=pid)
 from k3jax.train.trainer import train_and_evaluate
@@ -31,6 +33,7 @@ from tests.test_train import _stop_at
 from tests.test_train_pipeline import _config
 config = _config(stages=stages)
 config.num_devices = 0  # all four: stage 2 x data 2 (a stage per process), or data 4
+config.data.packing = packing
 out = train_and_evaluate(config, workdir, hooks=[_stop_at(stop)] if stop else [])
 print("RESULT " + json.dumps({k: out[k] for k in ("step", "mesh", "interrupted")}))
 """
@@ -42,11 +45,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _two_processes(workdir: str, stop: int, stages: int = 2) -> list[dict]:
+def _two_processes(workdir: str, stop: int, stages: int = 2, packing: str = "documents") -> list[dict]:
   port = _free_port()
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(pid), workdir,
-                             str(stop), str(stages)], cwd=ROOT, env=env, text=True,
+                             str(stop), str(stages), packing], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
            for pid in (0, 1)]
   results = []
@@ -87,9 +90,10 @@ def test_data_parallel_processes_feed_their_own_rows(tmp_path):
   ref_dir = str(tmp_path / "one_process")
   config = _config(stages=1)
   config.num_devices = 4
+  config.data.packing = "windows"  # one global batch whatever the processes (sampled windows)
   train_and_evaluate(config, ref_dir)
   run = str(tmp_path / "two_processes")
-  results = _two_processes(run, stop=0, stages=1)
+  results = _two_processes(run, stop=0, stages=1, packing="windows")
   assert results[0]["mesh"] == {"stage": 1, "data": 4, "fsdp": 1, "expert": 1, "context": 1}
   for (s, loss, gn), (_, want_loss, want_gn) in zip(_losses(run), _losses(ref_dir), strict=True):
     np.testing.assert_allclose(loss, want_loss, rtol=RTOL["loss"], err_msg=f"loss at step {s}")

@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 
 from k3jax.data.batch import windows
+from k3jax.data.tokenizer import ByteTokenizer
 
 BYTE_VOCAB_SIZE = 256
 DOC_SEPARATOR = 0
@@ -61,8 +62,24 @@ def is_heldout(name: str, heldout_fraction: float) -> bool:
   return (zlib.crc32(name.encode("utf-8")) % 10_000) < round(heldout_fraction * 10_000)
 
 
+class StreamDocuments:
+  """Random access to the documents of a NUL-joined stream (views, no copies): a Grain source.
+
+  Document i is `stream[starts[i] : starts[i + 1] - 1]` (the separator left out).
+  """
+
+  def __init__(self, stream: np.ndarray, starts: np.ndarray):
+    self.stream, self.starts = stream, starts
+
+  def __len__(self) -> int:
+    return len(self.starts) - 1
+
+  def __getitem__(self, i: int) -> np.ndarray:
+    return self.stream[self.starts[i]:self.starts[i + 1] - 1]
+
+
 class ByteCorpus:
-  """Train and held-out byte streams over local text files.
+  """Train and held-out byte streams over local text files, and their documents.
 
   Attributes:
     train: uint8 [N_train] concatenated training documents.
@@ -111,13 +128,28 @@ class ByteCorpus:
             f"files, {sum(len(p) for p in parts[not held])} bytes in the other split); "
             "add documents or change heldout_fraction")
     self.train_names, self.heldout_names = names[False], names[True]
-    self.train = self._join(parts[False])
-    self.heldout = self._join(parts[True])
+    self.train, self._train_starts = self._join(parts[False])
+    self.heldout, self._heldout_starts = self._join(parts[True])
 
   @staticmethod
-  def _join(arrays: list[np.ndarray]) -> np.ndarray:
+  def _join(arrays: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The NUL-joined stream and each document's start offset, then the stream's end."""
     sep = np.array([DOC_SEPARATOR], np.uint8)
-    return np.concatenate([x for a in arrays for x in (a, sep)])
+    starts = np.concatenate([[0], np.cumsum([len(a) + 1 for a in arrays])]).astype(np.int64)
+    return np.concatenate([x for a in arrays for x in (a, sep)]), starts
+
+  @staticmethod
+  def tokenizer() -> ByteTokenizer:
+    """Every byte is a token."""
+    return ByteTokenizer()
+
+  def documents(self, split: str) -> StreamDocuments:
+    """The documents of "train" or "heldout", each a uint8 view [n] of its bytes."""
+    if split not in ("train", "heldout"):
+      raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if split == "train":
+      return StreamDocuments(self.train, self._train_starts)
+    return StreamDocuments(self.heldout, self._heldout_starts)
 
   def check_seq_len(self, seq_len: int) -> None:
     """Raises if either split is too short to cut a window of `seq_len` + 1 bytes."""

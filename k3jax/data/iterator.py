@@ -51,6 +51,9 @@ class BatchIterator:
     """This process's rows of a global batch [global_batch_size, ...] (as `next` yields them)."""
     return {k: v[self._rows] for k, v in batch.items()}
 
+  def close(self) -> None:
+    """Nothing runs in the background (the same interface as the document iterator)."""
+
   def get_state(self) -> dict[str, int]:
     """The checkpointable position: {"seed", "position"}."""
     return {"seed": int(self.seed), "position": int(self.position)}

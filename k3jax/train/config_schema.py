@@ -18,6 +18,7 @@ import math
 from typing import Any, Mapping
 
 from k3jax.configdict import to_plain as _to_plain
+from k3jax.data import DATA_KINDS, DOCUMENT_KINDS, PACKINGS
 from k3jax.data.corpus import BYTE_VOCAB_SIZE
 from k3jax.data.mqar import check_mqar
 from k3jax.data.token_file import TOKEN_DTYPES
@@ -38,7 +39,8 @@ TOP_LEVEL: dict[str, Any] = {
     "model": dict, "data": dict, "optim": dict,
 }
 DATA: dict[str, Any] = {
-    "kind": str, "paths": _SEQ, "patterns": _SEQ, "heldout_fraction": _NUM, "max_bytes": int,
+    "kind": str, "path": str, "tokenizer": str, "tokenizer_sha256": str, "packing": str, "reset_at_boundaries": bool,
+    "max_documents_per_row": int, "packing_bins": int, "prefetch": int, "paths": _SEQ, "patterns": _SEQ, "heldout_fraction": _NUM, "max_bytes": int,
     "token_file": str, "token_dtype": str, "heldout_token_file": str, "vocab_size": int,
     "mqar_num_kv_pairs": int, "mqar_num_queries": int,
 }
@@ -52,7 +54,6 @@ PARALLEL: dict[str, Any] = {
     "dispatch_slot_factor": _NUM, "rules": dict,
 }
 RULE_TYPES = (str, list, tuple, type(None))
-DATA_KINDS = ("bytes", "token_file", "mqar")
 # Above this peak learning rate AdamW on these models diverges; a typo like 3e-1 for 3e-4 is caught here.
 MAX_LEARNING_RATE = 0.05
 
@@ -218,10 +219,13 @@ def validate(config: Any):
   _require(model_cfg.param_dtype == "float32",
            f"config model.param_dtype={model_cfg.param_dtype!r}: AdamW needs float32 master weights; "
            "set model.dtype='bfloat16' for bf16 compute instead")
+  _check_documents(d, c["parallel"] if "parallel" in c else {})
   if d["kind"] == "bytes":
     _require(0 < d["heldout_fraction"] < 1, f"config data.heldout_fraction={d['heldout_fraction']} must be in (0, 1)")
     _require(d["max_bytes"] >= 0, f"config data.max_bytes={d['max_bytes']} must be >= 0")
     data_vocab = BYTE_VOCAB_SIZE
+  elif d["kind"] == "prepared":
+    data_vocab = 0  # read from the manifest when the data is opened (the trainer's build stage)
   else:
     _require(d["vocab_size"] >= 2, f"config data.vocab_size={d['vocab_size']} must be >= 2 for kind={d['kind']!r}")
     data_vocab = d["vocab_size"]
@@ -236,6 +240,28 @@ def validate(config: Any):
            f"{data_vocab} (data.kind={d['kind']!r})")
   _check_parallel(c, model_cfg, num_devices=None)
   return model_cfg
+
+
+def _check_documents(d: Mapping[str, Any], parallel: Mapping[str, Any]) -> None:
+  """The packing fields of `config.data`, and the mesh axes packed documents cannot use."""
+  _require(d["packing"] in PACKINGS, f"config data.packing={d['packing']!r}; allowed: {PACKINGS}")
+  if d["kind"] == "prepared":
+    _require(bool(d["path"]), "config data.kind='prepared' needs data.path, the directory "
+             "experiments/prepare_data.py wrote (--config.data.path=DIR)")
+    _require(d["packing"] == "documents", "config data.packing='windows' cuts windows from one byte "
+             "stream (data.kind='bytes'); prepared data is packed as documents: drop data.packing")
+  elif d["tokenizer"]:
+    _require(False, f"config data.tokenizer={d['tokenizer']!r} is read with data.kind='prepared' only "
+             f"(data.kind={d['kind']!r} brings its own ids); drop it, or prepare the text with "
+             "experiments/prepare_data.py")
+  for key, low in (("max_documents_per_row", 1), ("packing_bins", 1), ("prefetch", 0)):
+    _require(d[key] >= low, f"config data.{key}={d[key]} must be >= {low}")
+  packed = d["kind"] in DOCUMENT_KINDS and d["packing"] == "documents"
+  context = parallel.get("context", 1)
+  _require(not (packed and d["reset_at_boundaries"] and context != 1),
+           f"config parallel.context={context} splits sequences, and context parallelism does not carry "
+           "document segments: use parallel.context=1, or train without segment ids "
+           "(data.reset_at_boundaries=False, or data.packing='windows' for bytes)")
 
 
 def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):

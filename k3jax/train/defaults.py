@@ -102,7 +102,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.parallel = parallel_config()
 
   c.data = ml_collections.ConfigDict()
-  c.data.kind = "bytes"         # "bytes" (local text files), "token_file" (memory-mapped ids) or "mqar"
+  c.data.kind = "bytes"         # "bytes" (local text files), "prepared" (experiments/prepare_data.py), "token_file" (memory-mapped ids) or "mqar"
+  c.data.path = ""              # prepared: the directory experiments/prepare_data.py wrote
+  c.data.tokenizer = ""         # prepared: "" = the tokenizer saved with the data; a path must be that same file
+  c.data.tokenizer_sha256 = ""  # filled in by the trainer: the digest of the run's tokenizer, kept in config.json
+  c.data.packing = "documents"  # bytes / prepared: "documents" (packed rows, segment ids) or "windows" (bytes: random windows of one stream)
+  c.data.reset_at_boundaries = True  # documents: the model sees segment_ids (state, conv and attention restart per document)
+  c.data.max_documents_per_row = 8  # documents: most documents first-fit packs into one row (the model's static segment bound + 1)
+  c.data.packing_bins = 64      # documents: rows first-fit fills at once (more: tighter packing)
+  c.data.prefetch = 2           # documents: batches prepared ahead by a background thread (0: none)
   c.data.paths = ()             # bytes: files/directories to read; empty = this Python's stdlib sources
   c.data.patterns = ("*.py",)   # bytes: file-name globs kept when walking directories
   c.data.heldout_fraction = 0.05  # bytes: share of documents held out; token_file: tail share if no held-out file

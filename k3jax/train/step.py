@@ -32,19 +32,30 @@ def masked_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: 
   return jnp.sum(nll_bt * mask_bt), jnp.sum(correct_bt * mask_bt), jnp.sum(mask_bt)
 
 
+def model_inputs(batch: dict, max_segments: int | None) -> dict:
+  """The keyword arguments the model takes from a batch besides its tokens: the rows' segment
+  ids and their static bound when the run resets at document boundaries, else none."""
+  if max_segments is None:
+    return {}
+  return {"segment_ids": batch["segment_ids"], "max_segments": max_segments}
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+                    schedule: optax.Schedule, *, max_segments: int | None = None
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """Builds `train_step(state, batch) -> (new_state, metrics)`, jitted with the state donated.
 
   The model computes in its configured dtype (bf16 on GPU presets) and returns
   float32 logits; the loss, gradients' norm and optimizer math are float32.
   `metrics["finite"]` is 1.0 only if both the loss and the gradient norm are finite.
+  With `max_segments` the model sees `batch["segment_ids"]` (packed documents,
+  each row at most that many runs of equal ids).
   """
 
   def loss_fn(params, model_state, batch):
     # copy=True gives fresh variables owned by this trace, so the forward may update router state.
     model = nnx.merge(graphdef, params, model_state, copy=True)
-    logits_btv, aux = model(batch["inputs"], deterministic=False)
+    logits_btv, aux = model(batch["inputs"], deterministic=False, **model_inputs(batch, max_segments))
     nll, correct, count = masked_cross_entropy(logits_btv, batch["targets"], batch["mask"])
     count = jnp.maximum(count, 1.0)
     ce = nll / count
@@ -99,15 +110,17 @@ def _layout_preserving_jit(train_step):
   return step
 
 
-def make_eval_step(graphdef: nnx.GraphDef) -> Callable[[TrainState, dict], dict]:
+def make_eval_step(graphdef: nnx.GraphDef, *, max_segments: int | None = None
+                   ) -> Callable[[TrainState, dict], dict]:
   """Builds jitted `eval_step(state, batch) -> {"nll_sum", "correct_sum", "count"}` (deterministic mode).
 
   The state is not donated and not changed: routers run with frozen state.
+  `max_segments` as in `make_train_step`.
   """
 
   def eval_step(state: TrainState, batch: dict) -> dict:
     model = nnx.merge(graphdef, state.params, state.model_state, copy=True)
-    logits_btv, _ = model(batch["inputs"], deterministic=True)
+    logits_btv, _ = model(batch["inputs"], deterministic=True, **model_inputs(batch, max_segments))
     nll, correct, count = masked_cross_entropy(logits_btv, batch["targets"], batch["mask"])
     return {"nll_sum": nll, "correct_sum": correct, "count": count}
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import math
@@ -25,9 +27,11 @@ try:
 except ImportError:  # optional: a bare accelerator image may lack tqdm; metrics still reach the log files
   tqdm = None
 
-from k3jax.data import BatchIterator, make_dataset
+from k3jax.data import (Tokenizer, load_tokenizer, make_dataset, make_eval_batches, make_iterator,
+                        model_segments)
 from k3jax.models import lm
 from k3jax.sharding import rules as rules_lib
+from k3jax.train import data_state
 from k3jax.train import report
 from k3jax.train import run_config
 from k3jax.train import sharded_state
@@ -60,16 +64,18 @@ def peak_flops_per_device(config: Any) -> float | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int):
+def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int, max_segments: int | None):
   """(tx, train_step, eval_step) for a model structure and optimizer, shared by runs in one process.
 
   Runs with the same model structure and optimizer settings (a resumed run, a
   sweep in a notebook) reuse the compiled steps instead of compiling again.
+  `max_segments`: the model sees each batch's segment ids with this static bound (None: it does not).
   """
   # The optimizer reads attributes, so rebuild a ConfigDict.
   optim_cfg = ml_collections.ConfigDict(json.loads(optim_json))
   tx, schedule = make_optimizer(optim_cfg, num_steps)
-  return tx, make_train_step(graphdef, tx, schedule), make_eval_step(graphdef)
+  return (tx, make_train_step(graphdef, tx, schedule, max_segments=max_segments),
+          make_eval_step(graphdef, max_segments=max_segments))
 
 
 def _default_model(model_cfg, seq_len: int, expert_parallel
@@ -251,7 +257,8 @@ class _Build:
   ckpt_dir: str
   resuming: bool
   dataset: Any
-  data_it: BatchIterator
+  tokenizer: Tokenizer | None
+  data_it: Any
   eval_set: list
   mesh: Mesh
   sharded: bool
@@ -288,6 +295,8 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                 "use --config.model.kda_implementation=xla for CPU runs")
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+  dataset, tokenizer = _open_data(config, model_cfg)
+  config = _with_tokenizer_digest(config, tokenizer)
   resuming = bool(saved_steps(ckpt_dir))
   if resuming:  # before anything is read from or written to the run directory
     run_config.check_resume(workdir, config)
@@ -299,23 +308,20 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
     row_block, row_blocks = sharded_state.process_rows(mesh, config.batch_size, pconf.rules)
   except ValueError as e:
     raise ConfigError(f"config parallel: {e}") from None
-  try:
-    dataset = make_dataset(config.data, seed=config.seed)
-    dataset.check_seq_len(config.seq_len)
-    data_it = BatchIterator(dataset, global_batch_size=config.batch_size, seq_len=config.seq_len,
-                            seed=config.seed, process_index=row_block, process_count=row_blocks)
+  with _data_errors(config):
+    data_it = make_iterator(dataset, config.data, global_batch_size=config.batch_size,
+                            seq_len=config.seq_len, seed=config.seed, process_index=row_block,
+                            process_count=row_blocks)
     eval_set = [data_it.local_rows(b)
-                for b in dataset.eval_batches(config.batch_size, config.seq_len, config.eval_batches)]
-  except ValueError as e:  # the data modules name the file or the size; say which section to fix
-    if isinstance(e, InputError):
-      raise
-    raise ConfigError(f"config data (data.kind={config.data.kind!r}): {e}. Fix the data.* fields, "
-                      "or seq_len and batch_size.") from e
+                for b in make_eval_batches(dataset, config.data, batch_size=config.batch_size,
+                                           seq_len=config.seq_len, num_batches=config.eval_batches)]
 
   run_model_fn = model_fn
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
+  if model_segments(config.data, config.seq_len) is not None:
+    _check_takes_segments(abstract)
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
   if sharded or _splits_kernel_calls(config, sizes):
     model_fn = sharded_state.parallel_model_fn(model_fn)
@@ -325,14 +331,78 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
-                                        config.num_steps)
+                                        config.num_steps, model_segments(config.data, config.seq_len))
   abstract_state = jax.eval_shape(lambda: create_train_state(model_fn, tx, config.seed)[1])
   return _Build(config=config, workdir=workdir, nproc=nproc, ndev=len(devices), pconf=pconf,
                 sizes=sizes, model_fn=model_fn, flops_per_token=flops_per_token, ckpt_dir=ckpt_dir,
-                resuming=resuming, dataset=dataset, data_it=data_it, eval_set=eval_set, mesh=mesh,
+                resuming=resuming, dataset=dataset, tokenizer=tokenizer, data_it=data_it, eval_set=eval_set, mesh=mesh,
                 sharded=sharded, tx=tx, train_step=train_step, eval_step=eval_step,
                 abstract_state=abstract_state,
                 shardings=rules_lib.tree_shardings(abstract_state, mesh, pconf.rules))
+
+
+@contextlib.contextmanager
+def _data_errors(config: Any):
+  """Re-raises the data modules' ValueErrors (they name the file or the size) as a ConfigError
+  that says which section to fix."""
+  try:
+    yield
+  except ValueError as e:
+    if isinstance(e, InputError):
+      raise
+    raise ConfigError(f"config data (data.kind={config.data.kind!r}): {e}. Fix the data.* fields, "
+                      "or seq_len and batch_size.") from e
+
+
+def _check_takes_segments(model: nnx.Module) -> None:
+  """Packed documents with the reset hand the model `segment_ids`; a model that cannot take
+  them is refused here, before anything is compiled."""
+  params = inspect.signature(type(model).__call__).parameters
+  if "segment_ids" not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+    raise ConfigError(f"config data.reset_at_boundaries=True hands the model segment_ids, but "
+                      f"{type(model).__name__}.__call__ takes no segment_ids argument; give it one "
+                      "(and max_segments), or set data.reset_at_boundaries=False")
+
+
+def _open_data(config: Any, model_cfg) -> tuple[Any, Tokenizer | None]:
+  """The dataset and its tokenizer (None for token files and MQAR), checked against the config
+  and the model: the tokenizer the config names, the vocabulary and the largest id."""
+  with _data_errors(config):
+    dataset = make_dataset(config.data, seed=config.seed)
+    dataset.check_seq_len(config.seq_len)
+    tokenizer = dataset.tokenizer() if hasattr(dataset, "tokenizer") else None
+  if tokenizer is None:
+    return dataset, None
+  if config.data.tokenizer:
+    if not os.path.isfile(config.data.tokenizer):
+      raise ConfigError(f"config data.tokenizer={config.data.tokenizer!r} does not exist; give the "
+                        "tokenizer the data was prepared with, or leave data.tokenizer empty to use "
+                        f"the copy in {config.data.path}")
+    named = load_tokenizer(config.data.tokenizer)
+    if named.sha256 != tokenizer.sha256:
+      raise ConfigError(f"config data.tokenizer={config.data.tokenizer!r} (sha256 {named.sha256[:12]}...) "
+                        f"is not the tokenizer {config.data.path} was prepared with (sha256 "
+                        f"{tokenizer.sha256[:12]}...); prepare the data again with it, or leave "
+                        "data.tokenizer empty")
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ConfigError(f"config model.vocab_size={model_cfg.vocab_size} is smaller than the data's "
+                      f"tokenizer vocabulary {tokenizer.vocab_size} (data.kind={config.data.kind!r}); "
+                      f"set --config.model.vocab_size={tokenizer.vocab_size}")
+  return dataset, tokenizer
+
+
+def _with_tokenizer_digest(config: Any, tokenizer: Tokenizer | None) -> Any:
+  """A copy of `config` whose data.tokenizer_sha256 names the run's tokenizer (config.json keeps it,
+  so a resume on data made with another tokenizer is refused). A value given must match."""
+  if tokenizer is None:
+    return config
+  given = config.data.tokenizer_sha256
+  if given and given != tokenizer.sha256:
+    raise ConfigError(f"config data.tokenizer_sha256={given[:12]}... is not the digest of the data's "
+                      f"tokenizer ({tokenizer.sha256[:12]}...); leave it empty: the trainer fills it in")
+  config = copy.deepcopy(config)
+  config.data.tokenizer_sha256 = tokenizer.sha256
+  return config
 
 
 def _restore(run: _Build, ckpt: Checkpointer):
@@ -363,7 +433,12 @@ def _initial_state(run: _Build, ckpt: Checkpointer, restored):
   """The restored train state (the data position with it), or a fresh one laid out for the mesh."""
   config = run.config
   if restored is not None:
-    run.data_it.set_state(restored.data_state["iterator"])
+    try:
+      data_state.restore_state(run.data_it, restored.data_state,
+                               f"of step {restored.step} in {ckpt.directory}")
+    except ValueError as e:
+      ckpt.close()
+      raise ConfigError(str(e)) from None
     if restored.skipped:
       _set_aside(ckpt, [s for s, _ in restored.skipped], run.nproc)
     log.info("resumed from step %d in %s (%s)", restored.step, ckpt.directory,
@@ -408,7 +483,9 @@ def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLoc
     ckpt.close()
     raise ValueError(f"checkpoint mismatch: state step {start}, data position {run.data_it.position}")
   if jax.process_index() == 0:
-    run_config.write_config(workdir, config)
+    run_config.write_config(workdir, run.config)
+    if run.tokenizer is not None:  # generation and evaluation read the run's own copy
+      run.tokenizer.save_to(workdir)
     dropped = drop_superseded(workdir, start if restored is not None else -1)
     if dropped:
       log.info("metrics.jsonl: moved %d record(s) past step %d, which this run redoes, to %s", dropped,
@@ -465,8 +542,8 @@ class _TrainLoop:
     return record
 
   def save(self, step: int) -> None:
-    """The save stage: a checkpoint of the state and the data position."""
-    self.ckpt.save(step, self.state, {"iterator": self.built.data_it.get_state()})
+    """The save stage: a checkpoint of the state and the data position (each data shard's)."""
+    self.ckpt.save(step, self.state, data_state.saved_state(self.built.data_it, self.built.nproc))
 
   def flush(self, step: int, metrics: dict, write: bool) -> dict[str, float]:
     """Fetches one step's metrics, stops on a non-finite loss, writes a record if asked."""
@@ -558,6 +635,7 @@ class _TrainLoop:
       self.bar.close()
       self.writer.close()
       self.ckpt.close()
+      built.data_it.close()
     result["step"] = step
     return result
 

@@ -1,0 +1,208 @@
+"""Documents packed into rows through Grain, the trainer's default data path.
+
+    documents (random access) -> this process's share of a per-epoch global shuffle
+      -> pieces of at most seq_len targets -> first-fit packing into rows of seq_len
+      -> batches of this process's rows -> background prefetch
+
+A document of n tokens gives n - 1 (input, target) pairs: the pieces of a long
+document overlap by one token, so every token but the first is a target exactly
+once, and each piece is a document of its own (its state starts from zero). No
+target crosses a document. Rows carry `segment_ids` (1, 2, ... per document in
+the row, 0 for padding) and `positions` (each token's index in its piece);
+`mask` is 1 on every non-padding position.
+
+Per process: the documents of one epoch are shuffled globally (seeded, without
+replacement, a new order each epoch) and process p of P takes every P-th of
+them, so the processes read disjoint documents and together one epoch.
+Processes that hold the same rows of the global batch (pipeline stages) pass
+the same shard and read the same rows. The iterator's whole position is
+Grain's state plus the batch count; restoring it replays exactly the batches
+an unbroken run would have seen.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from k3jax.data.batch import make_batch
+
+# Batch keys of packed rows beyond `batch.BATCH_KEYS`, both int32 [B, T].
+SEGMENT_KEYS = ("segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+  """How documents become rows.
+
+  Attributes:
+    seq_len: T, tokens per row.
+    max_documents_per_row: the most documents (pieces) first-fit puts in one
+      row; the model's static segment bound is this plus one (the padding run).
+    bins: rows filled at once by first-fit (Grain's `num_packing_bins`): more
+      bins pack tighter and mix neighbouring epochs at their edge.
+    prefetch: batches a background thread prepares ahead (0: none).
+  """
+  seq_len: int
+  max_documents_per_row: int = 8
+  bins: int = 64
+  prefetch: int = 2
+
+  def __post_init__(self):
+    for name in ("seq_len", "max_documents_per_row", "bins"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"packing {name}={getattr(self, name)} must be >= 1")
+    if self.prefetch < 0:
+      raise ValueError(f"packing prefetch={self.prefetch} must be >= 0")
+
+  @property
+  def max_segments(self) -> int:
+    """Runs of equal segment ids a row can hold: its documents and one padding run."""
+    return self.max_documents_per_row + 1
+
+
+def document_pieces(ids_n: np.ndarray, seq_len: int) -> list[dict[str, np.ndarray]]:
+  """Splits one document [n] into next-token pieces of at most `seq_len` pairs each.
+
+  Piece j holds inputs ids[jT : e] and targets ids[jT + 1 : e + 1] with
+  e = min(jT + T, n - 1); a document shorter than 2 tokens gives none.
+  """
+  ids_n = np.asarray(ids_n, np.int32)
+  last = len(ids_n) - 1
+  return [{"inputs": ids_n[s:min(s + seq_len, last)], "targets": ids_n[s + 1:min(s + seq_len, last) + 1]}
+          for s in range(0, last, seq_len)]
+
+
+class _Pieces(grain.experimental.FlatMapTransform):
+  """Grain's one-to-many step around `document_pieces`."""
+
+  # Grain reads this as a hint only for its iterator datasets; a long document may give more.
+  max_fan_out = 1 << 16
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+
+  def flat_map(self, element):
+    return document_pieces(element, self.seq_len)
+
+
+def _rows_to_batch(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Grain's packed features -> the trainer's batch dict (inputs, targets, mask, segment_ids, positions)."""
+  segment_ids = packed["inputs_segment_ids"].astype(np.int32)
+  batch = make_batch(packed["inputs"], packed["targets"], (segment_ids > 0).astype(np.float32))
+  batch["segment_ids"] = segment_ids
+  batch["positions"] = packed["inputs_positions"].astype(np.int32)
+  return batch
+
+
+def packed_dataset(source: Sequence[np.ndarray], packing: Packing, *, rows: int, seed: int,
+                   shard_index: int = 0, shard_count: int = 1, shuffle: bool = True,
+                   epochs: int | None = None) -> grain.IterDataset:
+  """The Grain pipeline over `source` (random access, items int [n] documents).
+
+  Args:
+    source: documents; `len` and `__getitem__` (a Grain data source or a list).
+    packing: row length and packing options.
+    rows: batch rows this process yields.
+    seed: seeds the per-epoch document order and the order of packed rows.
+    shard_index, shard_count: this process's share of each epoch's order.
+    shuffle: False keeps the source order and row order (held-out sets).
+    epochs: passes over the documents; None repeats forever.
+
+  Returns:
+    An IterDataset of batches {inputs, targets, mask, segment_ids, positions}, each [rows, T].
+  """
+  if not 0 <= shard_index < shard_count:
+    raise ValueError(f"shard_index={shard_index} must be in [0, shard_count={shard_count})")
+  docs = grain.MapDataset.source(source)
+  if shuffle:
+    docs = docs.seed(seed).shuffle()
+  # Sliced after the shuffle, so each epoch's one global order is split between the processes.
+  docs = docs[shard_index::shard_count].repeat(epochs)
+  pieces = grain.experimental.FlatMapIterDataset(docs.to_iter_dataset(), _Pieces(packing.seq_len))
+  length = {"inputs": packing.seq_len, "targets": packing.seq_len}
+  packed = grain.experimental.FirstFitPackIterDataset(
+      pieces, length_struct=length, num_packing_bins=packing.bins, seed=seed, shuffle_bins=shuffle,
+      max_sequences_per_bin=packing.max_documents_per_row)
+  batches = packed.batch(rows, drop_remainder=True).map(_rows_to_batch)
+  if packing.prefetch:
+    batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=packing.prefetch)
+  return batches
+
+
+class DocumentIterator:
+  """This process's rows of each training batch of packed documents; resumable exactly.
+
+  `get_state()` is the position every process shares; `grain_state()` is the
+  Grain position of this process's data shard (`shard_key`, "<i>-of-<n>"),
+  which the processes holding the same rows share. The trainer saves both
+  (`k3jax.train.data_state`).
+  """
+
+  def __init__(self, source: Sequence[np.ndarray], packing: Packing, *, global_batch_size: int,
+               seed: int, process_index: int = 0, process_count: int = 1):
+    if global_batch_size % process_count:
+      raise ValueError(f"global batch size {global_batch_size} is not divisible by "
+                       f"the process count {process_count}")
+    self.seed = seed
+    self.position = 0
+    self.shard_key = f"{process_index}-of-{process_count}"
+    self.rows = global_batch_size // process_count
+    self._rows = slice(process_index * self.rows, (process_index + 1) * self.rows)
+    self._dataset = packed_dataset(source, packing, rows=self.rows, seed=seed,
+                                   shard_index=process_index, shard_count=process_count)
+    self._iterator = iter(self._dataset)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._iterator)
+    self.position += 1
+    return batch
+
+  def local_rows(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's rows of a global batch [global_batch_size, ...] (the held-out set's)."""
+    return {k: v[self._rows] for k, v in batch.items()}
+
+  def get_state(self) -> dict[str, int]:
+    """{"seed", "position"}: the batches taken so far, the same on every process."""
+    return {"seed": int(self.seed), "position": int(self.position)}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Restores the shared position saved by `get_state` (Grain's own comes by `set_grain_state`)."""
+    if int(state["seed"]) != self.seed:
+      raise ValueError(f"data state was saved with seed {state['seed']}, this run uses seed {self.seed}")
+    self.position = int(state["position"])
+
+  def grain_state(self) -> dict[str, Any]:
+    """This process's Grain iterator state (JSON-serialisable)."""
+    return self._iterator.get_state()
+
+  def set_grain_state(self, state: dict[str, Any]) -> None:
+    """Moves this process's Grain iterator to a state saved by `grain_state`."""
+    self._iterator.set_state(state)
+
+  def close(self) -> None:
+    """Stops the prefetch thread (also done when the iterator is collected)."""
+    close = getattr(self._iterator, "close", None)
+    if close is not None:
+      close()
+
+
+def packed_eval_batches(source: Sequence[np.ndarray], packing: Packing, *, batch_size: int,
+                        num_batches: int) -> list[dict[str, np.ndarray]]:
+  """The fixed held-out set: `source`'s documents in order, packed, the first `num_batches`
+  global batches (the documents repeat when fewer fill them).
+
+  Raises:
+    ValueError: the documents hold no (input, target) pair at all.
+  """
+  # Without one pair the repeating pipeline would never fill a row; the scan stops at the first.
+  if not any(len(source[i]) > 1 for i in range(len(source))):
+    raise ValueError(f"the held-out documents ({len(source)}) hold fewer than 2 tokens each")
+  packing = dataclasses.replace(packing, prefetch=0)
+  iterator = iter(packed_dataset(source, packing, rows=batch_size, seed=0, shuffle=False))
+  return [next(iterator) for _ in range(num_batches)]
