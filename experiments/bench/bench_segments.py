@@ -1,0 +1,106 @@
+r"""What document segments cost: KDA with the state restarted per document, and attention
+masked by document, against the same calls without segments.
+
+GPU (one H200 or H100; bf16, H16, K = V = 128):
+
+  python experiments/bench/bench_segments.py --shapes=16x2048,4x8192
+
+Rows, each forward and forward+backward (pipelined timer, ms per call):
+* `kda`: `chunk_kda` on the Pallas path, no segments;
+* `kda rows, 1 doc`: `k3jax.layers.kda.chunk_kda_rows` with one document per row
+  (M = 1), the cost of the per-row packed layout alone;
+* `kda rows, D docs`: D documents of random lengths per row in a grid of M =
+  `--max_segments` runs (the trainer's bound: data.max_documents_per_row + 1);
+* `attention causal`: `jax.nn.dot_product_attention(is_causal=True)` (cuDNN on
+  the GPU);
+* `attention by document`: the same with the [B, 1, T, T] document mask of the
+  D-document rows (`Segments.attention_mask_b1tt`).
+On a CPU the Pallas rows run interpreted: use tiny shapes (`--shapes=2x64 --heads=2
+--head_dim=32 --iters=2`), whose times say nothing.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+from k3jax.layers.kda import chunk_kda_rows
+from k3jax.layers.segments import Segments
+from pallas_kernels.kda import api
+from pallas_kernels.tools import bench
+
+_SHAPES = flags.DEFINE_list("shapes", ["16x2048", "4x8192"], "BxT shapes.")
+_HEADS = flags.DEFINE_integer("heads", 16, "Heads H.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "K = V.")
+_DOCS = flags.DEFINE_integer("docs_per_row", 3, "Documents per row of the segmented rows.")
+_MAX_SEGMENTS = flags.DEFINE_integer("max_segments", 9, "Static runs per row M.")
+_ITERS = flags.DEFINE_integer("iters", 10, "Calls per pipelined round.")
+
+_LOWER = -5.0
+
+
+def segment_ids(b: int, t: int, docs: int, seed: int = 0) -> np.ndarray:
+  """[B, T] ids of `docs` documents of random lengths per row (cuts drawn uniformly)."""
+  rng = np.random.default_rng(seed)
+  ids = np.zeros((b, t), np.int32)
+  for r in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, t), size=docs - 1, replace=False))
+    ids[r] = np.searchsorted(cuts, np.arange(t), side="right") + 1
+  return ids
+
+
+def _timed(fn, args, backward: bool) -> float:
+  if backward:
+    def fwd_bwd(*xs):
+      out, vjp = jax.vjp(fn, *xs)
+      return vjp(jnp.ones_like(out))
+    call = jax.jit(fwd_bwd)
+  else:
+    call = jax.jit(fn)
+  return bench.pipelined_ms(call, *args, iters=_ITERS.value, rounds=3, warmup=2)
+
+
+def kda_rows(b, t, h, d, interpret):
+  """(name, function of (q, k, v, g, beta)) of the KDA rows."""
+  kw = dict(lower_bound=_LOWER, implementation="pallas", interpret=interpret)
+  one = jnp.asarray(np.tile([[0, t]], (b, 1)), jnp.int32)
+  docs = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)), _MAX_SEGMENTS.value).offsets_bm
+  return [
+      ("kda", lambda q, k, v, g, beta: api.chunk_kda(q, k, v, g, beta, **kw)[0]),
+      ("kda rows, 1 doc", lambda q, k, v, g, beta: chunk_kda_rows(q, k, v, g, beta, one, **kw)),
+      (f"kda rows, {_DOCS.value} docs (M {_MAX_SEGMENTS.value})",
+       lambda q, k, v, g, beta: chunk_kda_rows(q, k, v, g, beta, docs, **kw)),
+  ]
+
+
+def attention_rows(b, t):
+  """(name, function of (q, k, v)) of the attention rows."""
+  impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  mask = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)),
+                           _MAX_SEGMENTS.value).attention_mask_b1tt()
+  attend = lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                             implementation=impl, **kw)
+  return [(f"attention causal ({impl})", attend),
+          (f"attention by document ({impl}, mask)", lambda q, k, v: attend(q, k, v, mask=mask))]
+
+
+def main(argv):
+  del argv
+  interpret = jax.default_backend() == "cpu"
+  h, d = _HEADS.value, _HEAD_DIM.value
+  print(f"device: {jax.devices()[0].device_kind}; bf16, H{h}, K = V = {d}; pipelined ms per call")
+  print("| B x T | path | fwd ms | fwd+bwd ms |")
+  print("|---|---|---|---|")
+  for shape in _SHAPES.value:
+    b, t = map(int, shape.split("x"))
+    q, k, v, g, beta = bench.make_inputs(jax.random.key(0), b, t, h, d, lower_bound=_LOWER)
+    rows = [(name, fn, (q, k, v, g, beta)) for name, fn in kda_rows(b, t, h, d, interpret)]
+    rows += [(name, fn, (q, k, v)) for name, fn in attention_rows(b, t)]
+    for name, fn, args in rows:
+      fwd, both = (_timed(fn, args, backward) for backward in (False, True))
+      print(f"| {b} x {t} | {name} | {fwd:.3f} | {both:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
