@@ -1,17 +1,19 @@
 """~157M-parameter (~80M active) hybrid KDA/attention MoE model, bf16, one H200.
 
-Bytes of the Python standard library by default (no download); point it at your
-own tokenized corpus with
-`--config.data.kind=token_file --config.data.token_file=PATH --config.data.vocab_size=V --config.model.vocab_size=V`.
+The bytes of the Python standard library's sources by default (no download), packed as
+documents; train on your own text prepared by `experiments/prepare_data.py` with
+`--config.data.kind=prepared --config.data.path=DIR --config.model.vocab_size=V` (V at least
+the tokenizer's vocabulary).
 
 GPU command (repo root). On a machine with package access, fetch the wheels the GPU
-image lacks (they land in `.whl/`, which travels with the working tree):
+image lacks (they land in `.whl/` and `.whl/data/`, which travel with the working tree):
 
-  ../shared/tools/gpu_wheels.sh tensorboardX==2.6.5
+  ../shared/tools/gpu_wheels.sh && ../shared/tools/gpu_wheels.sh --data
 
 then on the H200:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && python3 -m pip install -q --no-index --find-links .whl/data grain array-record tokenizers \
     && PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/gpu_150m.py \
          --workdir=/tmp/runs/gpu_150m --config.num_steps=300
 

@@ -1,9 +1,9 @@
 """~1.09B-parameter (~350M active) hybrid KDA/attention MoE model, bf16, one H200.
 
-Same data options as `gpu_150m.py`. GPU command (after `../shared/tools/gpu_wheels.sh
-tensorboardX==2.6.5` on a machine with package access; run from the repo root on the H200):
+Same data options and wheels as `gpu_150m.py`. GPU command (run from the repo root on the H200):
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && python3 -m pip install -q --no-index --find-links .whl/data grain array-record tokenizers \
     && PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/gpu_1b.py \
          --workdir=/tmp/runs/gpu_1b --config.num_steps=300 --config.optim.warmup_steps=100
 

@@ -10,7 +10,7 @@ from k3jax.train.defaults import base_config
 
 
 def get_config():
-  """The GPU presets' common settings: 2048-token windows, 3 KDA : 1 attention, the Pallas
+  """The GPU presets' common settings: 2048-token rows, 3 KDA : 1 attention, the Pallas
   KDA kernels, top-2 quantile-routed experts in capacity mode, bf16 compute."""
   c = base_config()
   c.seq_len = 2048
