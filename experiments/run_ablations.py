@@ -216,9 +216,9 @@ def _worker(key: str, out: str):
       import jax  # pylint: disable=g-import-not-at-top
       jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
       t0 = time.time()
-      record = record.run_or_load(spec, out)
+      summary = record.run_or_load(spec, out)
       print(f"{key}: done in {time.time() - t0:.1f}s on {jax.devices()[0].device_kind}; "
-            f"final eval {record.get('final_eval')}", flush=True)
+            f"final eval {summary.get('final_eval')}", flush=True)
       return
   raise app.UsageError(f"--worker={key!r} is no run of the {FLAGS.setting} setting")
 

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from k3jax.ablations import document_eval
 from k3jax.ablations import evaluate as evaluate_lib
 from k3jax.ablations import long_context
 from k3jax.ablations import runs as runs_lib
@@ -58,7 +59,7 @@ def summarize_run(spec: RunSpec, workdir: str, out_dir: str | None = None) -> di
   decay `lengths` {multiplier: eval_at_length record}; router `router`
   (tail means per layer of max_vio, max_vio_routed, drop_fraction) and
   `leak` (routing_leak); residual `depth` (depth_profile); long `long`
-  (`long_context.evaluate_run`).
+  (`long_context.evaluate_run`); documents `positions` (`document_eval.loss_by_position`).
   """
   sweep = sweep_of(spec)
   evals = runs_lib.load_metrics(workdir, "eval")
@@ -86,6 +87,8 @@ def summarize_run(spec: RunSpec, workdir: str, out_dir: str | None = None) -> di
     record["leak"] = evaluate_lib.routing_leak(model, batch, position=position, seed=spec.seed)
   if spec.sweep == "residual":
     record["depth"] = evaluate_lib.depth_profile(model, evaluate_lib.heldout_batch(config))
+  if spec.sweep == "documents":
+    record["positions"] = document_eval.loss_by_position(model, config)
   if spec.sweep == "long":
     record["long"] = long_context.evaluate_run(workdir, **long_eval_args(sweep))
     record["long"]["workdir"] = record["workdir"]

@@ -207,9 +207,20 @@ def residual_table(records: list[dict]) -> str:
                  "residual bytes/token", "forward temp MB"], rows)
 
 
+def documents_table(records: list[dict]) -> str:
+  """Per way of feeding the model: held-out nats/token over each document's opening and the rest."""
+  rows = []
+  for (variant, _), rs in group(records).items():
+    rows.append([variant, str(len(rs)), fmt(get(r, "positions.first") for r in rs),
+                 fmt(get(r, "positions.rest") for r in rs), fmt(get(r, "positions.all") for r in rs),
+                 fmt(get(r, "final_eval.loss") for r in rs)])
+  return table(["data", "seeds", "first 64 tokens (nats)", "the rest (nats)", "all (nats)",
+                "trainer's held-out loss (nats)"], rows)
+
+
 TABLES: dict[str, Callable[[list[dict]], str]] = {
     "decay": decay_table, "router": router_table, "router_layers": router_layer_table,
-    "residual": residual_table,
+    "residual": residual_table, "documents": documents_table,
 }
 _MARK = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
