@@ -46,3 +46,17 @@ def test_set_overrides_reach_every_run(parsed_flags):
   assert all(s.config().optim.learning_rate == 1e-3 for s in specs)
   with pytest.raises(Exception, match="not dotted.name=value"):
     run_ablations.parse_set(["nonsense"])
+
+
+def test_worker_runs_its_spec_and_prints_the_record(parsed_flags, monkeypatch, capsys):
+  parsed_flags("--sweeps=documents", "--setting=quick", "--seeds=0")
+  seen = []
+
+  def fake_run_or_load(spec, out):
+    seen.append((spec.key, out))
+    return {"final_eval": {"loss": 1.5}}
+
+  monkeypatch.setattr(run_ablations.record, "run_or_load", fake_run_or_load)
+  run_ablations._worker("documents/reset/bytes/seed0", "/tmp/out")  # pylint: disable=protected-access
+  assert seen == [("documents/reset/bytes/seed0", "/tmp/out")]
+  assert "final eval {'loss': 1.5}" in capsys.readouterr().out
