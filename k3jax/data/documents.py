@@ -22,6 +22,7 @@ an unbroken run would have seen.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Sequence
 
 import grain
@@ -132,6 +133,15 @@ def packed_dataset(source: Sequence[np.ndarray], packing: Packing, *, rows: int,
   return batches
 
 
+def _release(started: list) -> None:
+  """Closes and drops the Grain iterator `started` holds, if any."""
+  while started:
+    iterator = started.pop()
+    close = getattr(iterator, "close", None)
+    if close is not None:
+      close()
+
+
 class DocumentIterator:
   """This process's rows of each training batch of packed documents; resumable exactly.
 
@@ -153,7 +163,17 @@ class DocumentIterator:
     self._rows = slice(process_index * self.rows, (process_index + 1) * self.rows)
     self._dataset = packed_dataset(source, packing, rows=self.rows, seed=seed,
                                    shard_index=process_index, shard_count=process_count)
-    self._iterator = iter(self._dataset)
+    self._started: list = []  # Grain's iterator once made; a list the exit hook can empty
+
+  @property
+  def _iterator(self):
+    """Grain's iterator, made on first use: its prefetch thread starts then."""
+    if not self._started:
+      self._started.append(iter(self._dataset))
+      # At exit, before module teardown (where Grain's own finaliser fails noisily), stop the
+      # thread and drop the iterator.
+      weakref.finalize(self, _release, self._started)
+    return self._started[0]
 
   def __iter__(self):
     return self
@@ -186,10 +206,9 @@ class DocumentIterator:
     self._iterator.set_state(state)
 
   def close(self) -> None:
-    """Stops the prefetch thread (also done when the iterator is collected)."""
-    close = getattr(self._iterator, "close", None)
-    if close is not None:
-      close()
+    """Stops the prefetch thread and drops Grain's iterator (also done at exit); the
+    iterator is not used after this."""
+    _release(self._started)
 
 
 def packed_eval_batches(source: Sequence[np.ndarray], packing: Packing, *, batch_size: int,
