@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.data.documents import (DocumentIterator, Packing, document_pieces, packed_dataset,
-                                  packed_eval_batches)
+                                  packed_eval_batches, piece_table)
 from k3jax.train import data_state
 from k3jax.train.checkpoint import Checkpointer
 
@@ -71,6 +71,24 @@ def test_one_epoch_sees_every_pair_once_in_a_seeded_order():
   assert first(3) == first(3) and first(3) != first(4)
 
 
+def test_pieces_are_shuffled_across_documents():
+  # One 400-token document and many short ones: its 25 pieces do not fill consecutive rows.
+  docs = [np.arange(400, dtype=np.int32) + 1000] + [2000 * (d + 1) + np.arange(10, dtype=np.int32)
+                                                   for d in range(40)]
+  packing = Packing(seq_len=T, max_documents_per_row=1, bins=1, prefetch=0)
+  owner = [b["inputs"][0, 0] < 2000 for b in packed_dataset(docs, packing, rows=1, seed=0, epochs=1)]
+  assert sum(owner) == 25 and len(owner) == 65
+  longest_run = max(len(r) for r in "".join("L" if o else "s" for o in owner).split("s"))
+  assert longest_run < 10
+
+
+def test_piece_table_matches_the_pieces():
+  lengths = np.array([0, 1, 2, 17, 33, 16], np.int64)
+  doc_p, start_p = piece_table(lengths, T)
+  want = [(d, s) for d, n in enumerate(lengths) for s in range(0, max(n - 1, 0), T)]
+  assert list(zip(doc_p.tolist(), start_p.tolist())) == want
+
+
 def test_epochs_are_reshuffled():
   docs = [d for d in _documents(30) if len(d) > 1]
   packing = Packing(seq_len=T, max_documents_per_row=1, bins=1, prefetch=0)
@@ -87,9 +105,10 @@ def test_process_shards_are_disjoint_and_form_the_global_batch():
   packing = Packing(seq_len=T, max_documents_per_row=4, bins=4, prefetch=0)
   iters = [DocumentIterator(docs, packing, global_batch_size=8, seed=5, process_index=p, process_count=2)
            for p in range(2)]
-  shards = [{x // 1000 for _ in range(6) for x, _ in _pairs(next(it))} for it in iters]
+  # Within an epoch the two read disjoint pieces (a token is an input once per epoch).
+  shards = [{x for _ in range(6) for x, _ in _pairs(next(it))} for it in iters]
   assert shards[0] and shards[1] and not shards[0] & shards[1]
-  # The first 3 epochs' documents split between the two, each process its own rows (4 of 8).
+  # Each process yields its own rows (4 of 8).
   batch = next(iters[0])
   assert batch["inputs"].shape == (4, T) and iters[0].local_rows({"x": np.arange(8)})["x"].tolist() == [0, 1, 2, 3]
   assert iters[1].local_rows({"x": np.arange(8)})["x"].tolist() == [4, 5, 6, 7]
@@ -139,7 +158,7 @@ def test_eval_batches_are_fixed_and_fill_even_from_few_documents():
   a = packed_eval_batches(docs, packing, batch_size=4, num_batches=3)
   b = packed_eval_batches(docs, packing, batch_size=4, num_batches=3)
   assert len(a) == 3 and all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b))
-  with pytest.raises(ValueError, match="fewer than 2 tokens"):
+  with pytest.raises(ValueError, match="no \\(input, target\\) pair"):
     packed_eval_batches([np.array([5], np.int32)], packing, batch_size=2, num_batches=1)
 
 

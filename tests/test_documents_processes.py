@@ -1,5 +1,5 @@
 """Two real processes (jax.distributed on localhost, two CPU devices each) read packed documents:
-each reads only its own shard of every epoch, and their rows form the global batch on the mesh."""
+each reads only its own share of every epoch's pieces, and their rows form the global batch."""
 import json
 import os
 import subprocess
@@ -57,8 +57,10 @@ def test_each_process_reads_its_own_documents_and_the_rows_form_the_global_batch
     for proc in procs:
       proc.kill()
   assert [r["block"] for r in results] == [[0, 2], [1, 2]]
-  docs_of = lambda r: {x // 1000 for batch in r["local"] for row in batch for x in row if x}
-  assert docs_of(results[0]) and docs_of(results[1]) and not docs_of(results[0]) & docs_of(results[1])
+  # Disjoint pieces: every token id is unique and an input at most once per epoch.
+  tokens_of = lambda r: {x for batch in r["local"] for row in batch for x in row if x}
+  assert tokens_of(results[0]) and tokens_of(results[1])
+  assert not tokens_of(results[0]) & tokens_of(results[1])
   for step in range(2):
     # Both processes see the same global batch: process 0's 4 rows, then process 1's.
     assert results[0]["global"][step] == results[1]["global"][step]

@@ -82,17 +82,22 @@ def test_text_files(tmp_path, bpe):
   assert on_disk == manifest
   for split in ("train", "heldout"):
     assert manifest["splits"][split] == {"documents": len(want[split]), "tokens": sum(map(len, want[split])),
-                                         "shards": [f"{split}-00000-of-00001.array_record"]}
+                                         "shards": [f"{split}-00000-of-00001.array_record"],
+                                         "lengths": f"{split}-lengths.npy"}
   assert manifest["empty_documents"] == 2 and manifest["add_eos"] is True
   assert manifest["max_id"] == max(int(x.max()) for s in want.values() for x in s)
   assert manifest["tokenizer"] == {"kind": "hf", "file": "tokenizer.json", "sha256": bpe.sha256,
                                    "vocab_size": 300, "bos_id": 1, "eos_id": 2, "pad_id": 0}
   assert manifest["token_dtype"] == "uint16" and manifest["format_version"] == FORMAT_VERSION
   assert manifest["sources"] == [str(tmp_path / "in")] and manifest["options"]["patterns"] == ["*.txt"]
-  assert sorted(os.listdir(tmp_path / "out")) == ["heldout-00000-of-00001.array_record", "manifest.json",
-                                                  "tokenizer.json", "train-00000-of-00001.array_record"]
+  assert sorted(os.listdir(tmp_path / "out")) == [
+      "heldout-00000-of-00001.array_record", "heldout-lengths.npy", "manifest.json", "tokenizer.json",
+      "train-00000-of-00001.array_record", "train-lengths.npy"]
   _assert_same_documents(_read_back(tmp_path / "out"), want)
   data = PreparedData(str(tmp_path / "out"))
+  for split in ("train", "heldout"):  # the lengths the loader plans pieces from, in source order
+    source = data.source(split)
+    assert source.lengths.tolist() == [len(source[i]) for i in range(len(source))]
   assert data.tokenizer().sha256 == bpe.sha256 == data.tokenizer_sha256
   assert (data.vocab_size, data.max_id) == (300, manifest["max_id"])
   assert data.num_documents("heldout") == len(want["heldout"])
@@ -116,6 +121,8 @@ def test_output_is_deterministic_and_sharded(tmp_path, bpe):
                                                    for i in range(count)]
     # Documents go round-robin over the shards; the source reads shard after shard.
     want[split] = [want[split][i] for k in range(count) for i in range(k, len(want[split]), count)]
+    # The lengths file follows the same order.
+    assert PreparedData(str(tmp_path / "a")).source(split).lengths.tolist() == list(map(len, want[split]))
   _assert_same_documents(_read_back(tmp_path / "a"), want)
 
 
@@ -221,13 +228,16 @@ def test_reader_refusals(tmp_path, bpe):
   manifest_path = tmp_path / "out" / "manifest.json"
   manifest = json.loads(manifest_path.read_text())
   manifest_path.write_text(json.dumps({**manifest, "format_version": 99}))
-  with pytest.raises(ValueError, match="format_version 99, this k3jax reads version 1"):
+  with pytest.raises(ValueError, match=f"format_version 99, this k3jax reads version {FORMAT_VERSION}"):
     PreparedData(str(tmp_path / "out"))
   manifest_path.write_text(json.dumps(manifest))
   with open(tmp_path / "out" / "tokenizer.json", "a") as f:
     f.write(" ")
   with pytest.raises(ValueError, match="the file was changed after prepare"):
     PreparedData(str(tmp_path / "out")).tokenizer()
+  os.remove(tmp_path / "out" / "heldout-lengths.npy")
+  with pytest.raises(ValueError, match="heldout-lengths.npy, the heldout split's document lengths.* is missing"):
+    PreparedData(str(tmp_path / "out"))
   os.remove(tmp_path / "out" / "heldout-00000-of-00001.array_record")
   with pytest.raises(ValueError, match="shard heldout-00000-of-00001.array_record of the heldout split.* is missing"):
     PreparedData(str(tmp_path / "out"))

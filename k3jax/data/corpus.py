@@ -77,6 +77,11 @@ class StreamDocuments:
   def __getitem__(self, i: int) -> np.ndarray:
     return self.stream[self.starts[i]:self.starts[i + 1] - 1]
 
+  @property
+  def lengths(self) -> np.ndarray:
+    """[N] int64, each document's length."""
+    return np.diff(self.starts) - 1
+
 
 class ByteCorpus:
   """Train and held-out byte streams over local text files, and their documents.

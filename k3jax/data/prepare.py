@@ -4,6 +4,8 @@ Layout of `<out>/` (read by `k3jax.data.prepared.PreparedData`):
 
   train-00000-of-00001.array_record    one record per document: its ids, little-endian
   heldout-00000-of-00001.array_record  uint16 when the vocabulary fits, else uint32
+  train-lengths.npy, heldout-lengths.npy  int64 tokens of each document, in the order the
+                                       shards hold them (the loader cuts pieces without reading)
   tokenizer.json (or .model)           the tokenizer, copied (none for bytes)
   manifest.json                        written last; counts, tokenizer digest, options
 
@@ -36,7 +38,7 @@ from k3jax.data.tokenizer import Tokenizer, read_text
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-split document lengths
 MANIFEST_FILE = "manifest.json"
 SPLITS = ("train", "heldout")
 PARTIAL_INFIX = ".partial-"
@@ -94,6 +96,10 @@ def token_dtype(vocab_size: int) -> str:
 
 def shard_name(split: str, index: int, count: int) -> str:
   return f"{split}-{index:05d}-of-{count:05d}.array_record"
+
+
+def lengths_name(split: str) -> str:
+  return f"{split}-lengths.npy"
 
 
 def partial_dir(out: str) -> str:
@@ -185,6 +191,7 @@ class _SplitWriter:
     self.directory, self.split, self.shards = directory, split, shards
     self.dtype = np.dtype(dtype).newbyteorder("<")
     self.writers: list = []
+    self.lengths: list[list[int]] = []  # per shard, in write order
     self.documents = 0
     self.tokens = 0
 
@@ -195,18 +202,24 @@ class _SplitWriter:
     index = self.documents % self.shards
     if index == len(self.writers):
       self.writers.append(array_record_module.ArrayRecordWriter(self._tmp_path(index), _WRITER_OPTIONS))
+      self.lengths.append([])
     self.writers[index].write(ids.astype(self.dtype).tobytes())
+    self.lengths[index].append(len(ids))
     self.documents += 1
     self.tokens += len(ids)
 
-  def close(self) -> list[str]:
-    """Closes the files and names them `<split>-i-of-n.array_record`; returns the names."""
+  def close(self) -> tuple[list[str], str]:
+    """Closes the files, names them `<split>-i-of-n.array_record` and writes the documents'
+    lengths in the shards' order; returns (shard names, lengths file name)."""
     names = []
     for index, writer in enumerate(self.writers):
       writer.close()
       names.append(shard_name(self.split, index, len(self.writers)))
       os.replace(self._tmp_path(index), os.path.join(self.directory, names[-1]))
-    return names
+    lengths = lengths_name(self.split)
+    np.save(os.path.join(self.directory, lengths),
+            np.asarray([n for shard in self.lengths for n in shard], np.int64))
+    return names, lengths
 
 
 def _checked_ids(key: str, ids: np.ndarray, tokenizer: Tokenizer) -> np.ndarray:
@@ -258,8 +271,11 @@ def _write_splits(inputs, tokenizer: Tokenizer, options: PrepareOptions, directo
             dynamic_ncols=True) as bar:
     _write_documents(bar, writers, tokenizer, options, counts)
   _check_splits(writers, options)
-  counts["splits"] = {s: {"documents": w.documents, "tokens": w.tokens, "shards": w.close()}
-                      for s, w in writers.items()}
+  counts["splits"] = {}
+  for split, writer in writers.items():
+    shards, lengths = writer.close()
+    counts["splits"][split] = {"documents": writer.documents, "tokens": writer.tokens,
+                               "shards": shards, "lengths": lengths}
   return counts
 
 

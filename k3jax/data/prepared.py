@@ -25,12 +25,14 @@ _AGAIN = "run experiments/prepare_data.py again"
 class DocumentSource:
   """A Grain random-access data source over one split's array_record shards.
 
-  Item i is document i (shards in manifest order), int32 [n_i] token ids.
+  Item i is document i (shards in manifest order), int32 [n_i] token ids;
+  `lengths` [N] int64 are their lengths, read from the split's lengths file.
   """
 
-  def __init__(self, paths: list[str], dtype: str):
+  def __init__(self, paths: list[str], dtype: str, lengths: np.ndarray):
     self.paths = list(paths)
     self.dtype = np.dtype(dtype).newbyteorder("<")
+    self.lengths = lengths
     self._records = grain.sources.ArrayRecordDataSource(self.paths)
 
   def __len__(self) -> int:
@@ -80,10 +82,15 @@ class PreparedData:
       if not os.path.isfile(p):
         raise ValueError(f"shard {os.path.basename(p)} of the {split} split, listed in {self.path}/"
                          f"{MANIFEST_FILE}, is missing; {_AGAIN} (with --overwrite)")
-    source = DocumentSource(paths, self.manifest["token_dtype"])
-    if len(source) != entry["documents"]:
-      raise ValueError(f"the {split} shards in {self.path!r} hold {len(source)} documents, the manifest "
-                       f"says {entry['documents']}: the files were changed after prepare; {_AGAIN} "
+    lengths_path = os.path.join(self.path, entry["lengths"])
+    if not os.path.isfile(lengths_path):
+      raise ValueError(f"{entry['lengths']}, the {split} split's document lengths listed in {self.path}/"
+                       f"{MANIFEST_FILE}, is missing; {_AGAIN} (with --overwrite)")
+    source = DocumentSource(paths, self.manifest["token_dtype"], np.load(lengths_path))
+    if len(source) != entry["documents"] or len(source.lengths) != entry["documents"]:
+      raise ValueError(f"the {split} shards in {self.path!r} hold {len(source)} documents and its lengths "
+                       f"file {len(source.lengths)}, the manifest says {entry['documents']}: the files "
+                       f"were changed after prepare; {_AGAIN} "
                        "(with --overwrite)")
     return source
 
