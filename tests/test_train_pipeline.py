@@ -10,8 +10,11 @@ from k3jax.train.restore import restore_model
 from k3jax.train.trainer import train_and_evaluate
 from tests.test_train import _shrunk_tiny, _stop_at
 
-# As tests/test_train_parallel.py: float32 runs that differ in the order of reductions only.
-RTOL = {"loss": 2e-6, "grad_norm": 5e-6}
+# Float32 runs that differ in the order of reductions only. The gradient norm's bound is wider
+# than tests/test_train_parallel.py's: on one device, step 4's batch of packed documents summed as
+# its two halves (the pipeline's microbatches) already moves the norm by 5.5e-6 relative, the
+# tied embedding's gradient by 7.5e-6 (relative L2), as the pipelined run does.
+RTOL = {"loss": 2e-6, "grad_norm": 2e-5}
 
 
 def _config(stages: int):
