@@ -145,7 +145,12 @@ def test_gpu_segments_equal_the_whole_call():
 @pytest.mark.whole_gpu
 def test_gpu_million_tokens_train_by_default():
   """B1 T = 2^20 H16 K = V = 128 bf16, forward and backward with the default
-  config (four segments): it fits and every output is finite."""
+  config (four segments): it fits and every output is finite. Sized on an
+  H200: its program takes about 67 GiB, more than an 80 GB card lends."""
+  limit = jax.devices()[0].memory_stats().get("bytes_limit", 0)
+  if limit < 90 * 2 ** 30:
+    pytest.skip(f"needs about 90 GiB of GPU memory for its 67 GiB program; this device lends "
+                f"{limit / 2 ** 30:.0f} GiB")
   b, t, h, d = 1, 2 ** 20, 16, 128
   keys = jax.random.split(jax.random.key(37), 6)
 
