@@ -226,20 +226,47 @@ def test_few_training_steps_reduce_loss(residual):
 # -- GPU -----------------------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_gpu_pallas_and_xla_kda_models_agree():
-  """Same weights, KDA through the Pallas kernel vs the XLA chunked form, bf16 compute."""
+def _kda_paths_logits(**overrides):
+  """Logits [2, 1000, 256] float64 of one model built twice, KDA through the XLA
+  chunked form and through the Pallas kernel (same weights)."""
   base = dict(vocab_size=256, d_model=256, num_layers=4, num_heads=2, head_dim=128,
               num_kv_heads=2, num_experts=4, expert_hidden=256, dense_hidden=512,
               router=CAUSAL_ROUTER, residual="block_attnres", dtype="bfloat16",
               kda_chunk_size=64, kda_sub_chunk=16, conv_size=4, layer_pattern="KKKA")
-  xla_model = lm.HybridLM(ModelConfig.from_dict(dict(base, kda_implementation="xla")), rngs=nnx.Rngs(0))
-  pallas_model = lm.HybridLM(ModelConfig.from_dict(dict(base, kda_implementation="pallas")), rngs=nnx.Rngs(0))
   tokens = _tokens(2, 1000, vocab=256, seed=9)
   fwd = nnx.jit(lambda m, t: m(t, deterministic=True)[0])
-  a, b = np.asarray(fwd(xla_model, tokens)), np.asarray(fwd(pallas_model, tokens))
-  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  out = []
+  for impl in ("xla", "pallas"):
+    model = lm.HybridLM(ModelConfig.from_dict(dict(base, **overrides, kda_implementation=impl)),
+                        rngs=nnx.Rngs(0))
+    out.append(np.asarray(fwd(model, tokens), np.float64))
+  assert all(np.all(np.isfinite(x)) for x in out)
+  return out
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_and_xla_kda_models_agree_bf16():
+  """bf16 compute, a dense FFN: the two KDA paths round differently, nothing else differs.
+
+  With MoE layers a bf16 rounding difference can flip a token's top-k expert,
+  a discrete change that the next layers amplify: on an H100 the largest
+  per-token logit difference of the MoE model was 0.234 against 0.109 for this
+  dense one (5% of the largest logit is 0.23). The float32 test below covers
+  the MoE model, where flips are rare enough to count."""
+  a, b = _kda_paths_logits(num_experts=0)
   np.testing.assert_allclose(b, a, rtol=0, atol=5e-2 * np.abs(a).max())
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_and_xla_kda_models_agree_f32_moe():
+  """float32 compute, MoE layers: all but at most 2 of the 2000 tokens (a flipped
+  expert choice) agree to 2e-2 in every logit (an H100: median 0.002, all but
+  one token under 0.005, the one flipped token 0.093)."""
+  a, b = _kda_paths_logits(dtype="float32")
+  per_token = np.abs(b - a).max(axis=-1).reshape(-1)
+  off = np.sort(per_token)[::-1][:5]
+  assert np.sum(per_token > 2e-2) <= 2, f"largest per-token differences {off}"
+  assert np.median(per_token) < 1e-2, np.median(per_token)
 
 
 @pytest.mark.gpu
