@@ -15,8 +15,9 @@ from tests.test_train import _shrunk_tiny, _stop_at
 # test measures: the one-device run again with the other KDA implementation (the same math in
 # another order). Step 4's batch is ill-conditioned: its norm is dominated by one row of the tied
 # embedding's gradient (byte 'w', 4.0 of 4.9), which moves by 2e-5 relative with the summation
-# order; on a 2-core x86 machine the two one-device runs differ there by 3.4e-5 and the pipelined
-# run by 1.5e-5 (2.0e-5 after its two changes of layout), against 2e-7 to 5e-7 at steps 1-3.
+# order; on a 2-core x86 machine (XLA optimisations on) the two one-device runs differ there by
+# 3.4e-5 and the pipelined run by 1.5e-5 (2.0e-5 after its two changes of layout), against 2e-7
+# to 5e-7 at steps 1-3.
 RTOL = {"loss": 2e-6, "grad_norm": 2e-5}
 
 
