@@ -21,14 +21,16 @@ def _has_gpu() -> bool:
     return False
 
 
-if not _has_gpu() and os.environ.get(OPTIMISED_CPU_ENV) != "1":
+HAS_GPU = _has_gpu()
+
+if not HAS_GPU and os.environ.get(OPTIMISED_CPU_ENV) != "1":
   os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
   jax.config.update("jax_disable_most_optimizations", True)
 
 
 def pytest_collection_modifyitems(config, items):
   del config
-  if _has_gpu():
+  if HAS_GPU:
     return
   skip_gpu = pytest.mark.skip(reason="needs a GPU")
   for item in items:
