@@ -33,5 +33,9 @@ def get_config(arg="quantile"):
     raise ValueError(f"router ablation arg {arg!r}: variant must be one of {sorted(VARIANTS)}, "
                      f"scale one of {SCALES}")
   c = sibling_config(__file__, f"../{scale}.py")
+  # Every router in capacity mode (expert choice has no other), so the arms differ in
+  # the router alone and report their drops.
+  c.model.moe_impl = "buffered"
+  c.model.router.capacity_factor = 1.25
   c.model.router.update(VARIANTS[variant])
   return c
