@@ -116,7 +116,7 @@ def test_set_kda_decode_switches_every_kda_layer(model):
     (dict(prompts=np.zeros((3,), np.int32)), r"\[B, T\]"),
 ], ids=lambda x: str(x) if isinstance(x, str) else None)
 def test_generate_rejects_bad_arguments(model, kwargs, match):
-  args = dict(prompts=[[1, 2, 3]], max_new_tokens=2, **kwargs)
+  args = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, **kwargs}
   with pytest.raises(ValueError, match=match):
     gen.generate(model, args.pop("prompts"), **args)
 
@@ -162,7 +162,7 @@ def test_generate_cli_is_quiet(run_dir):
   ok = _generate_cli(f"--workdir={run_dir}", "--prompt=ab", "--max_new_tokens=3", "--temperature=0",
                      "--kda_decode=fused")
   assert ok.returncode == 0, ok.stderr
-  assert f"restored step 3 from {run_dir}" in ok.stdout and "--- sample 0" in ok.stdout
+  assert f"restored step 3 from {run_dir}" in ok.stdout and "--- prompt 0\nab" in ok.stdout
   # No library INFO lines (absl's "I<month><day>" prefix) by default.
   info = [line for line in ok.stderr.splitlines() if line.startswith(("I0", "I1"))]
   assert info == [], info

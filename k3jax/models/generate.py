@@ -307,6 +307,10 @@ class Generation:
     self._sync([np.asarray(o) for o in outs])
     return [self._take_visible(row) for row in range(len(self._emitted))]
 
+  def finished(self, row: int) -> bool:
+    """Whether `row` has finished."""
+    return bool(self._reason[row] != _RUNNING)
+
   @property
   def max_len(self) -> int:
     """Cache positions per row: the longest prompt + max_new_tokens."""
