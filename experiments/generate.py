@@ -209,8 +209,11 @@ def _memory_bytes() -> tuple[int, str]:
   return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "of host memory"
 
 
-def _gib(n: int) -> str:
-  return f"{n / 2 ** 30:.3g} GiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.3g} KiB"
+def _size(n: int) -> str:
+  for unit, scale in (("TiB", 2 ** 40), ("GiB", 2 ** 30), ("MiB", 2 ** 20)):
+    if n >= scale:
+      return f"{n / scale:,.3g} {unit}" if n < 1000 * scale else f"{n / scale:,.0f} {unit}"
+  return f"{n / 2 ** 10:.3g} KiB"
 
 
 def _check_length(model_cfg, ids: list[list[int]], rows: int) -> None:
@@ -219,8 +222,8 @@ def _check_length(model_cfg, ids: list[list[int]], rows: int) -> None:
   positions = len(ids[longest]) + FLAGS.max_new_tokens
   need = gen.cache_bytes(model_cfg, rows, positions)
   sizes = (f"the decoding caches of {rows} row(s) of {positions} positions would take "
-           f"{_gib(need['total'])} (attention KV caches {_gib(need['attention'])}, KDA states "
-           f"{_gib(need['kda'])})")
+           f"{_size(need['total'])} (attention KV caches {_size(need['attention'])}, KDA states "
+           f"{_size(need['kda'])})")
   what = (f"prompt {longest} has {len(ids[longest])} tokens; with --max_new_tokens="
           f"{FLAGS.max_new_tokens} a row needs {positions} positions")
   if FLAGS.max_len is not None and positions > FLAGS.max_len:
@@ -228,7 +231,7 @@ def _check_length(model_cfg, ids: list[list[int]], rows: int) -> None:
                      "lower --max_new_tokens or raise --max_len.")
   free, where = _memory_bytes()
   if need["total"] > free:
-    raise UsageError(f"{what}: {sizes}, more than the {_gib(free)} {where}. Shorten the prompt, "
+    raise UsageError(f"{what}: {sizes}, more than the {_size(free)} {where}. Shorten the prompt, "
                      "lower --max_new_tokens or --num_samples.")
 
 
