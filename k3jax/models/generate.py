@@ -300,6 +300,8 @@ class Generation:
                                   self._key, max_len=self.max_len, loop=self._loop)
       outs.append(first[:, None])
       num_steps -= 1
+      if np.any(self._reason != _RUNNING):  # rows stopped before the start keep only their first token
+        self._carry["reason_b"] = jnp.maximum(self._carry["reason_b"], jnp.asarray(self._reason))
     if num_steps and not self._finished_on_device():
       self._carry, out = _advance(self._graphdef, self._state, self._carry, num_steps=num_steps,
                                   loop=self._loop)
@@ -317,7 +319,8 @@ class Generation:
     return self._tokens_bt.shape[1] + self._loop.max_new_tokens
 
   def stop(self, row: int) -> None:
-    """Finishes `row` now with reason "stop", keeping every token it has emitted."""
+    """Finishes `row` now with reason "stop", keeping every token it has emitted (before
+    the first `advance`: after its first token)."""
     if self._reason[row] != _RUNNING:
       return
     self._reason[row] = _CODE["stop"]
