@@ -72,8 +72,31 @@ def _binary():
 
 
 @pytest.fixture(scope="module")
-def row_class():
-  return _binary()._Row
+def binary():
+  return _binary()
+
+
+@pytest.fixture(scope="module")
+def row_class(binary):
+  return binary._Row
+
+
+def test_prompt_files_hold_one_prompt_a_line_or_jsonl(binary, tmp_path):
+  text = tmp_path / "prompts.txt"
+  text.write_text("def f(\n\nimport os\n", encoding="utf-8")
+  assert binary._read_prompt_file(str(text)) == ["def f(", "import os"]
+  jsonl = tmp_path / "prompts.jsonl"
+  jsonl.write_text('"a\\nb"\n{"prompt": "c"}\n\n', encoding="utf-8")
+  assert binary._read_prompt_file(str(jsonl)) == ["a\nb", "c"]
+  jsonl.write_text('{"text": "c"}\n', encoding="utf-8")
+  with pytest.raises(binary.UsageError, match=r"prompts.jsonl:1 must be a JSON string or an object"):
+    binary._read_prompt_file(str(jsonl))
+  jsonl.write_text("{oops\n", encoding="utf-8")
+  with pytest.raises(binary.UsageError, match=r"prompts.jsonl:1 is not JSON"):
+    binary._read_prompt_file(str(jsonl))
+  text.write_text("\n\n", encoding="utf-8")
+  with pytest.raises(binary.UsageError, match="holds no prompts"):
+    binary._read_prompt_file(str(text))
 
 
 def test_a_stop_string_across_tokens_is_found_and_never_printed(row_class):
