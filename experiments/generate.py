@@ -298,7 +298,9 @@ def _header(row: int, prompt: str) -> str:
   return f"--- prompt {row // n}" + (f", sample {row % n}" if n > 1 else "") + f"\n{prompt}"
 
 
-def _footer(completion: gen.Completion) -> str:
+def _footer(completion: gen.Completion, row: _Row) -> str:
+  if row.stopped:  # the row decoded a few tokens past its stop string before it was seen
+    return "\n--- stop (a --stop string)"
   return f"\n--- {completion.finish_reason}, {len(completion.tokens)} new tokens"
 
 
@@ -321,7 +323,7 @@ def _run(generation: gen.Generation, rows: list[_Row], prompts: list[str]) -> No
       printed[i] = True
       tail = row.flush()
       body = tail if stream else _header(i, prompts[i]) + row.text
-      print(body + _footer(generation.results()[i]), flush=True)
+      print(body + _footer(generation.results()[i], row), flush=True)
 
 
 def _load_model(model_cfg):

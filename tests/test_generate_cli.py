@@ -112,3 +112,26 @@ def test_a_split_character_waits_for_its_last_byte(row_class):
   assert row.add([ord("a")] + snowman[:2]) == "a"
   assert row.add(snowman[2:]) == "\u2603"
   assert row.flush() == "" and not row.stopped
+
+
+def test_the_run_tokenizer_is_the_copy_its_digest_names(tmp_path):
+  from k3jax.data.tokenizer import train_bpe
+  from k3jax.train.defaults import base_config
+  from k3jax.train.restore import run_tokenizer
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("def main():\n    return 0\n" * 20, encoding="utf-8")
+  tok = train_bpe([str(corpus)], vocab_size=270, out_path=str(tmp_path / "run" / "tokenizer.json"),
+                  show_progress=False)
+  config = base_config()
+  assert run_tokenizer(config, str(tmp_path / "run")).kind == "bytes"  # data.kind="bytes"
+  with config.unlocked():
+    config.data.kind, config.data.tokenizer_sha256 = "prepared", tok.sha256
+  found = run_tokenizer(config, str(tmp_path / "run"))
+  assert found.sha256 == tok.sha256 and found.eos_id == tok.eos_id is not None
+  with config.unlocked():
+    config.data.tokenizer_sha256 = "0" * 64
+  with pytest.raises(ValueError, match=r"none of its files \['tokenizer.json'\] is its tokenizer"):
+    run_tokenizer(config, str(tmp_path / "run"))
+  with config.unlocked():
+    config.data.kind = "mqar"
+  assert run_tokenizer(config, str(tmp_path / "run")) is None
