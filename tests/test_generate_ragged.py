@@ -53,6 +53,25 @@ def test_ragged_batch_equals_each_prompt_alone(implementation, model, greedy):
     assert row == alone.tokens, f"prompt of length {len(prompt)}"
 
 
+def test_ragged_prefill_gives_each_row_its_own_logits_and_cache(model):
+  tokens, lengths = gen.prompt_batch(PROMPTS, VOCAB)
+  prefill = nnx.jit(lambda m, t, n: m.prefill(t, t.shape[1] + 2, lengths_b=n))
+  logits, cache = prefill(model, tokens, lengths)
+  for b, prompt in enumerate(PROMPTS):
+    alone_logits, alone_cache = prefill(model, np.asarray([prompt], np.int32),
+                                        np.asarray([len(prompt)], np.int32))
+    np.testing.assert_allclose(logits[b, -1], alone_logits[0, -1], rtol=1e-5, atol=1e-5)
+    for kda, alone in ((cache[0], alone_cache[0]), (cache[2], alone_cache[2])):
+      np.testing.assert_allclose(kda["state"][b], alone["state"][0], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(kda["conv_k"][b], alone["conv_k"][0], rtol=1e-5, atol=1e-6)
+      if len(prompt) == 1:  # the window's older slot is the zero before the sequence, not padding
+        assert not np.any(kda["conv_k"][b, 0])
+    start = int(cache[1]["start"][b])
+    assert start == tokens.shape[1] - len(prompt)
+    np.testing.assert_allclose(cache[1]["k"][b, start:start + len(prompt)],
+                               alone_cache[1]["k"][0, :len(prompt)], rtol=1e-5, atol=1e-6)
+
+
 def _cut_at(tokens, seq):
   """tokens up to the first occurrence of seq, and whether it occurred."""
   for i in range(len(tokens) - len(seq) + 1):
