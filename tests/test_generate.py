@@ -64,12 +64,13 @@ def test_decode_equals_full_forward_position_by_position(model, forward):
 
 def test_greedy_generation_is_self_consistent(model, forward):
   prompt = _tokens(2, 9, seed=3)
-  out = np.asarray(gen.generate(model, prompt, max_new_tokens=5, temperature=0.0))
-  chex.assert_shape(out, (2, 14))
-  np.testing.assert_array_equal(out[:, :9], prompt)
+  out = gen.generate(model, prompt, max_new_tokens=5, temperature=0.0)
+  assert [c.finish_reason for c in out] == ["length", "length"]
+  new = np.asarray([c.tokens for c in out])
+  chex.assert_shape(new, (2, 5))
   # Each generated token is the argmax of the full forward over its prefix.
-  full = np.asarray(forward(model, out))
-  np.testing.assert_array_equal(out[:, 9:], full[:, 8:-1].argmax(-1))
+  full = np.asarray(forward(model, np.concatenate([prompt, new], axis=1)))
+  np.testing.assert_array_equal(new, full[:, 8:-1].argmax(-1))
 
 
 def test_sampling_respects_top_k_and_temperature():
@@ -99,11 +100,25 @@ def test_set_kda_decode_switches_every_kda_layer(model):
     gen.set_kda_decode(model, impl)
 
 
-def test_generate_rejects_bad_arguments(model):
-  with pytest.raises(ValueError, match="max_new_tokens"):
-    gen.generate(model, _tokens(1, 3), max_new_tokens=0)
-  with pytest.raises(ValueError, match="prompt"):
-    gen.generate(model, np.zeros((3,), np.int32), max_new_tokens=2)
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=VOCAB + 1), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(eos_id=VOCAB), "eos_id"),
+    (dict(stop_sequences=[[]]), "stop sequence"),
+    (dict(prompts=[[1, 2], []]), "prompt 1 must be a non-empty"),
+    (dict(prompts=[[1, VOCAB]]), f"prompt 0 has id {VOCAB} outside"),
+    (dict(prompts=[]), "no prompts"),
+    (dict(prompts=np.zeros((3,), np.int32)), r"\[B, T\]"),
+], ids=lambda x: str(x) if isinstance(x, str) else None)
+def test_generate_rejects_bad_arguments(model, kwargs, match):
+  args = {"prompts": [[1, 2, 3]], "max_new_tokens": 2, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    gen.generate(model, args.pop("prompts"), **args)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +162,7 @@ def test_generate_cli_is_quiet(run_dir):
   ok = _generate_cli(f"--workdir={run_dir}", "--prompt=ab", "--max_new_tokens=3", "--temperature=0",
                      "--kda_decode=fused")
   assert ok.returncode == 0, ok.stderr
-  assert f"restored step 3 from {run_dir}" in ok.stdout and "--- sample 0" in ok.stdout
+  assert f"restored step 3 from {run_dir}" in ok.stdout and "--- prompt 0\nab" in ok.stdout
   # No library INFO lines (absl's "I<month><day>" prefix) by default.
   info = [line for line in ok.stderr.splitlines() if line.startswith(("I0", "I1"))]
   assert info == [], info

@@ -58,10 +58,20 @@ def resolve_implementation(requested: str | None, dtype, num_heads: int, num_kv_
 
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                   dtype) -> dict:
-  """Zero KV cache: k, v [B, max_len, KVH, hd] and the filled length `pos` (int32)."""
+  """Zero KV cache: k, v [B, max_len, KVH, hd], the filled length `pos` (int32) and
+  `start` [B] int32, each row's first slot that holds a token (slots before it are
+  left padding, never attended)."""
   shape = (batch, max_len, num_kv_heads, head_dim)
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
-          "pos": jnp.zeros((), jnp.int32)}
+          "pos": jnp.zeros((), jnp.int32), "start": jnp.zeros((batch,), jnp.int32)}
+
+
+def prompt_mask_b1tt(valid_bt: jax.Array) -> jax.Array:
+  """[B, 1, T, T] bool for left-padded prompts (valid_bt [B, T] False on the padding):
+  causal, and no prompt token sees the padding (padding sees only padding)."""
+  same = valid_bt[:, None, :, None] == valid_bt[:, None, None, :]
+  length = valid_bt.shape[1]
+  return same & jnp.tril(jnp.ones((length, length), bool))
 
 
 class CausalSelfAttention(nnx.Module):
@@ -141,8 +151,13 @@ class CausalSelfAttention(nnx.Module):
     mask = None if segments is None else segments.attention_mask_b1tt()
     return self._out(self._attend(q, k, v, mask)), {}
 
-  def prefill(self, x_btd: jax.Array, max_len: int) -> tuple[jax.Array, dict, dict]:
+  def prefill(self, x_btd: jax.Array, max_len: int, valid_bt: jax.Array | None = None
+              ) -> tuple[jax.Array, dict, dict]:
     """Full causal pass over a prompt that also fills a cache of `max_len` slots.
+
+    valid_bt: [B, T] bool, False on each row's left padding (prompts of several
+    lengths), or None when every position holds a token. Padding is neither
+    attended in the pass nor by later `decode` steps (the cache's `start`).
 
     Returns ([B, T, D], stats, cache) with cache from `init_kv_cache`.
     """
@@ -151,18 +166,20 @@ class CausalSelfAttention(nnx.Module):
     if t > max_len:
       raise ValueError(f"prompt length {t} exceeds cache length {max_len}")
     q, k, v = self._qkv(x_btd)
-    o = self._attend(q, k, v)
+    o = self._attend(q, k, v, None if valid_bt is None else prompt_mask_b1tt(valid_bt))
     cache = init_kv_cache(b, max_len, self.num_kv_heads, self.head_dim, self.dtype)
     cache["k"] = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, 0))
     cache["v"] = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, 0, 0))
     cache["pos"] = jnp.asarray(t, jnp.int32)
+    if valid_bt is not None:
+      cache["start"] = t - jnp.sum(valid_bt, axis=1, dtype=jnp.int32)
     return self._out(o), {}, cache
 
   def decode(self, x_b1d: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """One new token per sequence: x_b1d [B, 1, D] -> ([B, 1, D], new cache).
 
     Writes the token's key/value at slot `pos` and attends over slots
-    [0, pos]. Overrunning the cache is the caller's responsibility
+    [start_b, pos] of row b. Overrunning the cache is the caller's responsibility
     (`k3jax.models.generate` checks lengths up front).
     """
     self._check(x_b1d)
@@ -172,8 +189,8 @@ class CausalSelfAttention(nnx.Module):
     pos = cache["pos"]
     k_cache = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, pos, 0, 0))
     v_cache = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, pos, 0, 0))
-    b = x_b1d.shape[0]
-    lengths = jnp.full((b,), pos + 1, jnp.int32)
-    o = jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths,
+    slots = jnp.arange(k_cache.shape[1], dtype=jnp.int32)
+    mask = (slots[None, :] >= cache["start"][:, None]) & (slots[None, :] <= pos)  # [B, S]
+    o = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=mask[:, None, None, :],
                                      implementation="xla")
-    return self._out(o), {"k": k_cache, "v": v_cache, "pos": pos + 1}
+    return self._out(o), {"k": k_cache, "v": v_cache, "pos": pos + 1, "start": cache["start"]}

@@ -260,18 +260,24 @@ class KDA(nnx.Module):
     y, stats, _ = self._forward(x_btd, with_cache=False, segments=segments)
     return y, stats
 
-  def prefill(self, x_btd: jax.Array, max_len: int | None = None) -> tuple[jax.Array, dict, dict]:
+  def prefill(self, x_btd: jax.Array, max_len: int | None = None,
+              valid_bt: jax.Array | None = None) -> tuple[jax.Array, dict, dict]:
     """Full pass over a prompt that also returns the decoding cache.
 
     Returns ([B, T, D], stats, cache) where cache holds `conv_q/k/v`
     [B, W-1, H, K] (last pre-conv inputs) and `state` [B, H, K, V] float32.
     `max_len` is accepted for interface symmetry with attention; KDA's cache
-    does not grow.
+    does not grow. valid_bt: [B, T] bool, False on each row's left padding, or
+    None (no padding); see `_forward`.
     """
     del max_len
-    return self._forward(x_btd, with_cache=True)
+    return self._forward(x_btd, with_cache=True, valid_bt=valid_bt)
 
-  def _forward(self, x_btd, *, with_cache, segments=None):
+  def _forward(self, x_btd, *, with_cache, segments=None, valid_bt=None):
+    """The full pass. Left padding (valid_bt False) has its pre-conv q, k, v zeroed:
+    the conv taps of the first tokens then read zeros as at a sequence start, and
+    with k = v = 0 the delta rule leaves the zero state untouched, so each row's
+    tokens see exactly what they would alone."""
     self._check(x_btd)
     tap_mask, offsets = None, None
     if segments is not None:
@@ -280,6 +286,9 @@ class KDA(nnx.Module):
                          f"{x_btd.shape}: they must cover [B, T]")
       tap_mask, offsets = segments.conv_mask_btw(self.conv_size), segments.offsets_bm
     qp, kp, vp = self._project(x_btd)
+    if valid_bt is not None:
+      keep = valid_bt[:, :, None, None]
+      qp, kp, vp = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (qp, kp, vp))
     q = causal_depthwise_conv(qp, self.conv_q[...], tap_mask)
     k = causal_depthwise_conv(kp, self.conv_k[...], tap_mask)
     v = causal_depthwise_conv(vp, self.conv_v[...], tap_mask)

@@ -271,35 +271,54 @@ class HybridLM(nnx.Module):
                              segments=segments)
     return logits, trace
 
-  def prefill(self, tokens_bt: jax.Array, max_len: int):
+  def prefill(self, tokens_bt: jax.Array, max_len: int, *, lengths_b: jax.Array | None = None):
     """Full pass over prompts that also builds the decoding cache.
 
     Args:
-      tokens_bt: [B, T] int prompts (same length T for the whole batch).
-      max_len: total positions the cache must hold (prompt + new tokens).
+      tokens_bt: [B, T] int prompts, left-padded to T when `lengths_b` is given.
+      max_len: total positions the cache must hold (T + new tokens).
+      lengths_b: [B] int prompt lengths in [1, T] (row b's prompt is its last
+        lengths_b[b] positions), or None when every row is a whole prompt. The
+        padding reaches no cache entry, no expert and no prompt token, so each
+        row's logits and cache are those of its prompt alone.
 
     Returns:
       (logits [B, T, V] float32, cache): cache is a list with one dict per
-      layer (KDA: conv windows + state; attention: KV cache with `pos`).
+      layer (KDA: conv windows + state; attention: KV cache with `pos` and
+      each row's first real slot `start`). Logits at padding are meaningless.
     """
     if tokens_bt.shape[1] > max_len:
       raise ValueError(f"prompt length {tokens_bt.shape[1]} exceeds max_len={max_len}")
+    valid_bt, segments = None, None
+    if lengths_b is not None:
+      t = tokens_bt.shape[1]
+      valid_bt = jnp.arange(t, dtype=jnp.int32)[None, :] >= t - jnp.asarray(lengths_b)[:, None]
+      # Two runs a row at most: the padding, then the prompt.
+      segments = segments_lib.Segments.from_ids(valid_bt.astype(jnp.int32), 2)
     def mixer_fn(i, mixer, h):
       del i
-      return mixer.prefill(h, max_len)
-    logits, _, caches = self._run(tokens_bt, mixer_fn, deterministic=True)
+      return mixer.prefill(h, max_len, valid_bt)
+    logits, _, caches = self._run(tokens_bt, mixer_fn, deterministic=True, segments=segments)
     return logits, caches
 
-  def decode(self, tokens_b1: jax.Array, cache: list):
-    """One token per sequence: tokens_b1 [B, 1] -> (logits [B, 1, V] float32, cache)."""
+  def decode(self, tokens_b1: jax.Array, cache: list, *, active_b: jax.Array | None = None):
+    """One token per sequence: tokens_b1 [B, 1] -> (logits [B, 1, V] float32, cache).
+
+    active_b: [B] bool, or None (all). Inactive rows (finished sequences whose
+    outputs the caller drops) still advance their caches but take no expert, so
+    they leave the active rows' routing as it would be without them.
+    """
     if tokens_b1.ndim != 2 or tokens_b1.shape[1] != 1:
       raise ValueError(f"decode takes tokens [B, 1], got shape {tokens_b1.shape}")
     if len(cache) != self.config.num_layers:
       raise ValueError(f"cache has {len(cache)} layers, model has {self.config.num_layers}")
+    segments = None
+    if active_b is not None:
+      segments = segments_lib.Segments.from_ids(jnp.asarray(active_b)[:, None].astype(jnp.int32), 1)
     def mixer_fn(i, mixer, h):
       out, new = mixer.decode(h, cache[i])
       return out, {}, new
-    logits, _, caches = self._run(tokens_b1, mixer_fn, deterministic=True)
+    logits, _, caches = self._run(tokens_b1, mixer_fn, deterministic=True, segments=segments)
     return logits, caches
 
 
