@@ -1,0 +1,244 @@
+"""Log-likelihoods of token sequences, many at once, each scored as its own document.
+
+A request is (context ids, continuation ids): the summed log-probability of
+the continuation's tokens, each given the context and the continuation's
+earlier tokens, and whether every one of them is the argmax (lm-eval's
+`is_greedy`). Requests are packed into rows of `seq_len` positions
+(first-fit, longest first) with segment ids, so no request sees another
+(`HybridLM` resets the KDA state and masks attention at every document
+start); rows go to the model in batches of a fixed shape, so one program
+serves every batch.
+
+    scores = continuation_logprobs(model, [(ctx_ids, cont_ids), ...], seq_len=128)
+    totals = rolling_logprobs(model, [ids, ...], seq_len=128, prefix_id=eos)
+    bpb = bits_per_byte(model, texts, tokenizer, seq_len=128, prefix_id=eos)
+
+Requests share rows and batches only where the model routes each token on
+its own (`routes_per_token`): a same-batch router (quantile thresholds,
+expert choice) or an expert capacity makes a token's experts depend on the
+other tokens of its batch, so there each request gets a batch of one row to
+itself (its padding takes no part in routing), which scores it exactly as a
+forward pass of that request alone.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.models.config import ModelConfig
+
+# Routers whose choice for a token reads only that token's scores (and, at evaluation, a fixed
+# state): with no capacity, a token routes the same whatever shares its batch.
+_PER_TOKEN_ROUTERS = ("topk", "aux_loss", "bias_sign", "quantile_lagged")
+
+
+def routes_per_token(config: ModelConfig) -> bool:
+  """Whether a token's evaluation output is independent of the other tokens of its batch:
+  no routed experts, or a per-token router without capacity."""
+  router = config.router
+  return (config.num_experts == 0
+          or (router.name in _PER_TOKEN_ROUTERS and router.capacity_factor is None))
+
+
+def request_pair(context: Sequence[int], continuation: Sequence[int],
+                 seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """(inputs [n], targets [n], scored) of one request: the last `scored` targets are the
+  continuation. Context tokens are dropped from the left until n <= seq_len.
+
+  Raises:
+    ValueError: an empty context or continuation, or a continuation of more than seq_len tokens.
+  """
+  if not len(context) or not len(continuation):
+    raise ValueError(f"a request needs a context and a continuation of 1 or more tokens, got "
+                     f"{len(context)} and {len(continuation)}")
+  if len(continuation) > seq_len:
+    raise ValueError(f"a continuation of {len(continuation)} tokens does not fit rows of "
+                     f"seq_len={seq_len}; give a larger seq_len or a shorter continuation")
+  ids = np.concatenate([np.asarray(context, np.int32), np.asarray(continuation, np.int32)])
+  ids = ids[-(seq_len + 1):]
+  return ids[:-1], ids[1:], len(continuation)
+
+
+def first_fit(lengths: Sequence[int], seq_len: int, max_per_row: int) -> list[list[int]]:
+  """Rows of request indices: longest first, each into the first row with room for it and
+  fewer than `max_per_row` requests."""
+  rows, free = [], []
+  for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    row = next((r for r in range(len(rows))
+                if free[r] >= lengths[i] and len(rows[r]) < max_per_row), None)
+    if row is None:
+      rows.append([])
+      free.append(seq_len)
+      row = len(rows) - 1
+    rows[row].append(i)
+    free[row] -= lengths[i]
+  return rows
+
+
+def pack_rows(pairs, rows: list[list[int]], seq_len: int) -> dict[str, np.ndarray]:
+  """Rows [R, seq_len] of the requests' `request_pair`s laid out as `rows` says.
+
+  Keys: inputs, targets, segment_ids (1, 2, ... per request in a row, 0 for padding) and
+  owner (the request a scored target belongs to, -1 elsewhere), all int32.
+  """
+  out = {k: np.zeros((len(rows), seq_len), np.int32) for k in ("inputs", "targets", "segment_ids")}
+  out["owner"] = np.full((len(rows), seq_len), -1, np.int32)
+  for r, members in enumerate(rows):
+    start = 0
+    for segment, i in enumerate(members, 1):
+      inputs_n, targets_n, scored = pairs[i]
+      end = start + len(inputs_n)
+      out["inputs"][r, start:end] = inputs_n
+      out["targets"][r, start:end] = targets_n
+      out["segment_ids"][r, start:end] = segment
+      out["owner"][r, end - scored:end] = i
+      start = end
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _target_scores(graphdef, state, inputs_bt, targets_bt, segment_ids_bt, max_segments):
+  """(log p(target) [B, T] float32, target is the argmax [B, T] bool) of packed rows."""
+  model = nnx.merge(graphdef, state)
+  logits_btv, _ = model(inputs_bt, segment_ids=segment_ids_bt, max_segments=max_segments,
+                        deterministic=True)
+  logp_btv = jax.nn.log_softmax(logits_btv, axis=-1)
+  logp_bt = jnp.take_along_axis(logp_btv, targets_bt[..., None], axis=-1)[..., 0]
+  return logp_bt, jnp.argmax(logits_btv, axis=-1) == targets_bt
+
+
+def _batches(rows: dict[str, np.ndarray], batch_rows: int):
+  """Slices of `batch_rows` rows; the last one filled up with padding rows (owner -1)."""
+  total = len(rows["inputs"])
+  for start in range(0, total, batch_rows):
+    batch = {k: v[start:start + batch_rows] for k, v in rows.items()}
+    missing = batch_rows - len(batch["inputs"])
+    if missing:
+      batch = {k: np.pad(v, ((0, missing), (0, 0)), constant_values=-1 if k == "owner" else 0)
+               for k, v in batch.items()}
+    yield batch
+
+
+def continuation_logprobs(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                          seq_len: int, batch_rows: int = 8, max_documents_per_row: int = 8,
+                          share_rows: bool | None = None) -> list[tuple[float, bool]]:
+  """(summed log-probability, is greedy) of each request's continuation given its context.
+
+  Args:
+    model: a HybridLM.
+    requests: (context ids, continuation ids) pairs, each of 1 or more tokens; a context
+      longer than the row allows loses its first tokens (`request_pair`).
+    seq_len: T, positions per row.
+    batch_rows: rows per model call.
+    max_documents_per_row: the most requests first-fit puts in one row (the model's
+      static segment bound is this plus one, the padding run).
+    share_rows: whether requests may share rows and batches; None: where the model routes
+      each token on its own (`routes_per_token`). False gives each request a batch of one row.
+
+  Returns:
+    One (log-probability in nats, every continuation token is the argmax) per request, in order.
+  """
+  if share_rows is None:
+    share_rows = routes_per_token(model.config)
+  pairs = [request_pair(c, x, seq_len) for c, x in requests]
+  if share_rows:
+    rows = first_fit([len(p[0]) for p in pairs], seq_len, max_documents_per_row)
+  else:
+    rows, batch_rows, max_documents_per_row = [[i] for i in range(len(pairs))], 1, 1
+  logp = np.zeros(len(pairs), np.float64)
+  greedy = np.ones(len(pairs), bool)
+  graphdef, state = nnx.split(model)
+  for batch in _batches(pack_rows(pairs, rows, seq_len), batch_rows):
+    logp_bt, greedy_bt = jax.device_get(_target_scores(
+        graphdef, state, batch["inputs"], batch["targets"], batch["segment_ids"],
+        max_documents_per_row + 1))
+    scored = batch["owner"] >= 0
+    np.add.at(logp, batch["owner"][scored], logp_bt[scored].astype(np.float64))
+    np.logical_and.at(greedy, batch["owner"][scored], greedy_bt[scored])
+  return [(float(v), bool(g)) for v, g in zip(logp, greedy)]
+
+
+def rolling_windows(ids: Sequence[int], seq_len: int, *, prefix_id: int | None = None,
+                    overlap: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The (context, continuation) requests that score every token of `ids` exactly once.
+
+  The text x is `prefix_id` followed by `ids` (without a prefix its first token is only
+  context). The first window reads x[0 : T] and scores all its targets; every later one
+  ends `seq_len - overlap` targets further (the last at the text's end), reads the T
+  tokens before its end and scores only the targets no window scored yet, so each of them
+  sees at least `overlap` tokens of the text before it (default T // 2; 0 gives disjoint
+  windows, each after the first reading one token before its targets).
+  """
+  overlap = seq_len // 2 if overlap is None else overlap
+  if not 0 <= overlap < seq_len:
+    raise ValueError(f"overlap={overlap} must be in [0, seq_len={seq_len})")
+  x = np.asarray(([] if prefix_id is None else [prefix_id]) + list(ids), np.int32)
+  last = len(x) - 1  # x[last] is the last target
+  windows, done, end = [], 0, min(seq_len, last)
+  while done < last:
+    start = max(0, end - seq_len)
+    windows.append((x[start:done + 1], x[done + 1:end + 1]))
+    done, end = end, min(end + seq_len - overlap, last)
+  return windows
+
+
+def rolling_logprobs(model, texts_ids: Sequence[Sequence[int]], *, seq_len: int,
+                     prefix_id: int | None = None, overlap: int | None = None,
+                     **layout) -> list[float]:
+  """Total log-likelihood (nats) of each token list, in windows of `seq_len` (`rolling_windows`).
+
+  `layout`: batch_rows, max_documents_per_row, share_rows, as in `continuation_logprobs`.
+  A list with nothing to score (no prefix and fewer than 2 tokens) scores 0.
+  """
+  windows, owners = [], []
+  for i, ids in enumerate(texts_ids):
+    for window in rolling_windows(ids, seq_len, prefix_id=prefix_id, overlap=overlap):
+      windows.append(window)
+      owners.append(i)
+  totals = np.zeros(len(texts_ids), np.float64)
+  if windows:
+    scores = continuation_logprobs(model, windows, seq_len=seq_len, **layout)
+    np.add.at(totals, np.asarray(owners), np.asarray([s for s, _ in scores], np.float64))
+  return [float(t) for t in totals]
+
+
+def scored_bytes(text: str, ids: Sequence[int], tokenizer, prefix_id: int | None) -> int:
+  """UTF-8 bytes of `text` that its scored tokens cover: all of them after a prefix token,
+  else those after the first token (which is only context)."""
+  total = len(text.encode("utf-8"))
+  if prefix_id is not None or not len(ids):
+    return total
+  return total - len(tokenizer.decode(ids[:1]).encode("utf-8"))
+
+
+def bits_per_byte(model, texts: Sequence[str], tokenizer, *, seq_len: int,
+                  prefix_id: int | None = None, overlap: int | None = None,
+                  **layout) -> dict[str, float]:
+  """Held-out bits per UTF-8 byte of `texts`, comparable between tokenizers.
+
+  The total negative log2-likelihood of the texts' tokens (`rolling_logprobs`, each text its
+  own document) over the UTF-8 bytes those tokens cover (`scored_bytes`), not over tokens.
+
+  Args:
+    model: a HybridLM.
+    texts: the held-out texts.
+    tokenizer: a `k3jax.data.tokenizer.Tokenizer` (anything with `encode`, `decode`).
+    seq_len, prefix_id, overlap, layout: as in `rolling_logprobs`.
+
+  Returns:
+    {"bits_per_byte", "bits" (total), "bytes", "tokens" (scored)}.
+  """
+  ids = tokenizer.encode_batch(list(texts))
+  nats = rolling_logprobs(model, ids, seq_len=seq_len, prefix_id=prefix_id, overlap=overlap,
+                          **layout)
+  bits = -sum(nats) / math.log(2.0)
+  num_bytes = sum(scored_bytes(t, i, tokenizer, prefix_id) for t, i in zip(texts, ids))
+  tokens = sum(max(len(i) - (prefix_id is None), 0) for i in ids)
+  return {"bits_per_byte": bits / max(num_bytes, 1), "bits": bits, "bytes": float(num_bytes),
+          "tokens": float(tokens)}
