@@ -100,16 +100,18 @@ def test_batch_dependent_routers_score_each_request_alone():
   assert score.routes_per_token(_config(num_experts=0, router=RouterConfig(name="quantile")))
 
 
-def test_rolling_windows_score_every_token_once_with_context():
+def test_windows_score_every_token_once_with_context():
   ids = list(range(1, 101))
-  for prefix, overlap in ((None, 0), (7, 0), (7, 10), (None, 31)):
-    windows = score.rolling_windows(ids, SEQ_LEN, prefix_id=prefix, overlap=overlap)
-    scored = np.concatenate([cont for _, cont in windows])
-    np.testing.assert_array_equal(scored, ids if prefix is not None else ids[1:])
-    for i, (context, cont) in enumerate(windows):
+  for first, overlap in ((1, 0), (1, 10), (1, 31), (60, 10), (90, 16)):
+    pieces = score.windows(ids, first, SEQ_LEN, overlap)
+    np.testing.assert_array_equal(np.concatenate([cont for _, cont in pieces]), ids[first:])
+    for i, (context, cont) in enumerate(pieces):
       assert len(context) + len(cont) - 1 <= SEQ_LEN
-      assert len(context) >= (1 if i == 0 else overlap + 1)
-  assert score.rolling_windows([5], SEQ_LEN) == []
+      assert len(context) >= min(first, overlap + 1)
+  # A continuation that fits: one piece, the context cut from the left.
+  (context, cont), = score.windows(ids, 90, SEQ_LEN)
+  np.testing.assert_array_equal(context, ids[100 - SEQ_LEN - 1:90])  # 33 tokens: 32 inputs
+  assert score.windows([5], 1, SEQ_LEN) == []
 
 
 def test_bits_per_byte_of_the_byte_tokenizer_is_mean_nll_over_bytes():

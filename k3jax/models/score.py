@@ -7,7 +7,9 @@ earlier tokens, and whether every one of them is the argmax (lm-eval's
 (first-fit, longest first) with segment ids, so no request sees another
 (`HybridLM` resets the KDA state and masks attention at every document
 start); rows go to the model in batches of a fixed shape, so one program
-serves every batch.
+serves every batch. A request longer than a row goes in pieces (`windows`):
+its context loses its first tokens, and a continuation longer than a row is
+scored by several pieces, each with context before its targets.
 
     scores = continuation_logprobs(model, [(ctx_ids, cont_ids), ...], seq_len=128)
     totals = rolling_logprobs(model, [ids, ...], seq_len=128, prefix_id=eos)
@@ -46,23 +48,31 @@ def routes_per_token(config: ModelConfig) -> bool:
           or (router.name in _PER_TOKEN_ROUTERS and router.capacity_factor is None))
 
 
-def request_pair(context: Sequence[int], continuation: Sequence[int],
-                 seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
-  """(inputs [n], targets [n], scored) of one request: the last `scored` targets are the
-  continuation. Context tokens are dropped from the left until n <= seq_len.
+def windows(ids: Sequence[int], first: int, seq_len: int,
+            overlap: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The (context, continuation) pieces that score each of ids[first:] once, reading at most
+  `seq_len` inputs each.
 
-  Raises:
-    ValueError: an empty context or continuation, or a continuation of more than seq_len tokens.
+  A piece scores the targets after the previous piece's (the first, those from `first` on)
+  and reads the tokens before them back to `seq_len` inputs in all. It scores as many
+  targets as leave it `overlap` tokens of context (default seq_len // 2), or all that
+  remain when fewer do: a continuation that fits in one row with some context is one piece
+  whose context lost only its first tokens; a longer one goes by several. `overlap=0`
+  makes the pieces disjoint windows, each reading one token before its targets.
   """
-  if not len(context) or not len(continuation):
-    raise ValueError(f"a request needs a context and a continuation of 1 or more tokens, got "
-                     f"{len(context)} and {len(continuation)}")
-  if len(continuation) > seq_len:
-    raise ValueError(f"a continuation of {len(continuation)} tokens does not fit rows of "
-                     f"seq_len={seq_len}; give a larger seq_len or a shorter continuation")
-  ids = np.concatenate([np.asarray(context, np.int32), np.asarray(continuation, np.int32)])
-  ids = ids[-(seq_len + 1):]
-  return ids[:-1], ids[1:], len(continuation)
+  overlap = seq_len // 2 if overlap is None else overlap
+  if not 0 <= overlap < seq_len:
+    raise ValueError(f"overlap={overlap} must be in [0, seq_len={seq_len})")
+  if first < 1:
+    raise ValueError(f"first={first}: the first scored token needs one token before it")
+  x = np.asarray(ids, np.int32)
+  last, done, out = len(x) - 1, first - 1, []  # x[last] is the last target
+  while done < last:
+    end = done + min(last - done, seq_len - min(done, overlap))
+    start = max(0, end - seq_len)
+    out.append((x[start:done + 1], x[done + 1:end + 1]))
+    done = end
+  return out
 
 
 def first_fit(lengths: Sequence[int], seq_len: int, max_per_row: int) -> list[list[int]]:
@@ -81,23 +91,25 @@ def first_fit(lengths: Sequence[int], seq_len: int, max_per_row: int) -> list[li
   return rows
 
 
-def pack_rows(pairs, rows: list[list[int]], seq_len: int) -> dict[str, np.ndarray]:
-  """Rows [R, seq_len] of the requests' `request_pair`s laid out as `rows` says.
+def pack_rows(pieces, owners: Sequence[int], rows: list[list[int]],
+              seq_len: int) -> dict[str, np.ndarray]:
+  """Rows [R, seq_len] of (context, continuation) `pieces` laid out as `rows` says.
 
-  Keys: inputs, targets, segment_ids (1, 2, ... per request in a row, 0 for padding) and
-  owner (the request a scored target belongs to, -1 elsewhere), all int32.
+  Keys: inputs, targets, segment_ids (1, 2, ... per piece in a row, 0 for padding) and
+  owner (`owners[p]` at the continuation targets of piece p, -1 elsewhere), all int32.
   """
   out = {k: np.zeros((len(rows), seq_len), np.int32) for k in ("inputs", "targets", "segment_ids")}
   out["owner"] = np.full((len(rows), seq_len), -1, np.int32)
   for r, members in enumerate(rows):
     start = 0
-    for segment, i in enumerate(members, 1):
-      inputs_n, targets_n, scored = pairs[i]
-      end = start + len(inputs_n)
-      out["inputs"][r, start:end] = inputs_n
-      out["targets"][r, start:end] = targets_n
+    for segment, p in enumerate(members, 1):
+      context, continuation = pieces[p]
+      ids = np.concatenate([context, continuation])
+      end = start + len(ids) - 1
+      out["inputs"][r, start:end] = ids[:-1]
+      out["targets"][r, start:end] = ids[1:]
       out["segment_ids"][r, start:end] = segment
-      out["owner"][r, end - scored:end] = i
+      out["owner"][r, end - len(continuation):end] = owners[p]
       start = end
   return out
 
@@ -125,87 +137,89 @@ def _batches(rows: dict[str, np.ndarray], batch_rows: int):
     yield batch
 
 
-def continuation_logprobs(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
-                          seq_len: int, batch_rows: int = 8, max_documents_per_row: int = 8,
-                          share_rows: bool | None = None) -> list[tuple[float, bool]]:
-  """(summed log-probability, is greedy) of each request's continuation given its context.
+def score_pieces(model, pieces, owners: Sequence[int], count: int, *, seq_len: int,
+                 batch_rows: int = 8, max_documents_per_row: int = 8,
+                 share_rows: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Summed log-probability [count] float64 and all-greedy [count] bool of the continuations
+  of (context, continuation) `pieces` (`windows`' output), summed by `owners` [pieces].
 
-  Args:
-    model: a HybridLM.
-    requests: (context ids, continuation ids) pairs, each of 1 or more tokens; a context
-      longer than the row allows loses its first tokens (`request_pair`).
-    seq_len: T, positions per row.
-    batch_rows: rows per model call.
-    max_documents_per_row: the most requests first-fit puts in one row (the model's
-      static segment bound is this plus one, the padding run).
-    share_rows: whether requests may share rows and batches; None: where the model routes
-      each token on its own (`routes_per_token`). False gives each request a batch of one row.
-
-  Returns:
-    One (log-probability in nats, every continuation token is the argmax) per request, in order.
+  `batch_rows`: rows per model call; `max_documents_per_row`: the most pieces first-fit puts
+  in one row (the model's static segment bound is this plus one, the padding run);
+  `share_rows`: whether pieces may share rows and batches, None where the model routes each
+  token on its own (`routes_per_token`); False gives each piece a batch of one row.
   """
   if share_rows is None:
     share_rows = routes_per_token(model.config)
-  pairs = [request_pair(c, x, seq_len) for c, x in requests]
   if share_rows:
-    rows = first_fit([len(p[0]) for p in pairs], seq_len, max_documents_per_row)
+    rows = first_fit([len(c) + len(x) - 1 for c, x in pieces], seq_len, max_documents_per_row)
   else:
-    rows, batch_rows, max_documents_per_row = [[i] for i in range(len(pairs))], 1, 1
-  logp = np.zeros(len(pairs), np.float64)
-  greedy = np.ones(len(pairs), bool)
+    rows, batch_rows, max_documents_per_row = [[p] for p in range(len(pieces))], 1, 1
+  logp = np.zeros(count, np.float64)
+  greedy = np.ones(count, bool)
   graphdef, state = nnx.split(model)
-  for batch in _batches(pack_rows(pairs, rows, seq_len), batch_rows):
+  for batch in _batches(pack_rows(pieces, owners, rows, seq_len), batch_rows):
     logp_bt, greedy_bt = jax.device_get(_target_scores(
         graphdef, state, batch["inputs"], batch["targets"], batch["segment_ids"],
         max_documents_per_row + 1))
     scored = batch["owner"] >= 0
     np.add.at(logp, batch["owner"][scored], logp_bt[scored].astype(np.float64))
     np.logical_and.at(greedy, batch["owner"][scored], greedy_bt[scored])
-  return [(float(v), bool(g)) for v, g in zip(logp, greedy)]
+  return logp, greedy
 
 
-def rolling_windows(ids: Sequence[int], seq_len: int, *, prefix_id: int | None = None,
-                    overlap: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-  """The (context, continuation) requests that score every token of `ids` exactly once.
+def _pieces_of(texts, firsts, seq_len: int, overlap: int | None):
+  """(pieces, owners) of `windows` over every text."""
+  pieces, owners = [], []
+  for i, (ids, first) in enumerate(zip(texts, firsts)):
+    for piece in windows(ids, first, seq_len, overlap):
+      pieces.append(piece)
+      owners.append(i)
+  return pieces, owners
 
-  The text x is `prefix_id` followed by `ids` (without a prefix its first token is only
-  context). The first window reads x[0 : T] and scores all its targets; every later one
-  ends `seq_len - overlap` targets further (the last at the text's end), reads the T
-  tokens before its end and scores only the targets no window scored yet, so each of them
-  sees at least `overlap` tokens of the text before it (default T // 2; 0 gives disjoint
-  windows, each after the first reading one token before its targets).
+
+def continuation_logprobs(model, requests: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                          seq_len: int, overlap: int | None = None,
+                          **layout) -> list[tuple[float, bool]]:
+  """(summed log-probability, is greedy) of each request's continuation given its context.
+
+  Args:
+    model: a HybridLM.
+    requests: (context ids, continuation ids) pairs, each of 1 or more tokens.
+    seq_len: T, positions per row. A request longer than T + 1 tokens loses the start of
+      its context; a continuation too long for that is scored in pieces (`windows`, which
+      `overlap` is passed to).
+    layout: batch_rows, max_documents_per_row, share_rows (`score_pieces`).
+
+  Returns:
+    One (log-probability in nats, every continuation token is the argmax) per request, in order.
   """
-  overlap = seq_len // 2 if overlap is None else overlap
-  if not 0 <= overlap < seq_len:
-    raise ValueError(f"overlap={overlap} must be in [0, seq_len={seq_len})")
-  x = np.asarray(([] if prefix_id is None else [prefix_id]) + list(ids), np.int32)
-  last = len(x) - 1  # x[last] is the last target
-  windows, done, end = [], 0, min(seq_len, last)
-  while done < last:
-    start = max(0, end - seq_len)
-    windows.append((x[start:done + 1], x[done + 1:end + 1]))
-    done, end = end, min(end + seq_len - overlap, last)
-  return windows
+  for context, continuation in requests:
+    if not len(context) or not len(continuation):
+      raise ValueError(f"a request needs a context and a continuation of 1 or more tokens, "
+                       f"got {len(context)} and {len(continuation)}")
+  texts = [np.concatenate([np.asarray(c, np.int32), np.asarray(x, np.int32)]) for c, x in requests]
+  pieces, owners = _pieces_of(texts, [len(c) for c, _ in requests], seq_len, overlap)
+  logp, greedy = score_pieces(model, pieces, owners, len(requests), seq_len=seq_len, **layout)
+  return [(float(v), bool(g)) for v, g in zip(logp, greedy)]
 
 
 def rolling_logprobs(model, texts_ids: Sequence[Sequence[int]], *, seq_len: int,
                      prefix_id: int | None = None, overlap: int | None = None,
                      **layout) -> list[float]:
-  """Total log-likelihood (nats) of each token list, in windows of `seq_len` (`rolling_windows`).
+  """Total log-likelihood (nats) of each token list, each its own document.
 
-  `layout`: batch_rows, max_documents_per_row, share_rows, as in `continuation_logprobs`.
-  A list with nothing to score (no prefix and fewer than 2 tokens) scores 0.
+  The text read is `prefix_id` followed by the tokens (without a prefix the first token is
+  only context); every token after it is scored once, in windows of at most `seq_len`
+  inputs (`windows`): the first reads the text from its start, each later one scores the
+  next `seq_len - overlap` tokens (the last, those left) with the `overlap` or more tokens
+  before them as context. `layout` as in `score_pieces`. A list with nothing to score (no
+  prefix and fewer than 2 tokens) scores 0.
   """
-  windows, owners = [], []
-  for i, ids in enumerate(texts_ids):
-    for window in rolling_windows(ids, seq_len, prefix_id=prefix_id, overlap=overlap):
-      windows.append(window)
-      owners.append(i)
-  totals = np.zeros(len(texts_ids), np.float64)
-  if windows:
-    scores = continuation_logprobs(model, windows, seq_len=seq_len, **layout)
-    np.add.at(totals, np.asarray(owners), np.asarray([s for s, _ in scores], np.float64))
-  return [float(t) for t in totals]
+  prefix = [] if prefix_id is None else [prefix_id]
+  texts = [np.asarray(prefix + list(ids), np.int32) for ids in texts_ids]
+  pieces, owners = _pieces_of(texts, [1] * len(texts), seq_len, overlap)
+  logp, _ = score_pieces(model, pieces, owners, len(texts), seq_len=seq_len, **layout)
+  return [float(v) for v in logp]
 
 
 def scored_bytes(text: str, ids: Sequence[int], tokenizer, prefix_id: int | None) -> int:
