@@ -77,9 +77,16 @@ def test_adapter_answers_are_the_scoring_api(run_dir):
   np.testing.assert_array_equal(rolling, score.rolling_logprobs(
       lm.model, [tok.encode(t) for t in texts], seq_len=lm.seq_len, prefix_id=prefix))
 
-  text, = lm.generate_until([Instance("generate_until", {}, ("def f", {"until": ["\n"],
-                                                                       "max_gen_toks": 6}), 0)])
-  assert "\n" not in text and len(text.encode()) <= 6 * 3  # U+FFFD stands for a cut byte
+  # Prompts of one length and one max_gen_toks: one program for today's generate too.
+  requests = [("def f", {"until": ["\n"], "max_gen_toks": 6}),
+              ("class", {"until": "(", "max_gen_toks": 6}), ("x = 1", {"max_gen_toks": 6})]
+  texts = lm.generate_until([Instance("generate_until", {}, r, i) for i, r in enumerate(requests)])
+  assert "\n" not in texts[0] and "(" not in texts[1]
+  assert len(texts[2].encode()) <= 6 * 3  # U+FFFD (3 bytes) stands for a byte cut from its character
+  # Greedy generation is what scoring calls greedy.
+  if texts[0].isascii() and texts[0]:
+    (_, greedy), = lm.loglikelihood([Instance("loglikelihood", {}, ("def f", texts[0]), 0)])
+    assert greedy
 
 
 def test_cut_at_stop():

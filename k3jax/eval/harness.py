@@ -69,6 +69,7 @@ class HarnessLM(TemplateLM):
     self.layout = {"batch_rows": batch_rows, "max_documents_per_row": max_documents_per_row,
                    "share_rows": share_rows}
     self.key = jax.random.key(seed)
+    self.step: int | None = None  # the checkpoint's, where `from_run` restored one
 
   @classmethod
   def from_run(cls, workdir: str, step: int | None = None, *, seq_len: int | None = None,
@@ -117,40 +118,50 @@ class HarnessLM(TemplateLM):
     return results
 
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    """Each request's continuation, cut at the first of its `until` strings; requests of the
+    same length and temperature go to `generate` together."""
     del disable_tqdm
-    out = []
-    for request in requests:
-      context, kwargs = request.args
-      text = self._continue(context, dict(kwargs))
-      self.cache_hook.add_partial("generate_until", request.args, text)
-      out.append(text)
+    settings = [generation_settings(dict(request.args[1])) for request in requests]
+    out = [""] * len(requests)
+    for (max_new, temperature) in dict.fromkeys((m, t) for _, m, t in settings):
+      group = [i for i, (_, m, t) in enumerate(settings) if (m, t) == (max_new, temperature)]
+      keep = max(self.seq_len - max_new, 1)
+      prompts = [(self.tok_encode(requests[i].args[0]) or [self.eot_token_id])[-keep:]
+                 for i in group]
+      self.key, key = jax.random.split(self.key)
+      new = generate_ids(self.model, prompts, max_new_tokens=max_new, key=key,
+                         temperature=temperature, eos_id=self.tokenizer.eos_id)
+      for i, ids in zip(group, new):
+        out[i] = cut_at_stop(self.tokenizer.decode(ids), settings[i][0])
+        self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
     return out
 
-  def _continue(self, context: str, kwargs: dict[str, Any]) -> str:
-    """The generated continuation of one context, cut at the first `until` string."""
-    until = kwargs.pop("until", None) or []
-    until = [until] if isinstance(until, str) else list(until)
-    max_new = int(kwargs.pop("max_gen_toks", DEFAULT_GEN_TOKENS))
-    temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
-    keep = max(self.seq_len - max_new, 1)
-    prompt = (self.tok_encode(context) or [self.eot_token_id])[-keep:]
-    self.key, key = jax.random.split(self.key)
-    new_ids = generate_ids(self.model, prompt, max_new_tokens=max_new, key=key,
-                           temperature=temperature, eos_id=self.tokenizer.eos_id)
-    return cut_at_stop(self.tokenizer.decode(new_ids), until)
+
+def generation_settings(kwargs: dict[str, Any]) -> tuple[list[str], int, float]:
+  """(until strings, max new tokens, temperature) of a task's generation kwargs: greedy
+  unless `do_sample`."""
+  until = kwargs.get("until") or []
+  until = [until] if isinstance(until, str) else list(until)
+  max_new = int(kwargs.get("max_gen_toks", DEFAULT_GEN_TOKENS))
+  temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+  return until, max_new, temperature
 
 
-def generate_ids(model, prompt: list[int], *, max_new_tokens: int, key, temperature: float,
-                 eos_id: int | None) -> list[int]:
-  """The new tokens `generate` appends to one prompt, up to and without eos where it has one."""
-  if "eos_id" in inspect.signature(gen.generate).parameters:  # per-prompt lists of new tokens
-    new = gen.generate(model, [prompt], max_new_tokens=max_new_tokens, key=key,
-                       temperature=temperature, eos_id=eos_id)[0]
-  else:  # one [1, T] prompt, returned with its continuation
-    new = np.asarray(gen.generate(model, np.asarray([prompt], np.int32), max_new_tokens=max_new_tokens,
-                                  key=key, temperature=temperature))[0, len(prompt):]
-  new = [int(t) for t in np.asarray(new).reshape(-1)]
-  return new[:new.index(eos_id)] if eos_id in new else new
+def generate_ids(model, prompts: list[list[int]], *, max_new_tokens: int, key, temperature: float,
+                 eos_id: int | None) -> list[list[int]]:
+  """The new tokens `generate` appends to each prompt, up to and without eos where it has one."""
+  if "eos_id" in inspect.signature(gen.generate).parameters:  # prompts of any lengths at once
+    new = gen.generate(model, prompts, max_new_tokens=max_new_tokens, key=key,
+                       temperature=temperature, eos_id=eos_id)
+  else:  # one [1, T] prompt a call, returned with its continuation
+    new = [np.asarray(gen.generate(model, np.asarray([p], np.int32), max_new_tokens=max_new_tokens,
+                                   key=k, temperature=temperature))[0, len(p):]
+           for p, k in zip(prompts, jax.random.split(key, len(prompts)))]
+  out = []
+  for ids in new:
+    ids = [int(t) for t in np.asarray(ids).reshape(-1)]
+    out.append(ids[:ids.index(eos_id)] if eos_id in ids else ids)
+  return out
 
 
 def task_manager(tasks: Sequence[str], include_paths: Sequence[str] = ()) -> TaskManager:
