@@ -33,6 +33,10 @@ flags.DEFINE_integer("limit", None, "Documents per task (default: all).")
 flags.DEFINE_integer("num_fewshot", None, "Few-shot examples (default: the task's).")
 flags.DEFINE_integer("seq_len", None, "Positions per scored row (default: the run's seq_len).")
 flags.DEFINE_integer("batch_rows", 8, "Rows per model call.")
+flags.DEFINE_enum("packing", "auto", ["auto", "shared", "alone"],
+                  "Requests sharing rows and batches: auto where the model routes each token on its "
+                  "own (exact), shared always (faster; with a same-batch router or an expert "
+                  "capacity a score then depends on its batch), alone never.")
 flags.DEFINE_multi_string("include_path", [], "Further directories of lm-eval task YAMLs.")
 flags.DEFINE_string("out", None, "Summary JSON path (default: <workdir>/eval/<tasks>-step<N>.json).")
 flags.DEFINE_bool("offline", True, "Keep Hugging Face datasets and hub offline (the bundled "
@@ -71,7 +75,7 @@ def _check_flags():
 def summary(results: dict, lm, tasks) -> dict:
   """The JSON written for a run: what was evaluated, how, and lm-eval's metrics."""
   return {"workdir": os.path.abspath(FLAGS.workdir), "step": lm.step, "tasks": list(tasks),
-          "seq_len": lm.seq_len, "limit": FLAGS.limit, "num_fewshot": FLAGS.num_fewshot,
+          "seq_len": lm.seq_len, "packing": FLAGS.packing, "limit": FLAGS.limit, "num_fewshot": FLAGS.num_fewshot,
           "tokenizer": lm.tokenizer_name, "lm_eval_version": results.get("lm_eval_version"),
           "results": results["results"], "groups": results.get("groups", {}),
           "versions": results.get("versions", {}), "n-shot": results.get("n-shot", {}),
@@ -95,8 +99,9 @@ def main(argv):
     _fail(f"{e}: experiments/evaluate.py needs lm-eval: pip install -e \".[eval]\"")
   tasks = [t.strip() for t in FLAGS.tasks if t.strip()]
   try:
+    share_rows = {"auto": None, "shared": True, "alone": False}[FLAGS.packing]
     lm = harness.HarnessLM.from_run(FLAGS.workdir, FLAGS.step, seq_len=FLAGS.seq_len,
-                                    batch_rows=FLAGS.batch_rows)
+                                    batch_rows=FLAGS.batch_rows, share_rows=share_rows)
     results = harness.evaluate(lm, tasks, include_paths=FLAGS.include_path, limit=FLAGS.limit,
                                num_fewshot=FLAGS.num_fewshot)
   except (ValueError, CheckpointError) as e:

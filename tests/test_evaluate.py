@@ -18,8 +18,11 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from k3jax.data.tokenizer import ByteTokenizer  # noqa: E402
 from k3jax.eval import harness  # noqa: E402
+from k3jax.eval.run import run_tokenizer  # noqa: E402
 from k3jax.models import score  # noqa: E402
+from tests.test_tokenizer import tiny_bpe  # noqa: E402
 
 EVALUATE = os.path.join(ROOT, "experiments", "evaluate.py")
 TASKS = "k3jax_python_next_line,k3jax_python_snippets"
@@ -92,3 +95,18 @@ def test_adapter_answers_are_the_scoring_api(run_dir):
 def test_cut_at_stop():
   assert harness.cut_at_stop("ab\ncd;e", ["\n", ";"]) == "ab"
   assert harness.cut_at_stop("abc", ["x", ""]) == "abc"
+
+
+def test_a_run_reads_text_through_the_tokenizer_its_config_names(tmp_path):
+  bpe = tiny_bpe(str(tmp_path))  # tokenizer.json beside config.json, as the trainer copies it
+  (tmp_path / "config.json").write_text("{}")
+  assert run_tokenizer(str(tmp_path), bpe.sha256).path == bpe.path
+  assert isinstance(run_tokenizer(str(tmp_path), ByteTokenizer().sha256), ByteTokenizer)
+  for digest, needle in (("", "has no tokenizer"), ("0" * 64, "no tokenizer file")):
+    with pytest.raises(ValueError, match=needle):
+      run_tokenizer(str(tmp_path), digest)
+  # Bits per byte count the bytes of the scored tokens: all but the first token's without a prefix.
+  text = "def main():\n    return 0\n"
+  ids = bpe.encode(text)
+  assert score.scored_bytes(text, ids, bpe, prefix_id=2) == len(text.encode())
+  assert score.scored_bytes(text, ids, bpe, None) == len(bpe.decode(ids[1:]).encode())

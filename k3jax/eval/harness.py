@@ -176,7 +176,8 @@ def task_manager(tasks: Sequence[str], include_paths: Sequence[str] = ()) -> Tas
 
 def evaluate(lm: HarnessLM, tasks: Sequence[str], *, include_paths: Sequence[str] = (),
              limit: int | None = None, num_fewshot: int | None = None) -> dict:
-  """lm-eval's `simple_evaluate` of `lm` on `tasks` (names or groups); its results dict.
+  """lm-eval's `simple_evaluate` of `lm` on `tasks` (names or groups); its results dict
+  (without bootstrap standard errors or per-sample logs).
 
   Raises:
     ValueError: a task lm-eval cannot find.
