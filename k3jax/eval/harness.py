@@ -75,8 +75,10 @@ class HarnessLM(TemplateLM):
   def from_run(cls, workdir: str, step: int | None = None, *, seq_len: int | None = None,
                **kwargs) -> "HarnessLM":
     """The model of a run directory at `step` (default: newest) with its tokenizer; rows of
-    the run's seq_len unless `seq_len` is given. Sets `.step`."""
+    the run's seq_len unless `seq_len` is given, holding at most the run's
+    data.max_documents_per_row requests. Sets `.step`."""
     run = load_run(workdir, step)
+    kwargs.setdefault("max_documents_per_row", int(run.config.data.get("max_documents_per_row", 8)))
     lm = cls(run.model, run.tokenizer, seq_len=seq_len or int(run.config.seq_len), **kwargs)
     lm.step = run.step
     return lm
