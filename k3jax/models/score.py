@@ -57,8 +57,8 @@ def windows(ids: Sequence[int], first: int, seq_len: int,
   and reads the tokens before them back to `seq_len` inputs in all. It scores as many
   targets as leave it `overlap` tokens of context (default seq_len // 2), or all that
   remain when fewer do: a continuation that fits in one row with some context is one piece
-  whose context lost only its first tokens; a longer one goes by several. `overlap=0`
-  makes the pieces disjoint windows, each reading one token before its targets.
+  whose context lost only its first tokens; a longer one goes by several. With `overlap=0`
+  a long text goes by disjoint windows of `seq_len` targets.
   """
   overlap = seq_len // 2 if overlap is None else overlap
   if not 0 <= overlap < seq_len:
@@ -77,17 +77,21 @@ def windows(ids: Sequence[int], first: int, seq_len: int,
 
 def first_fit(lengths: Sequence[int], seq_len: int, max_per_row: int) -> list[list[int]]:
   """Rows of request indices: longest first, each into the first row with room for it and
-  fewer than `max_per_row` requests."""
-  rows, free = [], []
+  fewer than `max_per_row` requests (one vectorised scan of the rows per request)."""
+  if len(lengths) and max(lengths) > seq_len:
+    raise ValueError(f"a request of {max(lengths)} positions does not fit rows of {seq_len}")
+  # One slot per request bounds the rows; slot len(rows) is always a fresh, empty row.
+  free = np.full(len(lengths) + 1, seq_len, np.int64)
+  count = np.zeros(len(lengths) + 1, np.int64)
+  rows: list[list[int]] = []
   for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-    row = next((r for r in range(len(rows))
-                if free[r] >= lengths[i] and len(rows[r]) < max_per_row), None)
-    if row is None:
+    open_r = (free[:len(rows) + 1] >= lengths[i]) & (count[:len(rows) + 1] < max_per_row)
+    row = int(np.argmax(open_r))
+    if row == len(rows):
       rows.append([])
-      free.append(seq_len)
-      row = len(rows) - 1
     rows[row].append(i)
     free[row] -= lengths[i]
+    count[row] += 1
   return rows
 
 
