@@ -5,8 +5,12 @@
     pip install -e ".[bench]"       # PyTorch/fla peer for kernel benchmarks (GPU)
     pip install -e ".[tokamax]"     # tokamax grouped matmul for the dropless MoE mode (GPU)
     pip install -e ".[data]"        # sentencepiece tokenizers and parquet input for prepare_data.py
+    pip install -e ".[eval]"        # lm-eval for experiments/evaluate.py
 """
 from setuptools import find_packages, setup
+
+# The adapter subclasses lm-eval's TemplateLM, whose interface may change at 0.5.
+_LM_EVAL = "lm_eval>=0.4.13,<0.5"
 
 setup(
     name="k3jax",
@@ -17,6 +21,8 @@ setup(
     ),
     python_requires=">=3.12",
     packages=find_packages(include=["k3jax", "k3jax.*", "pallas_kernels", "pallas_kernels.*"]),
+    # The bundled lm-eval tasks: their YAMLs, data and loader (not a package of their own).
+    package_data={"k3jax.eval": ["tasks/*.yaml", "tasks/*.jsonl", "tasks/*.py"]},
     install_requires=[
         "jax>=0.11.2",
         "flax>=0.12.10",
@@ -35,12 +41,17 @@ setup(
     ],
     extras_require={
         # nbclient/ipykernel/matplotlib: tests/test_notebooks.py executes the ablation notebooks;
-        # sentencepiece/pyarrow: the tokenizer and prepared-data tests cover the optional inputs.
+        # sentencepiece/pyarrow: the tokenizer and prepared-data tests cover the optional inputs;
+        # lm_eval: tests/test_evaluate.py runs the bundled tasks.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "nbclient>=0.10",
-                 "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8", "sentencepiece", "pyarrow"],
+                 "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8", "sentencepiece", "pyarrow",
+                 _LM_EVAL],
         "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.10", "ipykernel", "matplotlib>=3.8"],
         # Optional inputs of experiments/prepare_data.py: sentencepiece .model tokenizers, parquet files.
         "data": ["sentencepiece", "pyarrow"],
+        # experiments/evaluate.py. lm-eval's model backends (torch, transformers) are its own
+        # extras, not installed: the adapter is the model.
+        "eval": [_LM_EVAL],
         "bench": ["torch>=2.5", "flash-linear-attention>=0.6.0"],
         # Optional grouped-matmul kernel for the dropless MoE mode (GPU; needs jax >= 0.11.1).
         "tokamax": ["tokamax==0.0.17"],

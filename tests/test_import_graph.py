@@ -23,6 +23,7 @@ LEVELS = {
     "k3jax.parallel": 6,
     "k3jax.train": 7,
     "k3jax.ablations": 8,
+    "k3jax.eval": 8,            # run evaluation, the lm-eval adapter (optional `eval` extra)
 }
 
 # Optional dependencies, imported where they are used so that the package works without them.

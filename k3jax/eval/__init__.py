@@ -1,0 +1,1 @@
+"""Evaluation of trained runs: the run's model and tokenizer, and an lm-eval adapter (`harness`)."""
