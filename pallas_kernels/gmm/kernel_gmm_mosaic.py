@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gmm.config import GmmConfig
 from pallas_kernels.gmm.kernel_gmm import tile_of
+from pallas_kernels.mgpu_common import swizzled_smem
 
 _F32 = jnp.float32
 
@@ -44,15 +45,6 @@ def check_supported(dtype, cfg: GmmConfig, *, transpose_rhs=False, lhs_swiglu=Fa
   if cfg.block_m % 64:
     raise ValueError(f"the Mosaic GPU gmm needs block_m a multiple of 64 (one warpgroup's "
                      f"wgmma rows), got {cfg.block_m}")
-
-
-def _swizzled(shape, dtype):
-  """SMEM of `shape` tiled and swizzled for wgmma along its minor dimension."""
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(shape[-1] * bits)
-  transforms = (plgpu.TilingTransform((8, swizzle * 8 // bits)),
-                plgpu.SwizzleTransform(swizzle))
-  return plgpu.SMEM(shape, dtype, transforms=transforms)
 
 
 def _kernel(tile_group_ref, source_ref, factor_ref, lhs_ref, rhs_ref, out_ref, *, num_k, num_m,
@@ -106,7 +98,7 @@ def _kernel(tile_group_ref, source_ref, factor_ref, lhs_ref, rhs_ref, out_ref, *
   # (gathered) or the lhs tile. The epilogue's factor copy has its own.
   arrivals = 1 + (bm if gathered else 1)
   pl.run_scoped(
-      scoped, _swizzled((bm, bk), dtype), _swizzled((bk, bn), dtype),
+      scoped, swizzled_smem((bm, bk), dtype), swizzled_smem((bk, bn), dtype),
       plgpu.SMEM((bm, bk), dtype), plgpu.SMEM((bm,), _F32),
       plgpu.SMEM((bm, bn), out_ref.dtype), plgpu.Barrier(num_arrivals=arrivals),
       plgpu.Barrier(num_arrivals=1))
