@@ -3,8 +3,9 @@ plain-jnp reference: Mosaic GPU's interpreter on the CPU with race detection, an
 the compiled kernel in the GPU twins, beside the Triton body on the same inputs."""
 import dataclasses
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 # The interpreter's race record has no public name yet.
@@ -12,6 +13,7 @@ from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
 from pallas_kernels.gmm import api, reference
 from pallas_kernels.gmm.config import GmmConfig, default_config, with_fields
+from pallas_kernels.tools import mosaic_ir
 from tests.test_gmm import LAYER_CALLS, _layout, _row_index
 
 # One warpgroup's wgmma takes 64 rows: the smallest tile. Empty groups, one of
@@ -87,3 +89,20 @@ def test_gpu_mosaic_gmm_matches_reference_and_triton(call, out_dtype):
   for name, got in (("mosaic_gpu", out), ("triton", base)):
     np.testing.assert_allclose(np.asarray(got, np.float32) / top, np.asarray(want) / top,
                                atol=1e-2, err_msg=f"{call}: {name}")
+
+
+def test_mosaic_gmm_lowers_for_cuda_on_the_cpu():
+  """The kernel lowers for CUDA without a GPU: one warpgroup a block, the rows'
+  TMA copies, wgmma on the swizzled tiles (`pallas_kernels.tools.mosaic_ir`)."""
+  tiles, _ = _layout([100, 0, 300], 128)
+  cfg = dataclasses.replace(default_config(jnp.bfloat16), backend="mosaic_gpu")
+  spec = jax.ShapeDtypeStruct
+  fn = lambda x, w, index: api.gmm(x, w, tiles, row_index=index, config=cfg)
+  lowered = jax.jit(fn).trace(spec((500, 256), jnp.bfloat16), spec((3, 256, 512), jnp.bfloat16),
+                              spec((tiles.num_rows,), jnp.int32)).lower(
+                                  lowering_platforms=("cuda",))
+  (text,) = mosaic_ir.kernel_modules(lowered)
+  info = mosaic_ir.summary(text)
+  assert info["block"] == (128, 1, 1) and info["wgmma_shapes"] == ["m64n256k16"]
+  assert info["tma_loads"] == cfg.block_m + 2   # the rows, the weights' tile, the row factors
+  assert 0 < info["smem_bytes"] <= 227 * 1024   # an H100 block's shared memory

@@ -13,6 +13,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
 
 from pallas_kernels.kda import api, kernel_config, kernel_output_mosaic, kernel_state_split
+from pallas_kernels.tools import mosaic_ir
 from tests.kda_inputs import rel_err
 from tests.test_kda_pallas import _inputs
 
@@ -70,6 +71,21 @@ def test_mosaic_output_selection_and_limits():
     make(backend="tpu", overrides={"output_body": "mosaic_gpu"})
   with pytest.raises(ValueError, match="output_body"):
     make(backend="triton", overrides={"output_body": "cuda"})
+
+
+def test_mosaic_output_lowers_for_cuda_on_the_cpu():
+  """The kernel lowers for CUDA without a GPU: four TMA tiles in, two wgmma
+  products per 16-deep step of K and C, one TMA store."""
+  h, d, c = 2, 128, 64
+  spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  fn = lambda *a: kernel_output_mosaic.output_fwd(*a, heads=h, chunk_size=c,
+                                                  out_dtype=jnp.bfloat16)
+  lowered = jax.jit(fn).trace(spec(1, 256, h * d), spec(1, h, 256, c), spec(1, h, 4 * d, d),
+                              spec(1, 256, h * d)).lower(lowering_platforms=("cuda",))
+  (text,) = mosaic_ir.kernel_modules(lowered)
+  info = mosaic_ir.summary(text)
+  assert info["wgmma_shapes"] == ["m64n128k16"] and info["wgmma"] == (c + d) // 16
+  assert info["tma_loads"] == 4 and info["tma_stores"] == 1
 
 
 def _forward(interpret, body, xs):
