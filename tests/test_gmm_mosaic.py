@@ -93,7 +93,8 @@ def test_gpu_mosaic_gmm_matches_reference_and_triton(call, out_dtype):
 
 def test_mosaic_gmm_lowers_for_cuda_on_the_cpu():
   """The kernel lowers for CUDA without a GPU: one warpgroup a block, the rows'
-  TMA copies, wgmma on the swizzled tiles (`pallas_kernels.tools.mosaic_ir`)."""
+  TMA copies, wgmma on the swizzled tiles (`pallas_kernels.tools.mosaic_ir`),
+  the default 128 x 256 tile cut to 128 x 128 (one warpgroup's accumulator)."""
   tiles, _ = _layout([100, 0, 300], 128)
   cfg = dataclasses.replace(default_config(jnp.bfloat16), backend="mosaic_gpu")
   spec = jax.ShapeDtypeStruct
@@ -103,6 +104,7 @@ def test_mosaic_gmm_lowers_for_cuda_on_the_cpu():
                                   lowering_platforms=("cuda",))
   (text,) = mosaic_ir.kernel_modules(lowered)
   info = mosaic_ir.summary(text)
-  assert info["block"] == (128, 1, 1) and info["wgmma_shapes"] == ["m64n256k16"]
-  assert info["tma_loads"] == cfg.block_m + 2   # the rows, the weights' tile, the row factors
+  assert info["block"] == (128, 1, 1) and info["wgmma_shapes"] == ["m64n128k16"]
+  # The rows, the weights' tile, the tile's row indices and row factors.
+  assert info["tma_loads"] == cfg.block_m + 3
   assert 0 < info["smem_bytes"] <= 227 * 1024   # an H100 block's shared memory

@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.gmm import api as gmm_api  # noqa: E402
 from pallas_kernels.gmm import config as gmm_config  # noqa: E402
+from pallas_kernels.gmm import kernel_gmm_mosaic  # noqa: E402
 from pallas_kernels.gmm import layout  # noqa: E402
 from pallas_kernels.kda import kernel_output_mosaic  # noqa: E402
 from pallas_kernels.tools import mosaic_ir  # noqa: E402
@@ -50,7 +51,7 @@ def _gmm_lowered():
   spec = jax.ShapeDtypeStruct
   args = (spec((b * t, d), jnp.bfloat16), spec((e, d, 2 * h), jnp.bfloat16),
           spec((tiles.num_rows,), jnp.int32))
-  return f"gmm fwd, rows gathered ({cfg})", jax.jit(fn).trace(*args).lower(
+  return f"gmm fwd, rows gathered ({kernel_gmm_mosaic.fit_tiles(cfg)})", jax.jit(fn).trace(*args).lower(
       lowering_platforms=("cuda",))
 
 
