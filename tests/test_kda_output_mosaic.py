@@ -27,16 +27,17 @@ def _operands(seed, b, t, h, dk, dv, c, dtype=jnp.bfloat16):
 
 
 def _product(qg, a_qk, hs, v_new, h, c):
-  """O = A_qk V' + qg S per chunk, in float32 numpy."""
-  f = lambda x: np.asarray(x, np.float32)
+  """O = A_qk V' + qg S per chunk, in float32 (numpy)."""
+  f = lambda x: jnp.asarray(x, jnp.float32)
   b, t, hk = qg.shape
   nc, dk, dv = t // c, hk // h, v_new.shape[-1] // h
   q = f(qg).reshape(b, nc, c, h, dk)
   v = f(v_new).reshape(b, nc, c, h, dv)
   a = f(a_qk).reshape(b, h, nc, c, c)
   s = f(hs).reshape(b, h, nc, dk, dv)
-  o = np.einsum("bhncd,bndhv->bnchv", a, v) + np.einsum("bncht,bhntv->bnchv", q, s)
-  return o.reshape(b, t, h * dv)
+  o = (jnp.einsum("bhncd,bndhv->bnchv", a, v, precision="highest")
+       + jnp.einsum("bncht,bhntv->bnchv", q, s, precision="highest"))
+  return np.asarray(o.reshape(b, t, h * dv))
 
 
 @pytest.mark.parametrize("dk, dv", [(64, 64), (128, 64)])
