@@ -20,7 +20,8 @@ Table 3 ("grouped matmuls", --kernels): the Pallas grouped matmuls
 aligned to block_m): the forward gate/up product with its rows gathered, the
 dgrad product (transposed weights) and the weight gradient, each against a
 dense bf16 matmul of the same [N k, K] x [K, N] shape in the same run; rates
-count only real rows (padding excluded). `--gmm_config` sets the tiles of
+count only real rows (padding excluded); `--gmm_mosaic` adds the gathered
+forward on the Mosaic GPU body. `--gmm_config` sets the tiles of
 table 3 and of every "pallas" row of table 1 (e.g. block_n=128,num_warps=8).
 On the GPU, table 3 also times a peer (`--peer_mgpu`): jax's Mosaic GPU
 `ragged_dot` and `transposed_ragged_dot` (TMA and wgmma, Hopper only) on
@@ -100,6 +101,9 @@ flags.DEFINE_bool("profile", False, "Also list the device kernels of one forward
 flags.DEFINE_integer("profile_top", 12, "Kernels listed per path in table 4 (the rest summed).")
 flags.DEFINE_list("gmm_config", [], "GmmConfig fields for the 'pallas' backend, "
                   "name=int (any int field of GmmConfig, e.g. block_n=256,wgrad_stages=4).")
+flags.DEFINE_bool("gmm_mosaic", False, "With --kernels, also time the gathered forward on "
+                  "the Mosaic GPU body (GmmConfig backend=mosaic_gpu, Hopper) beside the "
+                  "Triton one, same inputs and tiles.")
 flags.DEFINE_bool("peer_mgpu", True, "With --kernels on the GPU, also time jax's Mosaic GPU "
                   "ragged_dot ops on pre-gathered contiguous rows (best of a few tiles).")
 flags.DEFINE_integer("rate_matmul", 8192, "Size n of the n^3 bf16 matmul that measures the rate.")
@@ -360,6 +364,13 @@ def kernel_table(shape_name, dtype):
        (x_nd, gu), jax.jit(lambda a, g: jnp.dot(a.T, g, preferred_element_type=jnp.float32)),
        (dense_a, dense_g)),
   ]
+  if FLAGS.gmm_mosaic:
+    mosaic = dataclasses.replace(cfg, backend="mosaic_gpu")
+    cases.insert(1, (
+        "gmm fwd, rows gathered, Mosaic GPU body", 2 * rows * d * 2 * h,
+        jax.jit(lambda x, ww: gmm_api.gmm(x, ww, tiles, row_index=plan.source_s, config=mosaic,
+                                          interpret=interp)),
+        (x_nd, w_in), jax.jit(lambda a, ww: a @ ww), (dense_a, dense_w)))
   if FLAGS.peer_mgpu and not interp:
     cases += _mgpu_cases(plan.group_sizes.astype(jnp.int32), w_in, dense_a, dense_g, dense_w,
                          2 * rows * d * 2 * h)

@@ -8,7 +8,9 @@
     dw_gkn = tgmm(x_nd, dy_mn, tiles, lhs_index=source_m)        # weight gradient
 
 On the GPU both lower through Triton; `interpret=True` runs the same kernel
-bodies anywhere (CPU tests). Mosaic (TPU) has no row gather inside a
+bodies anywhere (CPU tests). `GmmConfig(backend="mosaic_gpu")` runs `gmm`'s
+plain product on the Mosaic GPU prototype (`kernel_gmm_mosaic`) instead;
+there `interpret` may also be a `plgpu.InterpretGPUParams` (race detection). Mosaic (TPU) has no row gather inside a
 kernel, so the TPU keeps XLA's own `ragged_dot` (see `k3jax.layers.grouped_matmul`).
 """
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gmm import kernel_gmm, kernel_tgmm
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gmm import kernel_gmm, kernel_gmm_mosaic, kernel_tgmm
 from pallas_kernels.gmm.config import GmmConfig, default_config
 from pallas_kernels.gmm.layout import TileMap
 
@@ -55,8 +59,10 @@ def gmm(lhs: jax.Array, rhs: jax.Array, tiles: TileMap, *, row_index: jax.Array 
     row_scale: [M] float, multiplies row m of the result.
     transpose_rhs: contract with rhs's last axis (the dgrad of `gmm`).
     out_dtype: result dtype (default lhs's).
-    config: tile sizes (default `default_config(lhs.dtype)`, fitted to K, N).
-    interpret: run the kernel body in the Pallas interpreter.
+    config: tile sizes and body (default `default_config(lhs.dtype)`, fitted
+      to K, N).
+    interpret: run the kernel body in the Pallas interpreter; with the
+      mosaic_gpu body True means `plgpu.InterpretGPUParams()`, or pass one.
 
   Returns:
     [M, N] out_dtype; zero rows for padding tiles and empty slots.
@@ -85,6 +91,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, tiles: TileMap, *, row_index: jax.Array 
     raise ValueError(f"row_scale must have shape ({m},), got {row_scale.shape}")
   cfg = _config(config, lhs.dtype, tiles, k, n)
   index = None if row_index is None else row_index.astype(jnp.int32)
+  if cfg.backend == "mosaic_gpu":
+    kernel_gmm_mosaic.check_supported(lhs.dtype, cfg, transpose_rhs=transpose_rhs,
+                                      lhs_swiglu=lhs_swiglu)
+    params = plgpu.InterpretGPUParams() if interpret is True else interpret
+    return kernel_gmm_mosaic.gmm_call(lhs, rhs, tiles.tile_group, index, row_scale, num_rows=m,
+                                      out_dtype=out_dtype or lhs.dtype, cfg=cfg,
+                                      interpret=params)
   return kernel_gmm.gmm_call(lhs, rhs, tiles.tile_group, index, row_scale, num_rows=m,
                              transpose_rhs=transpose_rhs, out_dtype=out_dtype or lhs.dtype,
                              cfg=cfg, interpret=interpret, lhs_swiglu=lhs_swiglu)

@@ -7,6 +7,9 @@ import jax
 import jax.numpy as jnp
 
 
+BACKENDS = ("triton", "mosaic_gpu")
+
+
 def _is_pow2(n) -> bool:
   return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
 
@@ -39,6 +42,10 @@ class GmmConfig:
       gathered rows) half as often as [128, 128]; with wgrad_warps=8 its
       float32 accumulator is 128 registers a thread, as the products' 128 x
       256 tiles at 8 warps.
+    backend: the GPU body of `gmm`'s plain product: "triton" (`kernel_gmm`)
+      or "mosaic_gpu" (`kernel_gmm_mosaic`, a Hopper prototype: 16-bit
+      operands, no SwiGLU fusion or transposed rhs, block_m a multiple of
+      64). `tgmm` and the fused calls always run the Triton bodies.
   """
 
   block_m: int = 128
@@ -52,8 +59,11 @@ class GmmConfig:
   wgrad_warps: int = 4
   wgrad_block: int = 128
   wgrad_block_n: int | None = None
+  backend: str = "triton"
 
   def __post_init__(self):
+    if self.backend not in BACKENDS:
+      raise ValueError(f"GmmConfig.backend={self.backend!r}; must be one of {BACKENDS}")
     for name in ("block_m", "block_n", "block_k", "wgrad_block", "wgrad_block_n"):
       value = getattr(self, name)
       if name == "wgrad_block_n" and value is None:
@@ -122,7 +132,8 @@ def default_config(dtype=jnp.bfloat16) -> GmmConfig:
 
 def with_fields(items, dtype=jnp.bfloat16) -> GmmConfig:
   """`default_config(dtype)` with `name=int` items replacing its fields (the
-  benchmarks' and inspect_triton's --gmm_config, e.g. ["wgrad_block_n=256"]).
+  benchmarks' and inspect_triton's --gmm_config, e.g. ["wgrad_block_n=256"];
+  `backend` takes its name, e.g. "backend=mosaic_gpu").
 
   Raises:
     ValueError: an item is not name=int for a field of GmmConfig, or the
@@ -134,6 +145,9 @@ def with_fields(items, dtype=jnp.bfloat16) -> GmmConfig:
     name, sep, value = item.partition("=")
     if not sep or name not in names:
       raise ValueError(f"GmmConfig field {item!r}: give name=int with a name in {sorted(names)}")
+    if name == "backend":
+      fields[name] = value
+      continue
     try:
       fields[name] = int(value)
     except ValueError as err:

@@ -39,6 +39,11 @@ INTRA_BWDS = ("split", "tiles")
 # How the pairwise diagonal's level anchors are picked (`kernel_common.anchor_picker`).
 LEVEL_ANCHORS = ("gather", "reshape", "select")
 
+# Bodies of the GPU forward's output kernel ("output_fwd"): the Triton one
+# (`kernel_state_split.output_fwd`) or the Mosaic GPU prototype
+# (`kernel_output_mosaic`, Hopper: 16-bit operands, chunk_size a multiple of 64).
+OUTPUT_BODIES = ("triton", "mosaic_gpu")
+
 # Kernel stages, each a separate pallas_call (the GPU forward state pass is
 # "state_rec" then "output_fwd", the TPU one "state_fwd"; the split intra
 # backward is "intra_bwd_cc" then "intra_bwd_k", the one-program one "intra_bwd").
@@ -146,6 +151,9 @@ class KernelConfig:
       (2026-12-05, `tune_kda.py`, sync ms in two calls) the score kernel took
       0.681 / 0.741 at 16 rows against 0.771 / 0.835 at 64, the gradient
       kernel 1.705 / 1.683 at 16 against 1.642 / 1.519 at 64.
+    output_body: the GPU forward's output kernel; one of OUTPUT_BODIES.
+      Default "triton"; "mosaic_gpu" runs `kernel_output_mosaic` (in
+      interpret mode, Mosaic GPU's interpreter), not lowered for TPU.
   """
   backend: str
   block_v: int
@@ -167,8 +175,14 @@ class KernelConfig:
   diag_level_loop: bool = False
   diag_rows: int | None = None
   diag_bwd_rows: int | None = None
+  output_body: str = "triton"
 
   def __post_init__(self):
+    if self.output_body not in OUTPUT_BODIES:
+      raise ValueError(f"output_body must be one of {OUTPUT_BODIES}, got {self.output_body!r}")
+    if self.output_body == "mosaic_gpu" and self.is_tpu:
+      raise ValueError(f"output_body='mosaic_gpu' is not lowered for TPU (backend "
+                       f"{self.backend!r}); use 'triton'")
     if self.backend not in BACKENDS:
       raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
     if self.inverse not in INVERSES:

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import head_pad
 from pallas_kernels.kda import inputs
@@ -34,6 +35,7 @@ from pallas_kernels.kda import kernel_gate_cumsum
 from pallas_kernels.kda import kernel_intra_bwd
 from pallas_kernels.kda import kernel_intra_bwd_split
 from pallas_kernels.kda import kernel_intra_fwd
+from pallas_kernels.kda import kernel_output_mosaic
 from pallas_kernels.kda import kernel_state_bwd
 from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
@@ -92,6 +94,17 @@ def _gate_cumsum(st: _Static, g, gate_bias, save: bool):
   return out if save else (out, None)
 
 
+def _output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg, out_dtype):
+  """The GPU forward's output kernel on the body `cfg.output_body` names."""
+  if cfg.output_body == "mosaic_gpu":
+    interpret = plgpu.InterpretGPUParams() if cfg.backend == "interpret" else False
+    return kernel_output_mosaic.output_fwd(qg, a_qk, hs, v_new, heads=heads,
+                                           chunk_size=chunk_size, out_dtype=out_dtype,
+                                           interpret=interpret)
+  return kernel_state_split.output_fwd(qg, a_qk, hs, v_new, heads=heads,
+                                       chunk_size=chunk_size, cfg=cfg, out_dtype=out_dtype)
+
+
 def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
   """Kernel forward on the chunk grid. Shapes as in `_core`."""
   b, tp, h, dk = q.shape
@@ -117,8 +130,8 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
         meta, intra.w, intra.u, intra.kg, g_cum, h0, heads=h, chunk_size=st.chunk_size,
         cfg=cfg, varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
         v_new_dtype=cfg.intra_bwd_mm_dtype if save else cfg.mm_dtype)
-    o = kernel_state_split.output_fwd(intra.qg, intra.a_qk, hs, v_new, heads=h,
-                                      chunk_size=st.chunk_size, cfg=cfg, out_dtype=q.dtype)
+    o = _output_fwd(intra.qg, intra.a_qk, hs, v_new, heads=h, chunk_size=st.chunk_size,
+                    cfg=cfg, out_dtype=q.dtype)
   else:
     o, ht, hs, v_new = kernel_state_fwd.state_fwd(
         meta, q2, k2, g_cum, intra.w, intra.u, intra.a_qk, h0, varlen=st.varlen, save=save,

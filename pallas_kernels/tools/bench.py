@@ -11,6 +11,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import api
 from pallas_kernels.kda import kernel_config
@@ -20,6 +21,7 @@ from pallas_kernels.kda import kernel_gate_cumsum
 from pallas_kernels.kda import kernel_intra_bwd
 from pallas_kernels.kda import kernel_intra_bwd_split
 from pallas_kernels.kda import kernel_intra_fwd
+from pallas_kernels.kda import kernel_output_mosaic
 from pallas_kernels.kda import kernel_state_bwd
 from pallas_kernels.kda import kernel_state_fwd
 from pallas_kernels.kda import kernel_state_split
@@ -146,7 +148,8 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
   diag_bwd, before intra_bwd_k), and the reverse cumsum giving dg
   (dg_cumsum). With the split forward state pass (`kernel_state_split`),
   state_fwd is its two kernels together, also timed alone (state_rec and
-  output_fwd, with the storage dtypes of training). `interpret` runs the
+  output_fwd, with the storage dtypes of training; output_fwd_mosaic, its
+  Mosaic GPU body, only when `stages` names it). `interpret` runs the
   kernels emulated (CPU smoke tests; the times mean nothing). `stages`
   (names as returned) times only those: the kernels producing their inputs
   still run once, the others are neither compiled nor timed.
@@ -155,7 +158,7 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
     unknown = set(stages) - set(ALL_STAGES)
     if unknown:
       raise ValueError(f"unknown stages {sorted(unknown)}; stages are {ALL_STAGES}")
-  want = lambda name: stages is None or name in stages
+  want = lambda name: name in stages if stages is not None else name not in OPT_IN_STAGES
   times = {}
 
   def timed(name, fn, *args):
@@ -227,6 +230,12 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
     out = jax.jit(lambda *a: kernel_state_split.output_fwd(*a, **out_kw))
     state_split = {"state_rec": (rec, w, u, kg, g_cum, h0),
                    "output_fwd": (out, qg, a_qk, hs, v_new)}
+    if want("output_fwd_mosaic"):
+      # The Mosaic GPU body on the same operands (it needs them in one 16-bit dtype).
+      mosaic = jax.jit(lambda *a: kernel_output_mosaic.output_fwd(
+          *a, heads=h, chunk_size=c, out_dtype=q.dtype,
+          interpret=plgpu.InterpretGPUParams() if interpret else False))
+      state_split["output_fwd_mosaic"] = (mosaic, qg, a_qk, hs, v_new)
   else:
     args = (q2, k2, g_cum, w, u, a_qk, h0)
     state = jax.jit(lambda *a: kernel_state_fwd.state_fwd(meta, *a, varlen=False, **kw)[:2])
@@ -286,8 +295,11 @@ def stage_times_ms(q, k, v, g, beta, *, diagonal, chunk_size=64, sub_chunk=16, i
 
 # Every stage `stage_times_ms` can time, in its order.
 ALL_STAGES = ("cumsum", "cumsum_xla", "diag_fwd", "intra_fwd", "state_fwd", "intra_fwd+M",
-              "state_fwd+save", "state_rec", "output_fwd", "state_bwd", "intra_bwd",
-              "intra_bwd_cc", "diag_bwd", "intra_bwd_k", "dg_cumsum")
+              "state_fwd+save", "state_rec", "output_fwd", "output_fwd_mosaic", "state_bwd",
+              "intra_bwd", "intra_bwd_cc", "diag_bwd", "intra_bwd_k", "dg_cumsum")
+# Timed only when `stages` names them: output_fwd_mosaic, the Mosaic GPU body
+# of output_fwd (`kernel_output_mosaic`, Hopper only), on output_fwd's operands.
+OPT_IN_STAGES = ("output_fwd_mosaic",)
 
 
 def parse_overrides(items):
