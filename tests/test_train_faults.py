@@ -198,3 +198,24 @@ def test_sigterm_while_compiling_exits_at_once(tmp_path):
   assert _records(workdir) == []  # no training step ran
   assert _steps(workdir) == []
   assert not (workdir / workdir_lock.LOCK_FILE).exists()
+
+
+@needs_mounts
+def test_full_disk_for_the_metric_records_stops_the_run(tmp_path):
+  """A disk too small for the metric records (24 KiB; no checkpoint before step 80): the record
+  that does not fit, in metrics.jsonl or in TensorBoard's events (written by a thread of their
+  own), stops the run with EXIT_SAVE_FAILED at the next step, where a dead TensorBoard writer
+  thread once left the trainer blocked forever."""
+  mnt, copy = tmp_path / "disk", tmp_path / "copy"
+  mnt.mkdir()
+  full = _in_namespace(f"mount -t tmpfs -o size=24k tmpfs {mnt} || exit 9\n"
+                       f"{_train_command(mnt / 'run', *SHRUNK, '--config.num_steps=80')}; rc=$?; "
+                       f"cp -a {mnt}/run {copy}; exit $rc", timeout=300)
+  assert full.returncode == cli_errors.EXIT_SAVE_FAILED, full.stderr
+  paragraph = _error_paragraph(full.stderr)
+  assert f"could not write the metric records (metrics.jsonl, tb/) in {mnt / 'run'}: No space left on " \
+         "device (ENOSPC)" in paragraph, paragraph
+  assert "No checkpoint was saved" in paragraph and "starts over" in paragraph
+  stopped = int(paragraph.split("The run stopped after step ")[1].split(":")[0])
+  assert max(_records(copy)) <= stopped < 80
+  assert _steps(copy) == []

@@ -575,7 +575,7 @@ class _TrainLoop:
     self.start = int(state.step)
     self.is_main = jax.process_index() == 0
     try:
-      with self._writes("metrics.jsonl and tb/"):
+      with self._writes("the metric records (metrics.jsonl, tb/)"):
         self.writer = MetricWriter(run.workdir, enabled=self.is_main,
                                    purge_step=self.start + 1 if restored is not None else 0)
     except SaveFailedError as e:
@@ -630,7 +630,7 @@ class _TrainLoop:
     nats = float(host["nll_sum"]) / count
     record = {"loss": nats, "accuracy": float(host["correct_sum"]) / count,
               **run.dataset.metrics_from_loss(nats)}
-    with self._writes("metrics.jsonl"):
+    with self._writes("the metric records (metrics.jsonl, tb/)"):
       self.writer.write(step, "eval", record)
     self.result["evals"].append((step, record))
     self.result["eval"], self.result["eval_step"] = record, step
@@ -657,7 +657,7 @@ class _TrainLoop:
         if self.built.flops_per_token and self.peak:
           host["mfu"] = self.built.flops_per_token * tps / (self.peak * self.built.ndev)
       self.interval_step, self.interval_start, self.warm = step, now, True
-      with self._writes("metrics.jsonl"):
+      with self._writes("the metric records (metrics.jsonl, tb/)"):
         self.writer.write(step, "train", host)
       self.bar.set_postfix(loss=f"{host['loss']:.3f}", refresh=False)
       if self.log_lines:
@@ -686,14 +686,14 @@ class _TrainLoop:
         close()
       except Exception as e:  # pylint: disable=broad-except
         if failing:
-          log.warning("closing the %s after the error: %s", name, e)
+          log.warning("closing the %s failed too (%s)", name, e)
         elif first is None:
           first = e
     if first is not None:
       raise first
 
   def _close_writer(self) -> None:
-    with self._writes("metrics.jsonl and tb/"):
+    with self._writes("the metric records (metrics.jsonl, tb/)"):
       self.writer.close()
 
   def run(self) -> dict[str, Any]:
