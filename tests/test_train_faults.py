@@ -194,7 +194,8 @@ def test_sigterm_while_compiling_exits_at_once(tmp_path):
       proc.wait()
   assert proc.returncode == cli_errors.EXIT_PREEMPTED, stderr
   assert "received SIGTERM before the first training step" in stderr, stderr
-  assert elapsed < 10, f"{elapsed:.1f} s from SIGTERM to exit"  # 0.06 s on a 2-core CPU
+  # 0.03-0.09 s on a 2-core CPU; the bound leaves room for a loaded machine, far below a compilation.
+  assert elapsed < 10, f"{elapsed:.1f} s from SIGTERM to exit"
   assert _records(workdir) == []  # no training step ran
   assert _steps(workdir) == []
   assert not (workdir / workdir_lock.LOCK_FILE).exists()
