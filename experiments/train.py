@@ -11,7 +11,9 @@ coordinator (JAX_COORDINATOR_ADDRESS) or a multi-task SLURM / Open MPI job.
 Exit status (`k3jax.train.cli_errors`): 0 finished (or nothing to do), 1 training
 failed (non-finite loss) or an unexpected exception, 2 a configuration or input
 error (one `error:` paragraph; `--traceback` or K3JAX_TRACEBACK=1 adds the
-traceback), 75 preempted: a signal stopped the run after a checkpoint was saved.
+traceback), 74 a write failed (full disk, I/O error): the run stopped at once and
+the same command resumes from the newest checkpoint, 75 preempted: a signal stopped
+the run after a checkpoint was saved, or at once before the first step.
 """
 import logging as pylogging
 import os
@@ -87,6 +89,16 @@ def _parse_flags(argv):
     _fail(_config_load_message(argv, e))
 
 
+class _OneLineErrors(pylogging.Filter):
+  """Drops the tracebacks of orbax's own error records (the failed save's background threads
+  log one each); the trainer's `error:` paragraph names the same cause once."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    if record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname:
+      record.exc_info, record.exc_text = None, None
+    return True
+
+
 def _multi_task_env() -> bool:
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return True
@@ -104,6 +116,8 @@ def main(argv):
     config.keys()  # a file that failed to load gives a stand-in that raises on first use
   except Exception as e:  # pylint: disable=broad-except
     _fail(_config_load_message(sys.argv, e))
+  if not cli_errors.traceback_requested(sys.argv):
+    logging.get_absl_handler().addFilter(_OneLineErrors())
   if not flags.FLAGS["verbosity"].present:
     # Library INFO (orbax's per-save lines) drowns the progress bar; keep k3jax's own INFO lines.
     logging.set_verbosity(logging.WARNING)
@@ -115,12 +129,15 @@ def main(argv):
   pylogging.getLogger("k3jax").info("JAX process %d of %d, devices: %s", jax.process_index(),
                                     jax.process_count(), jax.devices())
   try:
-    result = trainer.train_and_evaluate(config, _WORKDIR.value)
+    result = trainer.train_and_evaluate(config, _WORKDIR.value,
+                                        exit_on_early_signal=cli_errors.EXIT_PREEMPTED)
   except (cli_errors.InputError, CheckpointError) as e:
     # These name the field or the run directory, the cause and the fix; a traceback adds nothing.
     _fail(cli_errors.with_fix(str(e)))
   except trainer.NonFiniteLossError as e:
     _fail(str(e), cli_errors.EXIT_FAILED)
+  except cli_errors.SaveFailedError as e:
+    _fail(str(e), cli_errors.EXIT_SAVE_FAILED)
   print(report.summary(result), flush=True)
   return cli_errors.EXIT_PREEMPTED if result["interrupted"] else cli_errors.EXIT_FINISHED
 

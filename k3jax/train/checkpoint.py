@@ -1,5 +1,10 @@
 """Orbax checkpoints of the whole TrainState plus the data position, their checksums, and save-on-signal.
 
+A save that fails (a full disk, an I/O error; synchronous or asynchronous) raises
+`SaveFailedError` naming the step and the cause. Orbax commits a step by renaming
+its temporary directory, so a failed save leaves the committed steps as they were
+and deletes none of them.
+
 Every saved step directory holds `k3jax_checksums.json`: the size and SHA-256 of
 each file orbax wrote. Restoring verifies it first, so flipped, truncated or
 missing bytes are caught before any value reaches the model; the newest
@@ -20,8 +25,9 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from k3jax.parallel import stage_storage
+from k3jax.train.cli_errors import SaveFailedError, os_cause
 
 log = logging.getLogger(__name__)
 _STATE, _DATA = "state", "data"
@@ -226,7 +233,8 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = directory
     self.async_save = async_save
-    self._sealing: int | None = None  # the step whose asynchronous save is in flight
+    self._sealing: int | None = None  # the step whose checksums the asynchronous commit writes
+    self._in_flight: int | None = None  # the step of the save not yet known to have succeeded
     options = dict(max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
     if async_save:  # checksums go into the step's directory before orbax commits it
       options["async_options"] = ocp.AsyncOptions(post_finalization_callback=self._seal_pending)
@@ -251,28 +259,47 @@ class Checkpointer:
     if jax.process_index() != 0:
       return
     # While the asynchronous commit runs the files are still in the temporary directory;
-    # checksums written there are committed (renamed) together with them.
+    # checksums written there are committed (renamed) together with them. A failed write
+    # raises: in the asynchronous commit it keeps the step uncommitted, and either way the
+    # disk that refused it would refuse the next write too.
     staged = sorted(glob.glob(glob.escape(self._step_dir(step)) + _TMP_SUFFIX + "*"))
-    target = staged[0] if staged else self._step_dir(step)
-    try:
-      write_checksums(target)
-    except OSError as e:  # a missing record only makes the step unverified, never unreadable
-      log.warning("could not record checksums of checkpoint step %d in %s: %s", step, target, e)
+    write_checksums(staged[0] if staged else self._step_dir(step))
 
   def _seal_pending(self) -> None:
     if self._sealing is not None:
       self._seal(self._sealing)
       self._sealing = None
 
+  def _failed(self, step: int | None, e: Exception) -> SaveFailedError:
+    what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+    return SaveFailedError(f"could not save {what} in {self.directory}: {os_cause(e)}")
+
   def save(self, step: int, state: Any, data_state: dict[str, Any]) -> None:
-    """Saves (asynchronously) the state and the data-iterator position under `step`, with checksums."""
-    self.manager.wait_until_finished()  # one save in flight: `_sealing` names it
+    """Saves (asynchronously) the state and the data-iterator position under `step`, with checksums.
+
+    Raises:
+      SaveFailedError: this save failed (synchronous), or the previous asynchronous one did.
+    """
+    self.wait()  # one save in flight: `_sealing` names it
     self._sealing = step if self.async_save else None
-    self.manager.save(step, args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardSave(to_nested_dict(state)), _DATA: ocp.args.JsonSave(data_state)}),
-        force=True)
+    self._in_flight = step
+    try:
+      self.manager.save(step, args=ocp.args.Composite(
+          **{_STATE: ocp.args.StandardSave(to_nested_dict(state)), _DATA: ocp.args.JsonSave(data_state)}),
+          force=True)
+      if not self.async_save:
+        self._seal(step)
+    except Exception as e:  # orbax and tensorstore raise many types for one failed write
+      self._in_flight = None
+      raise self._failed(step, e) from e
     if not self.async_save:
-      self._seal(step)
+      self._in_flight = None
+
+  def check(self) -> None:
+    """Raises `SaveFailedError` when the asynchronous save has finished and failed; never waits
+    for one still in flight (the training loop calls it before every step)."""
+    if self._in_flight is not None and not self.manager.is_saving_in_progress():
+      self.wait()
 
   def _restore_step(self, template: Any, step: int) -> tuple[Any, dict[str, Any], bool]:
     verified = verify_checksums(self._step_dir(step))
@@ -364,12 +391,28 @@ class Checkpointer:
     self.manager.reload()
 
   def wait(self) -> None:
-    """Blocks until pending asynchronous saves are on disk."""
-    self.manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are on disk.
+
+    Raises:
+      SaveFailedError: the pending save failed.
+    """
+    step, self._in_flight = self._in_flight, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # orbax re-raises the background thread's error here
+      raise self._failed(step, e) from e
 
   def close(self) -> None:
-    """Finishes pending saves and releases the manager."""
-    self.manager.wait_until_finished()
+    """Finishes pending saves and releases the manager (also when the pending save failed,
+    which it then raises as `SaveFailedError`)."""
+    try:
+      self.wait()
+    except SaveFailedError:
+      try:
+        self.manager.close()
+      except Exception as e:  # pylint: disable=broad-except  # the failure being raised says more
+        log.warning("closing the checkpoint manager of %s after a failed save: %s", self.directory, _short(e))
+      raise
     self.manager.close()
 
 
@@ -378,12 +421,30 @@ class SignalGuard:
 
   A second signal of the same kind while a save is pending is left to the previous
   handler (for example, a second Ctrl-C interrupts at once).
+
+  With `exit_status`, a signal that arrives before `ready()` (before the first training
+  step has been compiled and dispatched: nothing new to save) ends the process within
+  moments with that status, after `before_exit` (the lock's release). Python runs signal
+  handlers in the main thread between bytecodes, so a handler cannot act while the main
+  thread waits in XLA's compiler, one C++ call that can take minutes. CPython's C-level
+  handler does write the signal's number to the wakeup fd (`signal.set_wakeup_fd`) at once,
+  whatever the main thread is doing, and the compiler releases the GIL: a watchdog thread
+  blocked on that pipe wakes and ends the process with `os._exit`. That skips Python's
+  clean-up as a SIGKILL would, which the run directory is written to survive at any point
+  (config.json replaced atomically, torn metric lines set aside, a stale lock taken over).
   """
 
-  def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+  def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT), *,
+               exit_status: int | None = None, before_exit: Callable[[], None] | None = None):
     self.signals = signals
     self.received: int | None = None
     self._previous: dict[int, Any] = {}
+    self.exit_status, self.before_exit = exit_status, before_exit
+    self._early = threading.Lock()  # held while the watchdog decides, so `ready()` cannot interleave
+    self._armed = False
+    self._pipe: tuple[int, int] | None = None
+    self._previous_fd = -1
+    self._watchdog: threading.Thread | None = None
 
   def _handle(self, signum, frame):
     del frame
@@ -395,16 +456,63 @@ class SignalGuard:
         signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         os.kill(os.getpid(), signum)
       return
-    log.warning("received signal %d: saving a checkpoint before exit", signum)
+    if not self._armed:  # armed, the watchdog ends the process and says so
+      log.warning("received signal %d: saving a checkpoint before exit", signum)
     self.received = signum
+
+  def ready(self) -> None:
+    """The first step is under way: from now on a signal stops the loop after a save."""
+    with self._early:
+      self._armed = False
+
+  def _watch(self, read_fd: int) -> None:
+    while data := os.read(read_fd, 64):  # empty: the write end was closed by `__exit__`
+      for signum in data:
+        if signum in self.signals:
+          with self._early:
+            if self._armed:
+              self._exit_now(signum)
+
+  def _exit_now(self, signum: int) -> None:
+    log.warning("received %s before the first training step: nothing new to save, exiting now with "
+                "status %d; the same command starts again from the newest checkpoint (or from step 0)",
+                signal.Signals(signum).name, self.exit_status)
+    if self.before_exit is not None:
+      self.before_exit()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(self.exit_status)
+
+  def _start_watchdog(self) -> None:
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)  # the C handler must never block on a full pipe
+    self._pipe = (read_fd, write_fd)
+    self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    self._armed = True
+    self._watchdog = threading.Thread(target=self._watch, args=(read_fd,), name="signal_watchdog",
+                                      daemon=True)
+    self._watchdog.start()
+
+  def _stop_watchdog(self) -> None:
+    signal.set_wakeup_fd(self._previous_fd)
+    read_fd, write_fd = self._pipe
+    os.close(write_fd)
+    self._watchdog.join()
+    os.close(read_fd)
+    self._pipe = self._watchdog = None
 
   def __enter__(self) -> "SignalGuard":
     if threading.current_thread() is threading.main_thread():
       for s in self.signals:
         self._previous[s] = signal.signal(s, self._handle)
+      if self.exit_status is not None:
+        self._start_watchdog()
     return self
 
   def __exit__(self, *exc) -> None:
+    self.ready()
+    if self._pipe is not None:
+      self._stop_watchdog()
     for s, previous in self._previous.items():
       signal.signal(s, previous)
     self._previous.clear()

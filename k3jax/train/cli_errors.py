@@ -5,10 +5,13 @@ code: a bad value, an unknown or misplaced field, a missing file, a run
 directory that is in use or was written under another config. Such errors are
 `InputError`s; the binary prints their message as one `error:` paragraph and
 exits with `EXIT_INPUT_ERROR`, without a traceback unless `--traceback` or
-`K3JAX_TRACEBACK=1` asks for it. Nothing here imports JAX.
+`K3JAX_TRACEBACK=1` asks for it. A write that fails while the run trains (a
+full disk, an I/O error) is a `SaveFailedError`: one paragraph too, with
+`EXIT_SAVE_FAILED`. Nothing here imports JAX.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -18,16 +21,41 @@ from typing import Mapping, NoReturn, Sequence
 EXIT_FINISHED = 0     # the run reached num_steps (or already had: nothing to do)
 EXIT_FAILED = 1       # training failed (non-finite loss) or an unexpected exception (with its traceback)
 EXIT_INPUT_ERROR = 2  # configuration or input error: nothing was trained, the run directory is unchanged
-EXIT_PREEMPTED = 75   # stopped by SIGTERM/SIGINT after saving a checkpoint; the same command resumes (EX_TEMPFAIL)
+EXIT_SAVE_FAILED = 74  # a checkpoint, metrics or run-directory write failed (disk full, I/O error): the run
+#                        stopped at once; the newest intact checkpoint is kept and the same command resumes (EX_IOERR)
+EXIT_PREEMPTED = 75   # stopped by SIGTERM/SIGINT (after saving a checkpoint, or before the first step, when
+#                      there is nothing new to save); the same command resumes (EX_TEMPFAIL)
 
 TRACEBACK_FLAG = "--traceback"
 TRACEBACK_ENV = "K3JAX_TRACEBACK"
 # "config model.g_min=-50.0 ..." names the field that a fix sentence points at.
 _FIELD = re.compile(r"^config ([A-Za-z_][\w.]*)=")
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 
 class InputError(ValueError):
   """A configuration or input error; the message names the field, the value, the limit and the fix."""
+
+
+class SaveFailedError(RuntimeError):
+  """A write to the run directory failed while the run trained; the message names the file, the
+  cause, the newest checkpoint kept and the fix."""
+
+
+def os_cause(e: BaseException) -> str:
+  """The operating system's reason in an exception, e.g. `No space left on device (ENOSPC)`.
+
+  Reads `OSError.errno`, or the `os_error_code='28'` that tensorstore (orbax's writer) puts in
+  its messages; falls back to the exception's type and first line.
+  """
+  code = e.errno if isinstance(e, OSError) and e.errno else None
+  if code is None:
+    match = _OS_ERROR_CODE.search(str(e))
+    code = int(match.group(1)) if match else None
+  if code is not None:
+    return f"{os.strerror(code)} ({errno.errorcode.get(code, code)})"
+  lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+  return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
 
 
 def traceback_requested(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> bool:

@@ -64,6 +64,8 @@ class MetricWriter:
   The writer appends. The trainer first calls `drop_superseded` on resume, so
   that each (split, step) has one record; `purge_step` tells TensorBoard to
   drop its events from that step on. Pass `enabled=False` on non-zero processes.
+  A failed write raises OSError, TensorBoard's too (at the next `write`: its
+  events are written by a background thread).
   """
 
   def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
@@ -72,6 +74,7 @@ class MetricWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._jsonl = None
     self._tb = None
+    self._tb_errors = None
     if not enabled:
       return
     os.makedirs(workdir, exist_ok=True)
@@ -85,11 +88,14 @@ class MetricWriter:
         logging.warning("tensorboardX is not installed: metrics go to %s only", self.path)
       else:
         self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=purge_step)
+        self._tb_errors = _keep_worker_errors(self._tb)
 
   def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
     """Writes one record; non-finite numbers are written as null in JSON and skipped in TensorBoard."""
     if not self.enabled:
       return
+    if self._tb_errors is not None and self._tb_errors.error is not None:
+      raise self._tb_errors.error
     record: dict[str, Any] = {"step": int(step), "split": split}
     for k, v in sorted(metrics.items()):
       f = _to_float(v)
@@ -109,6 +115,44 @@ class MetricWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+class _KeptErrors:
+  """Stands in for tensorboardX's event file in its writer thread: keeps the first OSError of a
+  write instead of letting it end the thread. A dead thread leaves its bounded queue full, and
+  the next `add_scalar` would then block forever (a full disk hung the trainer so); kept, the
+  error is raised by the next `MetricWriter.write`."""
+
+  def __init__(self, events):
+    self.events = events
+    self.error: OSError | None = None
+
+  def write_event(self, event) -> None:
+    if self.error is None:
+      try:
+        self.events.write_event(event)
+      except OSError as e:
+        self.error = e
+
+  def flush(self) -> None:
+    if self.error is None:
+      try:
+        self.events.flush()
+      except OSError as e:
+        self.error = e
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self.events, name)
+
+
+def _keep_worker_errors(tb) -> _KeptErrors | None:
+  """Wraps the event file of a SummaryWriter's writer thread in `_KeptErrors` (None where this
+  tensorboardX has no such thread)."""
+  worker = getattr(getattr(getattr(tb, "file_writer", None), "event_writer", None), "_worker", None)
+  if worker is None or not hasattr(worker, "_record_writer"):
+    return None
+  worker._record_writer = _KeptErrors(worker._record_writer)  # pylint: disable=protected-access
+  return worker._record_writer  # pylint: disable=protected-access
 
 
 def _ends_mid_line(path: str) -> bool:

@@ -37,7 +37,7 @@ from k3jax.train import run_config
 from k3jax.train import sharded_state
 from k3jax.train import workdir_lock
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
-from k3jax.train.cli_errors import InputError
+from k3jax.train.cli_errors import InputError, SaveFailedError, os_cause
 from k3jax.train.config_schema import ConfigError, parallel_config
 from k3jax.train.metrics import MetricWriter, drop_superseded
 from k3jax.train.optimizer import make_optimizer
@@ -193,7 +193,8 @@ def _non_finite_message(step: int, host: dict, start: int, restored, last: int |
 def train_and_evaluate(config: Any, workdir: str, *,
                        model_fn: Callable[[nnx.Rngs], nnx.Module] | None = None,
                        flops_per_token: float | None = None,
-                       hooks: Sequence[Hook] = ()) -> dict[str, Any]:
+                       hooks: Sequence[Hook] = (),
+                       exit_on_early_signal: int | None = None) -> dict[str, Any]:
   """Trains `config` in `workdir`, resuming from its latest checkpoint if there is one.
 
   Writes `config.json`, `metrics.jsonl`, TensorBoard events under `tb/` and orbax
@@ -202,13 +203,20 @@ def train_and_evaluate(config: Any, workdir: str, *,
 
   Nothing is written to `workdir` before the config, the data and (when
   resuming) the saved `config.json` have been checked: see `run_config` for the
-  fields that may change on resume. Then process 0 holds `workdir`'s lock
-  (`workdir_lock`) until it returns; a live trainer's lock is refused at once.
-  Resuming restores the newest checkpoint whose checksums match; newer damaged
-  ones are moved to `checkpoints.rejected/`. A checkpoint past `num_steps` is
-  refused (`PastNumStepsError`); one at `num_steps` returns at once
-  (`nothing_to_do`), neither changing anything. The metric records past the
-  restored step are superseded (`metrics.drop_superseded`).
+  fields that may change on resume. Resuming restores the newest checkpoint
+  whose checksums match, still without writing: a checkpoint past `num_steps`
+  is refused (`PastNumStepsError`); one at `num_steps` returns at once
+  (`nothing_to_do`), neither changing anything, so both work on read-only
+  media. Otherwise process 0 then holds `workdir`'s lock (`workdir_lock`)
+  until it returns; a live trainer's lock is refused at once, a directory that
+  cannot be written too (`WorkdirNotWritableError`). Newer damaged checkpoints
+  are moved to `checkpoints.rejected/`. The metric records past the restored
+  step are superseded (`metrics.drop_superseded`).
+
+  A write that fails (a checkpoint, synchronous or asynchronous, a metric
+  record, config.json) raises `SaveFailedError` at once: the loop checks the
+  asynchronous save before every step, so no step begins once its failure is
+  known. The committed checkpoints stay as they were.
 
   Args:
     config: the full ConfigDict (validated here before anything is computed).
@@ -219,10 +227,17 @@ def train_and_evaluate(config: Any, workdir: str, *,
     flops_per_token: training FLOPs per token for MFU when `model_fn` is given.
     hooks: callables `hook(step, host_metrics)` run after every step (forces a
       host sync per step; meant for tests and notebooks).
+    exit_on_early_signal: for a process of its own (the binary): a SIGTERM/SIGINT that
+      arrives before the first step is under way (while the data load or the steps
+      compile) ends the process within moments with this status, saving nothing
+      (`SignalGuard`). None: such a signal stops the loop after the first step, which
+      is saved.
 
   Raises:
     InputError: a configuration or input error (ConfigError, ConfigMismatchError,
-      WorkdirLockedError, PastNumStepsError); nothing was trained or changed.
+      WorkdirLockedError, WorkdirNotWritableError, PastNumStepsError); nothing was
+      trained or changed.
+    SaveFailedError: a write to `workdir` failed; the message names the newest checkpoint.
 
   Returns:
     {"step", "num_steps", "interrupted", "signal": the stopping signal's name (or None),
@@ -236,8 +251,12 @@ def train_and_evaluate(config: Any, workdir: str, *,
   if is_main:  # a second trainer refuses before it spends time on data and compilation
     workdir_lock.check_free(workdir)
   lock = workdir_lock.WorkdirLock(workdir) if is_main else None
+  guard = None
+  if exit_on_early_signal is not None:
+    guard = SignalGuard(exit_status=exit_on_early_signal, before_exit=lock.release if lock else None)
   try:
-    return _train_and_evaluate(config, workdir, lock, model_fn, flops_per_token, hooks)
+    with guard or contextlib.nullcontext():
+      return _train_and_evaluate(config, workdir, lock, guard, model_fn, flops_per_token, hooks)
   finally:
     if lock is not None:
       lock.release()
@@ -463,46 +482,105 @@ def _nothing_to_do(run: _Build, step: int) -> dict[str, Any]:
           "skipped_checkpoints": [], "step": step}
 
 
+@contextlib.contextmanager
+def _writing(what: str, workdir: str):
+  """Re-raises an OSError of a write before training as a `SaveFailedError` naming the file."""
+  try:
+    yield
+  except OSError as e:
+    raise SaveFailedError(f"could not write {what} in {workdir} ({os_cause(e)}); nothing was trained. "
+                          f"Free space where {workdir} lives (df -h {workdir}) and run the same "
+                          "command again.") from e
+
+
+def _checkpointer(run: _Build) -> Checkpointer:
+  with _writing("the checkpoint directory", run.workdir):  # orbax creates it
+    return Checkpointer(run.ckpt_dir, max_to_keep=run.config.keep_checkpoints,
+                        async_save=run.config.async_checkpoints)
+
+
+def _restore_before_lock(run: _Build) -> tuple[Checkpointer | None, Any, list[int]]:
+  """(checkpointer, restored, the steps it saw) of a resumed run, read before the lock is
+  taken, so that a finished run answers `nothing to do` even on read-only media."""
+  if not run.resuming:
+    return None, None, []
+  ckpt = _checkpointer(run)
+  seen = ckpt.all_steps()
+  return ckpt, _restore(run, ckpt), seen
+
+
+def _prepare_workdir(run: _Build, start: int, restored) -> None:
+  """Process 0's writes before the loop: config.json, the tokenizer's copy, superseded records."""
+  workdir = run.workdir
+  with _writing("config.json and the tokenizer's copy", workdir):
+    run_config.write_config(workdir, run.config)
+    if run.tokenizer is not None:  # generation and evaluation read the run's own copy
+      run.tokenizer.save_to(workdir)
+  with _writing("metrics.jsonl", workdir):
+    dropped = drop_superseded(workdir, start if restored is not None else -1)
+  if dropped:
+    log.info("metrics.jsonl: moved %d record(s) past step %d, which this run redoes, to %s", dropped,
+             start, os.path.join(workdir, "metrics.superseded.jsonl"))
+
+
 def _train_and_evaluate(config: Any, workdir: str, lock: workdir_lock.WorkdirLock | None,
-                        model_fn: Callable[[nnx.Rngs], nnx.Module] | None,
+                        guard: SignalGuard | None, model_fn: Callable[[nnx.Rngs], nnx.Module] | None,
                         flops_per_token: float | None, hooks: Sequence[Hook]) -> dict[str, Any]:
   """`train_and_evaluate` once `lock` (process 0's, not yet taken) is known: build, restore,
   loop (with its evaluations and saves)."""
   run = _build(config, workdir, model_fn, flops_per_token)
-  # Every check has passed: from here on the run directory is written, under its lock.
-  _lock_all_processes(lock, workdir, run.nproc)
-  ckpt = Checkpointer(run.ckpt_dir, max_to_keep=config.keep_checkpoints, async_save=config.async_checkpoints)
-  restored = _restore(run, ckpt)
+  ckpt, restored, seen = _restore_before_lock(run)
   if restored is not None and restored.step == config.num_steps and not restored.skipped:
     ckpt.close()
     log.info("the run in %s is already at step %d = num_steps: nothing to do", workdir, restored.step)
     return _nothing_to_do(run, restored.step)
+  # Every check has passed: from here on the run directory is written, under its lock.
+  try:
+    _lock_all_processes(lock, workdir, run.nproc)
+  except BaseException:
+    if ckpt is not None:
+      ckpt.close()
+    raise
+  if ckpt is None:
+    ckpt = _checkpointer(run)
+  else:
+    ckpt.reload()
+    changed = ckpt.all_steps() != seen  # another trainer saved between the restore and the lock
+    if run.nproc > 1:  # every process restores again, or none: the restore has collectives
+      changed = bool(np.any(multihost_utils.process_allgather(np.array(changed))))
+    if changed:
+      restored = _restore(run, ckpt)
   state = _initial_state(run, ckpt, restored)
   start = int(state.step)
   if int(run.data_it.position) != start:
     ckpt.close()
     raise ValueError(f"checkpoint mismatch: state step {start}, data position {run.data_it.position}")
   if jax.process_index() == 0:
-    run_config.write_config(workdir, run.config)
-    if run.tokenizer is not None:  # generation and evaluation read the run's own copy
-      run.tokenizer.save_to(workdir)
-    dropped = drop_superseded(workdir, start if restored is not None else -1)
-    if dropped:
-      log.info("metrics.jsonl: moved %d record(s) past step %d, which this run redoes, to %s", dropped,
-               start, os.path.join(workdir, "metrics.superseded.jsonl"))
-  return _TrainLoop(run, ckpt, restored, state, hooks).run()
+    try:
+      _prepare_workdir(run, start, restored)
+    except SaveFailedError:
+      ckpt.close()
+      raise
+  return _TrainLoop(run, ckpt, restored, state, hooks, guard).run()
 
 
 class _TrainLoop:
   """The loop stage: steps, metric records, evaluations and checkpoint saves of one invocation."""
 
-  def __init__(self, run: _Build, ckpt: Checkpointer, restored, state, hooks: Sequence[Hook]):
+  def __init__(self, run: _Build, ckpt: Checkpointer, restored, state, hooks: Sequence[Hook],
+               guard: SignalGuard | None):
     config = run.config
     self.built, self.ckpt, self.restored, self.state, self.hooks = run, ckpt, restored, state, hooks
+    self.guard = guard
     self.start = int(state.step)
     self.is_main = jax.process_index() == 0
-    self.writer = MetricWriter(run.workdir, enabled=self.is_main,
-                               purge_step=self.start + 1 if restored is not None else 0)
+    try:
+      with self._writes("the metric records (metrics.jsonl, tb/)"):
+        self.writer = MetricWriter(run.workdir, enabled=self.is_main,
+                                   purge_step=self.start + 1 if restored is not None else 0)
+    except SaveFailedError as e:
+      ckpt.close()
+      raise SaveFailedError(self._stopped(e, self.start)) from e.__cause__
     self.bar_enabled = self.is_main and config.progress_bar and tqdm is not None
     self.log_lines = self.is_main and not self.bar_enabled  # without a bar, step lines go to the log
     self.peak = peak_flops_per_device(config)
@@ -521,6 +599,24 @@ class _TrainLoop:
         "num_steps": config.num_steps, "resumed_from": restored.step if restored else None,
         "skipped_checkpoints": restored.skipped if restored else []}
 
+  @contextlib.contextmanager
+  def _writes(self, what: str):
+    """Re-raises an OSError of a write in the run directory as a `SaveFailedError` naming the file."""
+    try:
+      yield
+    except OSError as e:
+      raise SaveFailedError(f"could not write {what} in {self.built.workdir}: {os_cause(e)}") from e
+
+  def _stopped(self, e: SaveFailedError, step: int) -> str:
+    """A failed write's message, completed with where the run stopped and how to go on."""
+    steps = saved_steps(self.ckpt.directory)
+    kept = (f"The newest checkpoint kept is step {steps[-1]} in {self.ckpt.directory}; running the same "
+            "command again resumes from it" if steps else
+            f"No checkpoint was saved in {self.ckpt.directory}; running the same command again starts over")
+    return (f"{e}. The run stopped after step {step}: writes are checked before every step, so no step "
+            f"began once the failure was known. {kept}, once there is room: free space where "
+            f"{self.built.workdir} lives (df -h {self.built.workdir}) or give the run a larger disk.")
+
   def evaluate(self, step: int) -> dict[str, float]:
     """The evaluate stage: held-out metrics of the current state, written and logged."""
     run = self.built
@@ -534,7 +630,8 @@ class _TrainLoop:
     nats = float(host["nll_sum"]) / count
     record = {"loss": nats, "accuracy": float(host["correct_sum"]) / count,
               **run.dataset.metrics_from_loss(nats)}
-    self.writer.write(step, "eval", record)
+    with self._writes("the metric records (metrics.jsonl, tb/)"):
+      self.writer.write(step, "eval", record)
     self.result["evals"].append((step, record))
     self.result["eval"], self.result["eval_step"] = record, step
     if self.is_main:
@@ -560,7 +657,8 @@ class _TrainLoop:
         if self.built.flops_per_token and self.peak:
           host["mfu"] = self.built.flops_per_token * tps / (self.peak * self.built.ndev)
       self.interval_step, self.interval_start, self.warm = step, now, True
-      self.writer.write(step, "train", host)
+      with self._writes("the metric records (metrics.jsonl, tb/)"):
+        self.writer.write(step, "train", host)
       self.bar.set_postfix(loss=f"{host['loss']:.3f}", refresh=False)
       if self.log_lines:
         log.info(report.step_line(step, self.built.config.num_steps, host))
@@ -577,9 +675,50 @@ class _TrainLoop:
       flag = bool(np.any(multihost_utils.process_allgather(np.array(flag))))
     return flag
 
+  def _close(self, failing: bool) -> None:
+    """Closes the bar, the metric writer, the checkpointer (finishing a pending save) and the
+    data iterator, each even when one before it fails. The first failure is raised, unless
+    the loop is failing already: the error under way says more, and these are logged."""
+    first = None
+    for name, close in (("progress bar", self.bar.close), ("metric writer", self._close_writer),
+                        ("checkpointer", self.ckpt.close), ("data iterator", self.built.data_it.close)):
+      try:
+        close()
+      except Exception as e:  # pylint: disable=broad-except
+        if failing:
+          log.warning("closing the %s failed too (%s)", name, e)
+        elif first is None:
+          first = e
+    if first is not None:
+      raise first
+
+  def _close_writer(self) -> None:
+    with self._writes("the metric records (metrics.jsonl, tb/)"):
+      self.writer.close()
+
   def run(self) -> dict[str, Any]:
     """Evaluates step 0 of a fresh run, then trains to num_steps or to a stopping signal."""
+    step = self.start
+    try:
+      step = self._loop()
+    except SaveFailedError as e:
+      self._close(failing=True)
+      raise SaveFailedError(self._stopped(e, self.result["step"])) from e.__cause__
+    except BaseException:
+      self._close(failing=True)
+      raise
+    try:
+      self._close(failing=False)
+    except SaveFailedError as e:  # the last save, finished here
+      raise SaveFailedError(self._stopped(e, step)) from e.__cause__
+    self.result["step"] = step
+    return self.result
+
+  def _loop(self) -> int:
+    """The steps, with their evaluations and saves; returns the last step run. `result["step"]`
+    follows the last step that finished."""
     built, config, result = self.built, self.built.config, self.result
+    result["step"] = self.start
     if self.start == 0:
       result["first_eval"] = self.evaluate(0)
     if tqdm is None and self.is_main and config.progress_bar:
@@ -588,56 +727,52 @@ class _TrainLoop:
       log.info("compiling the training step (the first step takes longer than the rest)")
     self.interval_start = time.perf_counter()
     step, pending = self.start, None
-    try:
-      with SignalGuard() as guard:
-        while step < config.num_steps:
-          batch = built.put(next(built.data_it))
-          with built.on_mesh():
-            self.state, metrics = built.train_step(self.state, batch)
-          step += 1
-          if step == self.start + 1:
-            # The bar starts once the first step is compiled, so its first estimate is the step time's.
-            self.bar = self._open_bar(step)
-          else:
-            self.bar.update(1)
-          if pending is not None:  # check the previous step while this one runs
-            self.flush(*pending, write=False)
-            pending = None
-          last = step == config.num_steps
-          do_eval = last or (config.eval_every and step % config.eval_every == 0)
-          do_ckpt = last or (config.checkpoint_every and step % config.checkpoint_every == 0)
-          do_log = last or step % config.log_every == 0
-          if do_eval or do_ckpt or do_log or self.hooks or guard.received is not None:
-            result["train"] = host = self.flush(step, metrics, write=do_log)
-            for hook in self.hooks:
-              hook(step, host)
-            stopping = self._stop_requested(guard) if (built.nproc == 1 or do_log) else False
-            paused = time.perf_counter()
-            if do_eval:
-              self.evaluate(step)
-              metric = built.dataset.eval_metric
-              self.bar.set_postfix(loss=f"{host['loss']:.3f}",
-                                   **{"eval_" + metric: f"{result['eval'][metric]:.3f}"})
-            if do_ckpt or stopping:
-              self.save(step)
-            self.interval_start += time.perf_counter() - paused  # tokens/s counts training time only
-            if stopping:
-              result["interrupted"] = True
-              if guard.received is not None:
-                result["signal"] = signal.Signals(guard.received).name
-              log.warning("stopping at step %d after a signal; checkpoint saved", step)
-              break
-          else:
-            pending = (step, metrics)
-        if pending is not None:
-          result["train"] = self.flush(*pending, write=False)
-    finally:
-      self.bar.close()
-      self.writer.close()
-      self.ckpt.close()
-      built.data_it.close()
-    result["step"] = step
-    return result
+    with contextlib.nullcontext(self.guard) if self.guard else SignalGuard() as guard:
+      while step < config.num_steps:
+        self.ckpt.check()  # an asynchronous save that failed stops the run before another step
+        batch = built.put(next(built.data_it))
+        with built.on_mesh():
+          self.state, metrics = built.train_step(self.state, batch)
+        guard.ready()  # compiled and dispatched: a signal now stops after saving this step
+        step += 1
+        result["step"] = step
+        if step == self.start + 1:
+          # The bar starts once the first step is compiled, so its first estimate is the step time's.
+          self.bar = self._open_bar(step)
+        else:
+          self.bar.update(1)
+        if pending is not None:  # check the previous step while this one runs
+          self.flush(*pending, write=False)
+          pending = None
+        last = step == config.num_steps
+        do_eval = last or (config.eval_every and step % config.eval_every == 0)
+        do_ckpt = last or (config.checkpoint_every and step % config.checkpoint_every == 0)
+        do_log = last or step % config.log_every == 0
+        if do_eval or do_ckpt or do_log or self.hooks or guard.received is not None:
+          result["train"] = host = self.flush(step, metrics, write=do_log)
+          for hook in self.hooks:
+            hook(step, host)
+          stopping = self._stop_requested(guard) if (built.nproc == 1 or do_log) else False
+          paused = time.perf_counter()
+          if do_eval:
+            self.evaluate(step)
+            metric = built.dataset.eval_metric
+            self.bar.set_postfix(loss=f"{host['loss']:.3f}",
+                                 **{"eval_" + metric: f"{result['eval'][metric]:.3f}"})
+          if do_ckpt or stopping:
+            self.save(step)
+          self.interval_start += time.perf_counter() - paused  # tokens/s counts training time only
+          if stopping:
+            result["interrupted"] = True
+            if guard.received is not None:
+              result["signal"] = signal.Signals(guard.received).name
+            log.warning("stopping at step %d after a signal; checkpoint saved", step)
+            break
+        else:
+          pending = (step, metrics)
+      if pending is not None:
+        result["train"] = self.flush(*pending, write=False)
+    return step
 
 
 def _set_aside(ckpt: Checkpointer, steps: list[int], nproc: int) -> None:

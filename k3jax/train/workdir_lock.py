@@ -3,7 +3,9 @@
 The file records its owner (pid, host, start time, command line) so that a
 refused trainer can name it. The kernel drops an `flock` when its process
 ends, however it ends, so a lock file left by a killed trainer is stale by
-construction: the next trainer takes it over and logs whose it was. Readers
+construction: the next trainer takes it over and logs whose it was. A run
+directory that cannot be written (read-only media, no permission) is refused
+with `WorkdirNotWritableError`, a full disk with `SaveFailedError`. Readers
 (`experiments/generate.py`, `metrics.read_jsonl`, notebooks) take no lock.
 Nothing here imports JAX.
 """
@@ -19,15 +21,20 @@ import socket
 import sys
 from typing import Any
 
-from k3jax.train.cli_errors import InputError
+from k3jax.train.cli_errors import InputError, SaveFailedError, os_cause
 
 log = logging.getLogger(__name__)
 LOCK_FILE = "train.lock"
 _ATTEMPTS = 5  # a lock file replaced between open() and flock() is opened again
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 class WorkdirLockedError(InputError):
   """Another live trainer holds the run directory's lock."""
+
+
+class WorkdirNotWritableError(InputError):
+  """The run directory cannot be written (read-only file system, no permission); nothing was written."""
 
 
 def lock_path(workdir: str) -> str:
@@ -109,7 +116,15 @@ class WorkdirLock:
 
     Raises:
       WorkdirLockedError: a live process holds it; the message names that process.
+      WorkdirNotWritableError: the directory cannot be written (read-only media, permissions).
+      SaveFailedError: another write failure (a full disk).
     """
+    try:
+      return self._acquire()
+    except OSError as e:
+      raise _write_error(self.workdir, self.path, e) from e
+
+  def _acquire(self) -> "WorkdirLock":
     os.makedirs(self.workdir, exist_ok=True)
     for _ in range(_ATTEMPTS):
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -152,3 +167,17 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def _write_error(workdir: str, path: str, e: OSError) -> Exception:
+  """The error for a lock file that could not be created or written, naming the directory and the fix."""
+  if e.errno in _NOT_WRITABLE:
+    copy = (f" (to continue this run, copy it there first: cp -a {workdir} NEW_DIR)"
+            if os.path.isdir(workdir) and os.listdir(workdir) else "")
+    return WorkdirNotWritableError(
+        f"the run directory {workdir} cannot be written: {os_cause(e)}. The trainer writes its lock "
+        f"{LOCK_FILE}, config.json, metrics and checkpoints there, so it changed nothing and stopped. "
+        f"Give a writable --workdir{copy}, or make the directory writable (remount it read-write, or "
+        "fix its permissions).")
+  return SaveFailedError(f"could not write the lock file {path} ({os_cause(e)}); nothing was trained. Free "
+                         f"space where {workdir} lives (df -h {workdir}) and run the same command again.")
