@@ -138,3 +138,51 @@ def test_sanitize_keeps_valid_cu_seqlens():
   cu = jnp.asarray([0, 0, 7, 40], jnp.int32)
   np.testing.assert_array_equal(np.asarray(inputs.sanitize_cu_seqlens(cu, 40)),
                                 np.asarray(cu))
+
+
+def _nan_gates(g):
+  return g.at[0, 5, 1, 3].set(jnp.nan)
+
+
+BAD_BETA = {"above_one": 5.0, "negative": -0.5, "nan": jnp.nan}
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "naive"])
+def test_concrete_nan_gates_raise(impl):
+  x = _inputs(37)
+  with pytest.raises(ValueError, match="g has 1 NaN entries"):
+    _fn(impl)(x.q, x.k, x.v, _nan_gates(x.g), x.beta)
+
+
+def test_concrete_nan_gate_preactivation_raises():
+  x = _inputs(38)
+  with pytest.raises(ValueError, match="pre-activation\\) has 1 NaN"):
+    _fn("xla", gate_activation="bounded_sigmoid")(x.q, x.k, x.v, _nan_gates(x.g), x.beta)
+
+
+@pytest.mark.parametrize("impl", ["xla", "naive"])
+@pytest.mark.parametrize("name", sorted(BAD_BETA))
+def test_concrete_bad_beta_raises(impl, name):
+  x = _inputs(39)
+  beta = x.beta.at[0, 7, 0].set(BAD_BETA[name])
+  with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
+    _fn(impl)(x.q, x.k, x.v, x.g, beta)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_checked_mode_catches_nan_gates_and_bad_beta(impl):
+  """Under jit with checked=True both raise through checkify; unchecked, the NaN spreads."""
+  x = _inputs(40)
+  run = lambda g, beta: _fn(impl, checked=True)(x.q, x.k, x.v, g, beta)[0]
+  fn = checkify.checkify(jax.jit(run))
+  err, _ = fn(_nan_gates(x.g), x.beta)
+  with pytest.raises(checkify.JaxRuntimeError, match="NaN entries"):
+    err.throw()
+  err, _ = fn(x.g, x.beta.at[0, 7, 0].set(5.0))
+  with pytest.raises(checkify.JaxRuntimeError, match=r"beta must lie in \[0, 1\]"):
+    err.throw()
+  err, o = fn(x.g, x.beta)
+  err.throw()
+  assert np.all(np.isfinite(np.asarray(o)))
+  o_unchecked = jax.jit(lambda g: _fn(impl)(x.q, x.k, x.v, g, x.beta)[0])(_nan_gates(x.g))
+  assert np.isnan(np.asarray(o_unchecked)).any()  # what the docstring says of unchecked calls

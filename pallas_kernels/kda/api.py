@@ -35,10 +35,12 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     g: [B, T, HV, K] or [B, T, HV] log-decay, every entry in [lower_bound, 0]
       (dense diagonal) or <= 0 (pairwise, naive); with gate_activation, the
       gate's pre-activation (any float dtype). Concrete log-decays outside
-      that range raise ValueError; traced ones raise only with `checked`,
-      and by default the dense path (xla and pallas) clamps g into
-      [lower_bound, 0] (gradient 0 outside the range).
-    beta: [B, T, HV] write strength in [0, 1].
+      that range, or NaN, raise ValueError; traced ones raise only with
+      `checked`, and by default the dense path (xla and pallas) clamps g into
+      [lower_bound, 0] (gradient 0 outside the range); a NaN passes the
+      clamp (see "Non-finite inputs").
+    beta: [B, T, HV] write strength in [0, 1]: a concrete beta outside it (or
+      NaN) raises ValueError, a traced one only with `checked`.
     spec: the tiling and implementation (`KdaSpec`, validated when built).
     implementation, spec_fields: without `spec`, KdaSpec's fields
       (chunk_size, sub_chunk, diagonal, lower_bound, implementation) as
@@ -58,14 +60,15 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
       log-decay is lower_bound * sigmoid(g + gate_bias), formed inside the
       Pallas gate-cumsum kernels (and in jnp by the other implementations).
       Needs a lower_bound. The activated gate lies in [lower_bound, 0] by
-      construction, so only cu_seqlens is value-checked then.
+      construction, so only NaN pre-activations and cu_seqlens are checked then.
     gate_bias: [HV, K] (or [HV] for a [B, T, HV] gate) added to g before the
       sigmoid; None: zeros. Only with gate_activation.
     qk_l2norm: normalise q and k over K first (eps
       `inputs.QK_L2NORM_EPS`), gradients included.
     checked: under jit, emit `jax.experimental.checkify` checks of the gate
-      range and of cu_seqlens; wrap the caller in `checkify.checkify` and
-      call `err.throw()` (without the wrapper, jit refuses the checks).
+      range, of NaN gates, of beta's range and of cu_seqlens; wrap the caller
+      in `checkify.checkify` and call `err.throw()` (without the wrapper, jit
+      refuses the checks).
 
   Returns:
     (o [B, T, HV, V] in q.dtype, final_state [N, HV, K, V] float32 or None).
@@ -74,7 +77,8 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
   chunk through matmuls, so a NaN or inf in k, v, g or beta at position t
   also reaches the outputs (and gradients) of earlier positions of its chunk
   (C tokens, or its sequence's chunk with cu_seqlens); the naive form keeps
-  it causal. Finite inputs are unaffected.
+  it causal. Finite inputs are unaffected. Unchecked traced calls do not
+  look for NaN: a NaN gate or beta gives NaN outputs over its chunk.
   """
   impl = spec.implementation if isinstance(spec, KdaSpec) else implementation or "xla"
   if config_overrides and impl != "pallas":
@@ -85,10 +89,12 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
   groups = inputs.value_groups(q, v)  # shapes before values
   total_len = q.shape[1] if q.ndim > 1 else 0
   clamp = False  # the activated gate is in [lower_bound, 0] by construction
+  inputs.check_beta(beta, checked=checked)
   if gate_activation is None:
     clamp, cu_seqlens = inputs.check_inputs(g, cu_seqlens, spec=spec, total_len=total_len,
                                                   checked=checked)
   else:
+    inputs.check_not_nan("g (the gate's pre-activation)", g, checked=checked)
     cu_seqlens = inputs.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)

@@ -8,15 +8,17 @@ initial state and cu_seqlens.
 
 Values (`check_inputs`):
 
-* concrete (not traced) inputs: a gate above 0, a gate below `lower_bound`
-  on the dense diagonal path, or a cu_seqlens that does not rise from 0 to T
+* concrete (not traced) inputs: a NaN gate (or gate pre-activation), a gate
+  above 0, a gate below `lower_bound` on the dense diagonal path, a beta
+  outside [0, 1] or NaN, or a cu_seqlens that does not rise from 0 to T
   raise ValueError;
 * traced inputs with `checked=True`: the same conditions become
   `jax.experimental.checkify` checks (the caller wraps its function in
   `checkify.checkify` and calls `err.throw()`);
 * traced inputs by default: the dense path clamps g into [lower_bound, 0]
   (`kernel_cumsum.clamp_gates`) and cu_seqlens is made valid (`sanitize_cu_seqlens`), so
-  every input has a defined output. The checks only say that the clamp is
+  every finite input has a defined output (a NaN gate or beta is not
+  caught: it reaches every output of its chunk). The checks only say that the clamp is
   needed; the implementation applies it where it is free: in jnp, fused by
   XLA, on the xla path, and inside the gate-cumsum kernels on the pallas
   path (`kernel_cumsum.clamped_cumsum`), which read g anyway.
@@ -151,6 +153,7 @@ def check_gates(g: jax.Array, *, spec: KdaSpec, dense: bool, checked: bool = Fal
     g that passed the checks is in range already.
   """
   bounded = dense and spec.bounded
+  check_not_nan("g", g, checked=checked)
   if not _is_traced(g):
     with jax.ensure_compile_time_eval():   # g may be a constant captured by a jit
       lowest, highest = (float(x) for x in jax.device_get((jnp.min(g), jnp.max(g))))
@@ -166,6 +169,41 @@ def check_gates(g: jax.Array, *, spec: KdaSpec, dense: bool, checked: bool = Fal
     if bounded:
       spec.checkify_gate_min(g)
   return bounded and _is_traced(g)
+
+
+def check_not_nan(name: str, x: jax.Array, *, checked: bool = False) -> None:
+  """Raises on NaN entries of a concrete `x`; with `checked`, a checkify check for a traced one.
+
+  The clamp of the dense path cannot stand in for this check: a NaN survives a clip.
+  """
+  if not _is_traced(x):
+    with jax.ensure_compile_time_eval():
+      count = int(jax.device_get(jnp.sum(jnp.isnan(x))))
+    if count:
+      raise ValueError(f"{name} has {count} NaN entries of {np.prod(np.shape(x))}: every "
+                       "output of their chunks would be NaN. Find where they come from "
+                       "upstream (jax.debug_nans, or checked=True under jit).")
+  elif checked:
+    checkify.check(~jnp.any(jnp.isnan(x)), f"{name} has {{}} NaN entries",
+                   jnp.sum(jnp.isnan(x)))
+
+
+def check_beta(beta: jax.Array, *, checked: bool = False) -> None:
+  """Checks the write strengths: every entry in [0, 1] (so the delta rule's I - beta k k^T
+  contracts a unit-norm k), none NaN. Concrete beta raises ValueError; a traced one is
+  checked only with `checked` (checkify)."""
+  if not _is_traced(beta):
+    with jax.ensure_compile_time_eval():
+      lowest, highest, nans = (float(x) for x in jax.device_get(
+          (jnp.min(beta), jnp.max(beta), jnp.sum(jnp.isnan(beta)))))
+    if nans or lowest < 0 or highest > 1:
+      raise ValueError(f"beta must lie in [0, 1] (e.g. sigmoid(.)); got min {lowest:.4g}, "
+                       f"max {highest:.4g}, {int(nans)} NaN")
+  elif checked:
+    beta32 = beta.astype(jnp.float32)
+    checkify.check(jnp.all((beta32 >= 0) & (beta32 <= 1)),
+                   "beta must lie in [0, 1]; got min {}, max {}", jnp.min(beta32),
+                   jnp.max(beta32))
 
 
 def check_cu_seqlens(cu_seqlens, total_len: int, *, checked: bool = False):
