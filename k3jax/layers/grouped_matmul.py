@@ -76,7 +76,7 @@ def resolve_backend(backend: str, *, capacity: int | None,
     return "pallas" if pallas_fits and gmm_config.on_gpu() else "xla"
   if backend == "einsum" and capacity is None:
     raise ValueError("grouped-matmul backend='einsum' needs the capacity layout (buffers); "
-                     "the ragged (dropless) layout takes 'xla', 'tokamax' or 'auto'")
+                     "the ragged (dropless) layout takes 'auto', 'pallas', 'xla' or 'tokamax'")
   if backend == "tokamax" and not tokamax_available():
     raise ValueError("grouped-matmul backend='tokamax' but tokamax is not installed; "
                      "install the extra (pip install -e '.[tokamax]') or use 'auto'")

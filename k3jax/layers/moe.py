@@ -110,7 +110,7 @@ class MoEConfig:
                        f"{self.gmm_config!r}")
     if self.impl == "ragged" and self.grouped_backend not in grouped_matmul.RAGGED_BACKENDS:
       raise ValueError("MoEConfig.impl='ragged' has no buffers for grouped_backend='einsum'; "
-                       "use 'auto', 'xla' or 'tokamax', or impl='buffered'")
+                       "use 'auto', 'pallas', 'xla' or 'tokamax', or impl='buffered'")
     if self.impl == "buffered" and self.router.capacity_factor is None:
       raise ValueError(
           "MoEConfig.impl='buffered' needs router.capacity_factor (buffer size); "

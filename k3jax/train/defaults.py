@@ -25,7 +25,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.kda_sub_chunk = 16          # diagonal tile the bound protects; divides kda_chunk_size
   c.kda_diagonal = "dense"      # "dense" (bounded gate only) or "pairwise" diagonal tiles
   c.kda_implementation = "xla"  # chunk_kda path: "xla" (any backend), "pallas" (GPU kernel), "naive"
-  c.kda_decode = "auto"         # decode step: "auto" (= "fused"), "pallas", "fused", "naive"
+  c.kda_decode = "auto"         # decode step: "auto" (GPU: "pallas" for steps of >= 2 tokens; else "fused"), "pallas", "fused", "naive"
   c.kda_fuse_gate = False       # bounded gate + pallas: sigmoid inside the gate-cumsum kernels
   c.num_experts = 8             # routed experts per MoE FFN; 0 = dense FFNs
   c.top_k = 2                   # experts per token
