@@ -10,7 +10,9 @@ The output is byte-reproducible for one matplotlib version (fixed style; the
 PNG's only metadata names that version).
 """
 import argparse
+import base64
 import contextlib
+import io
 import json
 import os
 import sys
@@ -333,12 +335,86 @@ def render(out_dir: str, names: list[str] | None = None) -> list[str]:
   return paths
 
 
+NOTEBOOKS = ("decay_ablation", "router_ablation", "residual_ablation")
+
+
+def execute_notebook(name: str, runs_dir: str):
+  """The notebook executed in its "full" setting on the committed summary and runs (nothing trains)."""
+  import nbclient  # optional: the `notebooks` extra
+  import nbformat  # optional: the `notebooks` extra
+  book = nbformat.read(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), as_version=4)
+  for cell in book.cells:
+    cell.source = cell.source.replace('SETTING = "quick"', 'SETTING = "full"')
+  # The kernel imports this checkout's k3jax, whatever else is installed.
+  env = {"ABLATION_RUNS": runs_dir, "ABLATION_OUT": os.path.join(runs_dir, "must_not_train"),
+         "JAX_PLATFORMS": "cpu", "ABLATION_SUMMARY": os.path.join(RESULTS, "ablations_summary.json"),
+         "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+  saved = {k: os.environ.get(k) for k in [*env, "MPLBACKEND"]}
+  os.environ.update(env)
+  os.environ.pop("MPLBACKEND", None)  # the kernel draws inline PNGs
+  try:
+    # No timing records: an executed copy changes only when its inputs do.
+    nbclient.NotebookClient(book, timeout=600, kernel_name="python3", record_timing=False,
+                            resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+  return _portable(book)
+
+
+def _small_png(data: str) -> str:
+  """A base64 PNG re-encoded with a 256-colour palette (a third of the size for line plots)."""
+  import PIL.Image  # comes with matplotlib
+  image = PIL.Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB").quantize(colors=256)
+  buffer = io.BytesIO()
+  image.save(buffer, format="PNG", optimize=True)
+  return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _portable(book):
+  """Drops stderr (library warnings), writes paths relative to the checkout, shrinks the images."""
+  for cell in book.cells:
+    if cell.cell_type != "code":
+      continue
+    cell.outputs = [o for o in cell.outputs if o.get("name") != "stderr"]
+    for output in cell.outputs:
+      if output.output_type == "stream":
+        output.text = output.text.replace(ROOT + os.sep, "")
+      if "image/png" in output.get("data", {}):
+        output.data["image/png"] = _small_png(output.data["image/png"])
+  return book
+
+
+def render_notebooks(out_dir: str) -> list[str]:
+  """Executed copies of the ablation notebooks (GitHub shows their tables and figures) in `out_dir`."""
+  import nbformat  # optional: the `notebooks` extra
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  with _ablation_runs() as runs_dir:
+    with tarfile.open(os.path.join(RESULTS, "ablation_runs.tar.gz")) as tar:
+      tar.extractall(runs_dir, filter="data")  # the notebooks read the runs' summaries too
+    for name in NOTEBOOKS:
+      path = os.path.join(out_dir, f"{name}.ipynb")
+      nbformat.write(execute_notebook(name, runs_dir), path)
+      paths.append(path)
+  return paths
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=os.path.join(ROOT, "docs", "figures"), help="output directory")
   parser.add_argument("--only", default="", help="comma-separated figure file names (default: all)")
+  parser.add_argument("--notebooks", default="", metavar="DIR",
+                      help="also write the ablation notebooks, executed on the committed results, into DIR "
+                           "(docs/notebooks; needs the `notebooks` extra)")
   args = parser.parse_args(argv)
-  for path in render(args.out, [n for n in args.only.split(",") if n] or None):
+  paths = render(args.out, [n for n in args.only.split(",") if n] or None)
+  if args.notebooks:
+    paths += render_notebooks(args.notebooks)
+  for path in paths:
     print(f"{path}  {os.path.getsize(path) / 1024:.0f} KB")
 
 

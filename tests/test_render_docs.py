@@ -110,3 +110,25 @@ def test_benchmark_data_holds_the_page_numbers(name):
   assert data["command"] if "command" in data else all(data[k]["command"] for k in ("layer", "profile"))
   missing = [x for x in _numbers(data) if not re.search(rf"(?<![\d.]){re.escape(repr(x))}0*(?!\d)", page)]
   assert missing == [], f"{name}: numbers not on the page: {missing}"
+
+
+@pytest.mark.parametrize("name", render_docs.NOTEBOOKS)
+def test_executed_notebooks_are_the_committed_ones_run_on_the_results(name):
+  """docs/notebooks holds each notebook executed in its full setting: same code, figures, no local paths.
+
+  Executing them takes longer than a test may (`python experiments/render_docs.py
+  --notebooks=docs/notebooks` does); this checks that a notebook edit was followed by a render.
+  """
+  nbformat = pytest.importorskip("nbformat")
+  path = os.path.join(ROOT, "docs", "notebooks", f"{name}.ipynb")
+  executed = nbformat.read(path, as_version=4)
+  source = nbformat.read(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), as_version=4)
+  full = [c.source.replace('SETTING = "quick"', 'SETTING = "full"') for c in source.cells]
+  assert [c.source for c in executed.cells] == full, "notebook changed: run render_docs.py --notebooks"
+  outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error" or o.get("name") == "stderr"]
+  assert sum("image/png" in o.get("data", {}) for o in outputs) >= 1
+  text = open(path, encoding="utf-8").read()
+  assert ROOT not in text and os.path.getsize(path) < 150_000
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  assert f"docs/notebooks/{name}.ipynb" in readme
