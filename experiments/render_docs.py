@@ -2,6 +2,7 @@
 
   python experiments/render_docs.py                    # writes docs/figures/*.png
   python experiments/render_docs.py --out=/tmp/figs    # elsewhere (the CI test compares the two)
+  python experiments/render_docs.py --notebooks=docs/notebooks   # also the executed ablation notebooks
 
 Inputs, all in the repository: the ablation summaries under docs/results/
 (their per-step curves from docs/results/ablation_runs.tar.gz) and the
@@ -18,10 +19,12 @@ import os
 import sys
 import tarfile
 import tempfile
+from typing import Callable
 
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.figure  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import numpy as np  # noqa: E402
 
@@ -35,8 +38,8 @@ RESULTS = os.path.join(ROOT, "docs", "results")
 DATA = os.path.join(ROOT, "docs", "data")
 DPI = 100
 
-# Each figure: (file name, function drawing it from ROOT's data). Filled by @figure.
-FIGURES: dict[str, callable] = {}
+# {PNG file name: function drawing the figure from the committed data}, filled by @figure.
+FIGURES: dict[str, Callable[[], matplotlib.figure.Figure]] = {}
 
 
 def figure(name: str):
@@ -78,6 +81,21 @@ def _ablation_runs():
       members = [m for m in tar.getmembers() if m.name.endswith("metrics.jsonl")]
       tar.extractall(tmp, members=members, filter="data")
     yield tmp
+
+
+def _column(rows: list[dict], key: str) -> list[float]:
+  """The rows' values of `key`, NaN where a row has none (its bar is left out)."""
+  return [np.nan if r.get(key) is None else r[key] for r in rows]
+
+
+def _grouped_bars(ax, values: dict[str, list], errors: dict[str, list] | None = None) -> dict:
+  """Side by side bars: a group per x position, a bar per label in it; {label: its bars}."""
+  width = 0.8 / len(values)
+  out = {}
+  for i, (label, heights) in enumerate(values.items()):
+    x = np.arange(len(heights)) + (i - (len(values) - 1) / 2) * width
+    out[label] = ax.bar(x, heights, width, label=label, yerr=(errors or {}).get(label), capsize=3)
+  return out
 
 
 # -- ablations ---------------------------------------------------------------------------
@@ -214,13 +232,11 @@ def documents_figure():
   """Held-out loss on each document's first 64 tokens and on the rest, by data arm."""
   records = _summary("documents_summary.json")
   parts = [("first", "first 64 tokens"), ("rest", "the rest"), ("all", "all positions")]
-  groups = group(records, ("variant",))
+  stats = {f"{arm} (n={len(rs)})": [mean_std(r["positions"][p] for r in rs) for p, _ in parts]
+           for (arm,), rs in group(records, ("variant",)).items()}
   fig, ax = plt.subplots(figsize=(6, 3.2))
-  width = 0.8 / len(groups)
-  for i, ((arm,), rs) in enumerate(groups.items()):
-    stats = [mean_std(r["positions"][p] for r in rs) for p, _ in parts]
-    ax.bar(np.arange(len(parts)) + (i - (len(groups) - 1) / 2) * width, [s[0] for s in stats], width,
-           yerr=[s[1] for s in stats], capsize=3, label=f"{arm} (n={len(rs)})")
+  _grouped_bars(ax, {k: [s[0] for s in v] for k, v in stats.items()},
+                {k: [s[1] for s in v] for k, v in stats.items()})
   ax.set_xticks(range(len(parts)), [label for _, label in parts])
   ax.set(title="held-out loss by position in the document", ylabel="loss (nats/byte)", ylim=(2.0, 2.7))
   ax.legend(title="training data")
@@ -234,10 +250,7 @@ def documents_figure():
 def _times_vs_tokens(ax, rows: list[dict], suffix: str, series: list[tuple[str, str]]):
   """Bars per shape of the `<key>_<suffix>` times, plus the roofline floor as a marker."""
   x = np.arange(len(rows))
-  width = 0.8 / len(series)
-  for i, (key, label) in enumerate(series):
-    values = [np.nan if r.get(f"{key}_{suffix}") is None else r[f"{key}_{suffix}"] for r in rows]
-    ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label)
+  _grouped_bars(ax, {label: _column(rows, f"{key}_{suffix}") for key, label in series})
   ax.hlines([r[f"floor_{suffix}"] for r in rows], x - 0.4, x + 0.4, colors="k", lw=2, label="roofline floor")
   ax.set_xticks(x, [f"B{r['B']} T{r['T']}" for r in rows])
   ax.set_yscale("log")
@@ -270,12 +283,9 @@ def kda_pairwise_figure():
     series = [("dense", "dense diagonal"), ("pairwise", "pairwise diagonal")]
     if suffix == "fwd_ms":
       series.append(("fla_unsafe", "fla unbounded"))
-    width = 0.8 / len(series)
-    for i, (key, label) in enumerate(series):
-      values = [np.nan if r.get(f"{key}_{suffix}") is None else r[f"{key}_{suffix}"] for r in rows]
-      bars = ax.bar(np.arange(len(rows)) + (i - (len(series) - 1) / 2) * width, values, width, label=label)
-      if key == "pairwise":
-        ax.bar_label(bars, [f"{r['pairwise_' + suffix] / r['dense_' + suffix]:.2f}x" for r in rows], fontsize=7)
+    bars = _grouped_bars(ax, {label: _column(rows, f"{key}_{suffix}") for key, label in series})
+    ratios = [r[f"pairwise_{suffix}"] / r[f"dense_{suffix}"] for r in rows]
+    ax.bar_label(bars["pairwise diagonal"], [f"{q:.2f}x" for q in ratios], fontsize=7)
     ax.set_xticks(range(len(rows)), [f"B{r['B']} T{r['T']}" for r in rows])
     ax.set(title=title, ylabel="time (ms)", xlabel="shape (H16, K = V = 128, bf16)")
     ax.legend(loc="lower right")
@@ -309,15 +319,13 @@ def moe_layer_figure():
 def _layer_by_shape(ax, rows: list[dict]):
   """Forward+backward ms per shape and path, each bar labelled with its ratio to the dense SwiGLU."""
   shapes = list(dict.fromkeys(r["shape"] for r in rows))
-  paths = ["dense", "buffered", "dropless"]
-  width = 0.8 / len(paths)
-  for i, path in enumerate(paths):
-    picked = [next(r for r in rows if r["shape"] == s and r["path"].startswith(path)) for s in shapes]
-    dense = [next(r for r in rows if r["shape"] == s and r["path"].startswith("dense")) for s in shapes]
-    bars = ax.bar(np.arange(len(shapes)) + (i - 1) * width, [r["fwdbwd_ms"] for r in picked], width,
-                  label={"dense": "dense SwiGLU (active width)", "buffered": "MoE buffered (capacity 1.25)",
-                         "dropless": "MoE dropless (our grouped matmuls)"}[path])
-    ax.bar_label(bars, [f"{p['fwdbwd_ms'] / d['fwdbwd_ms']:.2f}x" for p, d in zip(picked, dense)], fontsize=6)
+  labels = {"dense": "dense SwiGLU (active width)", "buffered": "MoE buffered (capacity 1.25)",
+            "dropless": "MoE dropless (our grouped matmuls)"}
+  times = {path: [next(r["fwdbwd_ms"] for r in rows if r["shape"] == s and r["path"].startswith(path))
+                  for s in shapes] for path in labels}
+  bars = _grouped_bars(ax, {labels[path]: t for path, t in times.items()})
+  for path, t in times.items():
+    ax.bar_label(bars[labels[path]], [f"{a / d:.2f}x" for a, d in zip(t, times["dense"])], fontsize=6)
   ax.set_xticks(range(len(shapes)), shapes)
   ax.set(title="MoE layer fwd+bwd by shape (label: ratio to dense)", ylabel="time (ms)", xlabel="shape")
   ax.legend(loc="upper left")
