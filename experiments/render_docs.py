@@ -336,9 +336,10 @@ def render(out_dir: str, names: list[str] | None = None) -> list[str]:
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for name in names or FIGURES:
-    _style()
     path = os.path.join(out_dir, name)
-    _save(FIGURES[name](), path)
+    with matplotlib.rc_context():  # the caller's settings come back afterwards
+      _style()
+      _save(FIGURES[name](), path)
     paths.append(path)
   return paths
 
