@@ -292,3 +292,32 @@ def test_ab_forward_smoke():
   assert rows[0].endswith("| 0.0e+00 |")
   # The blocked body computes the same outputs as the substitution one (bf16 rounding apart).
   assert float(rows[1].split("|")[-2]) < 1e-2
+
+
+def test_json_rows_join_ours_and_the_peer_by_timer():
+  rows = [("1x8x1x16", {"pallas:dense": {"pipelined": (1.0, 2.0)}}, 0.1, 0.2)]
+  peer = {("1x8x1x16", True): {"do_bench": (1.5, 4.0), "pipelined": (1.4, 3.9)}}
+  got, = bench_kernels.json_rows(rows, peer)
+  assert got["B"] == 1 and got["T"] == 8 and got["impl"] == "pallas:dense" and got["timing"] == "pipelined"
+  assert (got["fwd_ms"], got["fwdbwd_ms"], got["floor_fwd_ms"]) == (1.0, 2.0, 0.1)
+  assert (got["fla_safe_fwd_ms"], got["fla_safe_fwdbwd_ms"], got["fla_safe_do_bench_ms"]) == (1.4, 3.9, [1.5, 4.0])
+  assert got["fla_unsafe_fwd_ms"] is None and got["fla_unsafe_do_bench_ms"] is None
+
+
+def test_bench_kernels_writes_its_rows_as_json(tmp_path):
+  """A CPU shape through the xla path end to end: the JSON holds the printed rows and their context."""
+  import json  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  path = tmp_path / "kda.json"
+  subprocess.run(
+      [sys.executable, os.path.join(root, "experiments", "bench", "bench_kernels.py"), "--shapes=1x64x1x16",
+       "--impls=xla:dense", "--peer=false", "--stages=", "--iters=1", "--ceiling_bytes=4096",
+       "--ceiling_matmul=64", "--chunk_size=16", f"--json={path}"],
+      capture_output=True, text=True, check=True, cwd=root, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  data = json.loads(path.read_text())
+  assert "--shapes=1x64x1x16" in data["command"] and data["platform"] == "cpu" and data["gpu"]
+  assert "commit" in data and data["peer_or_base"].startswith("none")
+  rows = data["tables"]["kda"]
+  assert [(r["impl"], r["timing"]) for r in rows] == [("xla:dense", "sync"), ("xla:dense", "pipelined")]
+  assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["floor_fwd_ms"] > 0 for r in rows)

@@ -12,6 +12,7 @@ the ratios. Optionally per-stage times of the Pallas kernels.
   python experiments/bench/bench_kernels.py --mode=fla --shapes=...   # peer only (torch)
   CUDA_VISIBLE_DEVICES=0 python experiments/bench/bench_kernels.py --peer_gpu=1   # peer on GPU 1, concurrently
   python experiments/bench/bench_kernels.py --shapes=4x8192x16x96,4x8192x16x128 --peer=false --stages=
+  python experiments/bench/bench_kernels.py ... --json=/tmp/kda.json   # the rows as JSON too
 
 D need not be a power of two: the pallas path pads it inside the op (the
 per-stage times call the kernels directly and take powers of two only).
@@ -54,6 +55,9 @@ _CEIL_BYTES = flags.DEFINE_integer("ceiling_bytes", 2 ** 32, "Array size of the 
 _CEIL_MM = flags.DEFINE_integer("ceiling_matmul", 8192, "Size of the square bf16 matmul.")
 _XLA_MAX_TOKENS = flags.DEFINE_integer("xla_max_tokens", 2 ** 16, "Skip the xla path above "
                                        "B*T tokens (memory).")
+_JSON = flags.DEFINE_string("json", "", "Also write the table's rows, the ceilings, the command "
+                            "line, device and commit to this JSON file (see "
+                            "pallas_kernels/tools/bench_json.py).")
 
 
 def _parse(shape):
@@ -261,6 +265,37 @@ def _run_jax(shapes):
         print(f"| {shape} | pairwise/dense | {timing} | {fp / fd:.2f}x | {fbp / fbd:.2f}x "
               f"| | | | | |")
   sys.stdout.flush()
+  if _JSON.value:
+    _write_json(_JSON.value, rows, peer, ceil)
+
+
+def json_rows(rows, peer):
+  """One dict per (shape, impl, timing) of the printed table; times in ms, None where absent."""
+  out = []
+  for shape, res, floor_f, floor_fb in rows:
+    b, t, h, d = _parse(shape)
+    for spec, timed in res.items():
+      for timing, (f, fb) in timed.items():
+        row = dict(shape=shape, B=b, T=t, H=h, D=d, impl=spec, timing=timing, fwd_ms=f,
+                   fwdbwd_ms=fb, floor_fwd_ms=floor_f, floor_fwdbwd_ms=floor_fb)
+        for mode, safe in (("fla_safe", True), ("fla_unsafe", False)):
+          p = peer.get((shape, safe)) or {}
+          row[f"{mode}_fwd_ms"], row[f"{mode}_fwdbwd_ms"] = p.get(timing, (None, None))
+          row[f"{mode}_do_bench_ms"] = list(p["do_bench"]) if "do_bench" in p else None
+        out.append(row)
+  return out
+
+
+def _write_json(path, rows, peer, ceil):
+  from pallas_kernels.tools import bench_json  # pylint: disable=g-import-not-at-top
+  bench_json.write(
+      path, {"kda": json_rows(rows, peer)},
+      peer_or_base=("fla chunk_kda in its own process, safe_gate=True (fla_safe) and False "
+                    "(fla_unsafe)" if peer else "none (--peer=false)"),
+      dtype="bfloat16", iters=_ITERS.value, lower_bound=_LOWER_BOUND.value, chunk_size=_CHUNK.value,
+      sub_chunk=_SUB.value, overrides=_OVERRIDES.value,
+      ceilings={"copy_bandwidth_tb_s": ceil.bandwidth / 1e12, "bf16_matmul_tflop_s": ceil.matmul / 1e12})
+  print(f"wrote {path}", flush=True)
 
 
 def main(argv):

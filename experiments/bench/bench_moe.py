@@ -5,6 +5,7 @@ and where the layer's time goes.
     PYTHONPATH=. python experiments/bench/bench_moe.py --shapes=gpu_1b --impls=buffered,ragged:tokamax
     PYTHONPATH=. python experiments/bench/bench_moe.py --shapes=smoke --iters=2 --rounds=1 \
         --rate_matmul=256                                              # CPU smoke
+    PYTHONPATH=. python experiments/bench/bench_moe.py ... --json=/tmp/moe.json       # rows as JSON too
 
 Shapes (B, T, d, experts, top-k, expert hidden; one shared expert of the
 expert hidden width): gpu_1b 16,2048,1536,16,2,768; gpu_150m
@@ -72,6 +73,7 @@ from pallas_kernels import timing  # noqa: E402
 from pallas_kernels.gmm import api as gmm_api  # noqa: E402
 from pallas_kernels.gmm import config as gmm_config  # noqa: E402
 from pallas_kernels.gmm import layout as gmm_layout  # noqa: E402
+from pallas_kernels.tools import bench_json  # noqa: E402
 from pallas_kernels.tools import device_profile  # noqa: E402
 
 SHAPES = {
@@ -107,6 +109,11 @@ flags.DEFINE_bool("gmm_mosaic", False, "With --kernels, also time the gathered f
 flags.DEFINE_bool("peer_mgpu", True, "With --kernels on the GPU, also time jax's Mosaic GPU "
                   "ragged_dot ops on pre-gathered contiguous rows (best of a few tiles).")
 flags.DEFINE_integer("rate_matmul", 8192, "Size n of the n^3 bf16 matmul that measures the rate.")
+flags.DEFINE_string("json", "", "Also write every printed table's rows, the command line, device "
+                    "and commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
+
+# The tables printed so far: {name: {"columns": [...], "rows": [{column: cell}]}}, for --json.
+_TABLES: dict[str, dict] = {}
 
 
 def _has_new_dispatch() -> bool:
@@ -184,8 +191,26 @@ def _layer_flops(shape, n_rows):
   return 2 * 3 * d * h * (n_rows + n) + 2 * n * d * e
 
 
+def _table(name, columns):
+  """Prints a table's heading and header; the rows `_row` prints next belong to it."""
+  print(f"\n## {name}\n")
+  print("| " + " | ".join(columns) + " |")
+  print("|---" * len(columns) + "|", flush=True)
+  _TABLES[name] = {"columns": list(columns), "rows": []}
+
+
+def _cell(text):
+  """A printed cell as JSON: a number where it is one, else the text ("1.00 / 1.35" stays text)."""
+  try:
+    return float(text)
+  except ValueError:
+    return text
+
+
 def _row(cells):
   print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+  table = next(reversed(_TABLES.values()))
+  table["rows"].append(dict(zip(table["columns"], (_cell(str(c)) for c in cells))))
 
 
 def layer_table(shape_name, dtype, tflops):
@@ -442,31 +467,31 @@ def main(argv):
         f"{tflops:.0f} TFLOP/s; pipelined median of {FLAGS.rounds} rounds x {FLAGS.iters}",
         flush=True)
   if FLAGS.layer:
-    print("\n## layer\n")
-    _row(["shape", "what", "fwd ms", "fwd+bwd ms", "ratio to dense (fwd / fwd+bwd)",
-          "matmul floor ms (fwd / fwd+bwd)", "sync ms (fwd / fwd+bwd)"])
-    print("|---" * 7 + "|")
+    _table("layer", ["shape", "what", "fwd ms", "fwd+bwd ms", "ratio to dense (fwd / fwd+bwd)",
+                     "matmul floor ms (fwd / fwd+bwd)", "sync ms (fwd / fwd+bwd)"])
     for name in FLAGS.shapes:
       layer_table(name, dtype, tflops)
   if FLAGS.kernels:
-    print(f"\n## grouped matmuls ({_gmm_config(dtype)})\n")
-    _row(["shape", "kernel", "ms", "TFLOP/s", "dense matmul ms", "dense TFLOP/s",
-          "rate / dense"])
-    print("|---" * 7 + "|")
+    _table(f"grouped matmuls ({_gmm_config(dtype)})",
+           ["shape", "kernel", "ms", "TFLOP/s", "dense matmul ms", "dense TFLOP/s", "rate / dense"])
     for name in FLAGS.shapes:
       kernel_table(name, dtype)
   if FLAGS.profile:
-    print("\n## device kernels of one forward+backward (profiler trace)\n")
-    _row(["shape", "path", "kernel", "ms per call", "launches per call", "share"])
-    print("|---" * 6 + "|")
+    _table("device kernels of one forward+backward (profiler trace)",
+           ["shape", "path", "kernel", "ms per call", "launches per call", "share"])
     for name in FLAGS.shapes:
       profile_table(name, dtype)
   if FLAGS.parts and _has_new_dispatch():
-    print("\n## parts (buffered)\n")
-    _row(["shape", "part", "fwd ms", "fwd+bwd ms", "fwd sync ms"])
-    print("|---" * 5 + "|")
+    _table("parts (buffered)", ["shape", "part", "fwd ms", "fwd+bwd ms", "fwd sync ms"])
     for name in FLAGS.shapes:
       parts_table(name, dtype)
+  if FLAGS.json:
+    bench_json.write(FLAGS.json, _TABLES, peer_or_base="base: the dense SwiGLU of the layer's active "
+                     "width in the same process (table 'layer'); dense matmuls of the same shapes "
+                     "(table 'grouped matmuls')", dtype=FLAGS.dtype, router=FLAGS.router,
+                     capacity_factor=FLAGS.capacity_factor, iters=FLAGS.iters, rounds=FLAGS.rounds,
+                     matmul_tflop_s=tflops, shapes={name: SHAPES[name] for name in FLAGS.shapes})
+    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":
