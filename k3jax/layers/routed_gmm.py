@@ -16,7 +16,7 @@ writes a dispatched copy of the tokens (`pallas_kernels.gmm`):
 `fuse_swiglu=True` moves the SwiGLU into the output product's operand load
 and its VJP into the dgrad's epilogue, so neither h nor dh is written. It
 is opt-in because it measured slower on the H200 (docs/benchmarks.md,
-"Fused SwiGLU"): the load recomputes silu(gate) * up once per column tile
+"Where the layer's time goes"): the load recomputes silu(gate) * up once per column tile
 of the output (d / block_n times) and reads twice the operand bytes.
 
 S is the slot layout of a `moe_dispatch.SlotPlan` built with `align` =

@@ -102,7 +102,7 @@ def _kernel(*refs, has_index, has_scale, transpose_rhs, lhs_swiglu, swiglu_grad,
     # Zero rows for empty slots as a product with a 0/1 row factor: the rows
     # read row 0 (finite), so this equals a select, which on the H200 gave
     # wrong 16-bit results without a row scale after it (docs/benchmarks.md,
-    # "The 'pallas' backend").
+    # "Grouped matmuls").
     acc = acc * real.astype(_F32)[:, None]
   scale = scale_ref[...].astype(_F32)[:, None] if has_scale else None
   if has_scale:
