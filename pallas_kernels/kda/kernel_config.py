@@ -60,100 +60,80 @@ class KernelConfig:
   """Static tiling and lowering choices for one call of the KDA kernels.
 
   Defaults are `heuristic_config`'s; each field can be forced through
-  `chunk_kda(config_overrides=...)`.
+  `chunk_kda(config_overrides=...)`. docs/benchmarks.md has the measurements
+  behind them.
 
   Attributes:
     backend: the lowering; one of BACKENDS ("tpu_interpret": CPU emulation
       with TPU semantics).
-    block_v: V tile of the state kernels (one program per tile); a power
-      of two dividing V. Default `pow2_part(V)` capped at 64 (min(V, 64) at
-      a power of two; 32 at V = 96), V on TPU.
+    block_v: V tile of the state kernels, one program per tile; a power of
+      two dividing V. Default `pow2_part(V)` capped at 64 (the whole V on
+      TPU, whose blocks span 128 lanes or the whole dim).
     block_k: widest K slice of the intra forward's, the state kernels' and
-      the first split intra backward kernel's element-wise work, a power of
-      two <= K: K is cut into power-of-two slices of at most block_k,
-      widest first (`kernel_common.width_slices`; 64 + 32 at K = 96).
-      Default min(64, the widest power of two <= K), K on TPU.
-    bwd_block_k: K slice of the split intra backward's second kernel (one
-      program per slice); a power of two dividing K. Default `pow2_part(K)`
+      the first split-backward kernel's work: K runs as power-of-two slices
+      of at most this, widest first (`kernel_common.width_slices`). Default
+      the widest power of two <= K capped at 64 (K on TPU).
+    bwd_block_k: K slice of the split intra backward's second kernel, one
+      program per slice; a power of two dividing K. Default `pow2_part(K)`
       capped at 32.
-    rec_block_v: V tile of the GPU forward recurrence; None (block_v) or a
-      power of two dividing V. Default 32 at K = V = 128, 16-bit inputs and
-      fewer than WHOLE_V_BWD_MIN_PROGRAMS (batch row, head) pairs, else None.
-    bwd_block_v: V tile of the reverse state kernel; None (block_v) or a
-      power of two dividing V. Default at K = V = 128 with 16-bit inputs on
-      the GPU: 128 (with 8 warps) from WHOLE_V_BWD_MIN_PROGRAMS pairs, 32 up
-      to NARROW_BWD_MAX_PROGRAMS pairs, else None. An explicit block_v
-      resets it and rec_block_v to None.
-    num_warps: Triton warps per stage, ((stage, warps), ...); an override
-      may name only some stages. Default 4, 8 for "intra_bwd", 2 for
-      "diag_fwd" (its [L, L] products; on the H200 at B16 T2048 H16 D128
-      0.75 ms against 1.00 at 4 warps and 1.06 at 1, diag_block_k 64); at
-      sub_chunk >= 32 L / 8 for "diag_fwd" and 8 for "diag_bwd" (with the
-      level loop, compiled for sm_90a: 228 and 240 registers a thread and
-      no spills at L = 32, where 2 and 4 warps take 255 and spill 292
-      bytes in the gradient kernel; 171 and 255 registers, 8 bytes spilled,
-      at L = 64 with diag_block_k 32). Not yet timed on the GPU.
+    rec_block_v, bwd_block_v: V tiles of the GPU forward recurrence and of
+      the reverse state kernel; None (block_v) or a power of two dividing V.
+      Each (batch row, head) pair is one sequential program, so few pairs
+      take narrower tiles: at K = V = 128 with 16-bit inputs on the GPU,
+      below WHOLE_V_BWD_MIN_PROGRAMS pairs rec_block_v is 32 (and
+      bwd_block_v 32 up to NARROW_BWD_MAX_PROGRAMS), from it bwd_block_v is
+      128 with 8 warps; else None. An explicit block_v resets both.
+    num_warps: Triton warps per stage, ((stage, warps), ...); an override may
+      name only some stages. Default 4; 8 for "intra_bwd"; 2 for "diag_fwd",
+      whose [L, L] products are small; from sub_chunk 32, L / 8 for
+      "diag_fwd" and 8 for "diag_bwd", which compile without spills there.
     num_stages: Triton software-pipelining stages of every kernel. Default 2.
     inverse: how the intra forward forms M; one of INVERSES. Default
-      "blocked" on the GPU with sub_chunk >= 16 (tensor-core products),
-      else "substitution" (row-by-row forward substitution).
+      "blocked" (tensor-core products) on the GPU at sub_chunk >= 16, else
+      "substitution" (row-by-row forward substitution).
     intra_bwd: intra backward body; one of INTRA_BWDS. Default "split" on the
-      GPU with sub_chunk >= 16, else "tiles"; "split" is not lowered for TPU.
-    mm_dtype: operand dtype of every matmul outside the intra backward and
-      of stored intermediates (f32 accumulation). Default the input dtype
-      (f32 inputs: 3xTF32 on the GPU), but bf16 for f16 inputs, whose range
-      (e^-9.7 to e^11) cannot hold the diagonal tiles' decay factors. The
-      blocked inverse's diagonal levels take bf16 operands unless it is f32.
-    intra_bwd_mm_dtype: operand dtype of the intra backward's matmuls, and
-      storage dtype of the saved M, entry states, V' and the per-chunk dS.
-      Default the input dtype on the GPU at K * V > 64 * 128 (f32 operands
-      overflow shared memory at 128 x 128), else f32.
+      GPU at sub_chunk >= 16, else "tiles"; "split" is not lowered for TPU.
+    mm_dtype: operand dtype of every matmul outside the intra backward and of
+      stored intermediates (f32 accumulation). Default the input dtype (f32:
+      3xTF32 on the GPU), but bf16 for f16 inputs, whose range (e^-9.7 to
+      e^11) cannot hold the diagonal tiles' decay factors.
+    intra_bwd_mm_dtype: operand dtype of the intra backward's matmuls and
+      storage dtype of the saved M, entry states, V' and per-chunk dS.
+      Default the input dtype on the GPU at K * V > 64 * 128, where f32
+      operands overflow shared memory; else f32.
     save_residuals: the forward keeps M, W, A_qk, the entry states and V'
-      (and the gated queries and keys of the GPU state pass) for the
-      backward instead of recomputing them there. Default True.
-    segment_chunks: None, or the most chunks of a segment: a fixed-length
-      call whose sequences are longer runs them as equal segments of at
-      most this many chunks, the state handed from one to the next, and
-      its backward reruns one segment's forward at a time, so it holds one
-      segment's residuals and temporaries (`pallas_op._segmented_core`).
-      Default: None while the call's
-      residuals (`residual_bytes`) fit in RESIDUAL_BUDGET_BYTES, else the
-      most chunks whose residuals fit (`segment_chunks_for`). Packed
-      sequences (cu_seqlens) are never segmented.
+      (and the GPU state pass's gated queries and keys) for the backward
+      rather than recomputing them. Default True.
+    segment_chunks: None, or the most chunks of a segment: longer sequences
+      of a fixed-length call run as equal segments whose backward reruns one
+      segment's forward at a time (`pallas_op._segmented_core`), to bound
+      the residuals held. Default None while `residual_bytes` fits in
+      RESIDUAL_BUDGET_BYTES, else the most chunks that fit. Packed
+      sequences are never segmented.
     level_anchors: how the pairwise diagonal picks each level's anchor rows
-      of G; one of LEVEL_ANCHORS (`kernel_common.anchor_picker`). Default
-      "gather" on the GPU, "select" on TPU (the only one Mosaic lowers).
+      of G; one of LEVEL_ANCHORS. Default "gather" on the GPU, "select" on
+      TPU (the only one Mosaic lowers).
     diag_kernels: the pairwise diagonal's tiles in kernels of their own
-      (`kernel_diag`: one L-row tile at a time, [L, L] and [L, block_k]
-      products), the intra-chunk kernels doing only the off-diagonal tiles;
-      False: the intra-chunk kernels form them too, as [C, C] masked
-      products per level. Needs the blocked inverse and the split backward.
-      Default True wherever those are the defaults (the GPU at
-      sub_chunk >= 16). Only read with diagonal="pairwise".
-    diag_block_k: K slice of both `kernel_diag` kernels; a power of two
-      at most K (dividing it when K is one). Default min(K, 64, 2048 / L) at
-      power-of-two K, else the widest power of two below K, at most that
-      (as block_k); 2048 / L keeps an [L, diag_block_k] operand at 2048
-      elements at L = 64.
-    diag_level_loop: the levels of both `kernel_diag` kernels in a loop
-      (one level's values live at a time) rather than unrolled; the same
-      arithmetic. Default True at sub_chunk >= 32, where the unrolled
-      levels spill (compiled for sm_90a: 2.5 and 19.9 KB a thread at 32,
-      46 and 17 KB at 64, for the score and gradient kernels); at 16 the
-      unrolled kernels are faster (H200, 2026-12-05, sync ms: scores 0.741
-      unrolled against 0.763 looped, gradients 1.519 against 1.834).
+      (`kernel_diag`), not as [C, C] masked products inside the intra-chunk
+      kernels. Needs the blocked inverse and the split backward; default
+      wherever those are. Read only with diagonal="pairwise".
+    diag_block_k: K slice of both `kernel_diag` kernels; a power of two at
+      most K (dividing a power-of-two K). Default min(K, 64, 2048 / L) at
+      power-of-two K (else as block_k), so an [L, diag_block_k] operand
+      stays at 2048 elements at L = 64.
+    diag_level_loop: the levels of both `kernel_diag` kernels in a loop (one
+      level's values live at a time) rather than unrolled; same arithmetic.
+      Default True at sub_chunk >= 32, where the unrolled levels spill; at
+      16 the unrolled kernels are faster.
     diag_rows, diag_bwd_rows: rows of one program of the score kernel
       (`kernel_diag.diag_scores`) and of the gradient kernel
-      (`kernel_diag.diag_grads`): None (the chunk) or a multiple of
-      sub_chunk dividing chunk_size (the tiles are independent: fewer rows,
-      more programs). Default: one tile (sub_chunk rows) for the scores, the
-      chunk for the gradients: on the H200 at B16 T2048 H16 D128 bf16
-      (2026-12-05, `tune_kda.py`, sync ms in two calls) the score kernel took
-      0.681 / 0.741 at 16 rows against 0.771 / 0.835 at 64, the gradient
-      kernel 1.705 / 1.683 at 16 against 1.642 / 1.519 at 64.
+      (`kernel_diag.diag_grads`): None (the chunk) or a multiple of sub_chunk
+      dividing chunk_size (fewer rows, more programs). Default one tile
+      (sub_chunk rows) for the scores and the chunk for the gradients, the
+      fastest of each.
     output_body: the GPU forward's output kernel; one of OUTPUT_BODIES.
-      Default "triton"; "mosaic_gpu" runs `kernel_output_mosaic` (in
-      interpret mode, Mosaic GPU's interpreter), not lowered for TPU.
+      Default "triton"; "mosaic_gpu" is the `kernel_output_mosaic` prototype,
+      not lowered for TPU.
   """
   backend: str
   block_v: int
