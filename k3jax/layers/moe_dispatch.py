@@ -121,7 +121,7 @@ def plan_slots(group_nk: jax.Array, kept_nk: jax.Array, num_groups: int,
                   starts.astype(jnp.int32), capacity, align)
 
 
-def _take_rows(x_rd: jax.Array, index_i: jax.Array) -> jax.Array:
+def take_rows(x_rd: jax.Array, index_i: jax.Array) -> jax.Array:
   """x_rd[index] with zero rows for out-of-range indices (the empty sentinel)."""
   return jnp.take(x_rd, index_i, axis=0, mode="fill", fill_value=0)
 
@@ -140,17 +140,22 @@ def dispatch_rows(x_nd: jax.Array, source_s: jax.Array, slot_nk: jax.Array) -> j
     [S, d] in x's dtype.
   """
   del slot_nk
-  return _take_rows(x_nd, source_s)
+  return take_rows(x_nd, source_s)
 
 
 def _dispatch_fwd(x_nd, source_s, slot_nk):
-  return _take_rows(x_nd, source_s), slot_nk
+  return take_rows(x_nd, source_s), slot_nk
+
+
+def slot_sums(x_sd: jax.Array, slot_nk: jax.Array) -> jax.Array:
+  """Each token's sum over its k slot rows, float32 [N, d]: the dispatch's VJP,
+  a gather (unplaced assignments add 0)."""
+  return jnp.sum(take_rows(x_sd, slot_nk).astype(jnp.float32), axis=1)
 
 
 def _dispatch_bwd(slot_nk, g_sd):
   # The output has x's dtype, and so does its cotangent.
-  dx_nd = jnp.sum(_take_rows(g_sd, slot_nk).astype(jnp.float32), axis=1)
-  return dx_nd.astype(g_sd.dtype), None, None
+  return slot_sums(g_sd, slot_nk).astype(g_sd.dtype), None, None
 
 
 dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -172,26 +177,39 @@ def combine_rows(y_sd: jax.Array, w_nk: jax.Array, slot_nk: jax.Array,
     [N, d] float32.
   """
   del assign_s
-  return _combine(y_sd, w_nk, slot_nk)
+  return weighted_rows(y_sd, w_nk, slot_nk)
 
 
-def _combine(y_sd, w_nk, slot_nk):
-  rows_nkd = _take_rows(y_sd, slot_nk).astype(jnp.float32)
+def weighted_rows(y_sd: jax.Array, w_nk: jax.Array, slot_nk: jax.Array) -> jax.Array:
+  """The combine itself, float32 [N, d]: what `combine_rows` and the routed
+  experts' forward (`routed_gmm`) return."""
+  rows_nkd = take_rows(y_sd, slot_nk).astype(jnp.float32)
   return jnp.einsum("nkd,nk->nd", rows_nkd, w_nk.astype(jnp.float32))
 
 
+def combine_grad_parts(y_sd: jax.Array, w_nk: jax.Array, slot_nk: jax.Array,
+                       assign_s: jax.Array, g_nd: jax.Array):
+  """What the combine's VJP needs, by gathers only: each slot's weight w_s [S]
+  and token token_s [S], and the weights' gradient dw_nk [N, k], all float32.
+
+  Slot s holds assignment assign_s = n k + j; an empty slot (N k) reads token
+  N, out of range, so `take_rows(g_nd, token_s)` gives it a zero row.
+  """
+  k = slot_nk.shape[1]
+  w_s = jnp.take(w_nk.reshape(-1).astype(jnp.float32), assign_s, mode="fill", fill_value=0)
+  rows_nkd = take_rows(y_sd, slot_nk).astype(jnp.float32)
+  dw_nk = jnp.einsum("nkd,nd->nk", rows_nkd, g_nd.astype(jnp.float32))
+  return w_s, assign_s // k, dw_nk
+
+
 def _combine_fwd(y_sd, w_nk, slot_nk, assign_s):
-  return _combine(y_sd, w_nk, slot_nk), (y_sd, w_nk, slot_nk, assign_s)
+  return weighted_rows(y_sd, w_nk, slot_nk), (y_sd, w_nk, slot_nk, assign_s)
 
 
 def _combine_bwd(res, g_nd):
   y_sd, w_nk, slot_nk, assign_s = res
-  k = slot_nk.shape[1]
-  g_nd = g_nd.astype(jnp.float32)
-  w_s = jnp.take(w_nk.reshape(-1).astype(jnp.float32), assign_s, mode="fill", fill_value=0)
-  # Empty slots (assign_s == N k) read token N: out of range, a zero row.
-  dy_sd = (_take_rows(g_nd, assign_s // k) * w_s[:, None]).astype(y_sd.dtype)
-  dw_nk = jnp.einsum("nkd,nd->nk", _take_rows(y_sd, slot_nk).astype(jnp.float32), g_nd)
+  w_s, token_s, dw_nk = combine_grad_parts(y_sd, w_nk, slot_nk, assign_s, g_nd)
+  dy_sd = (take_rows(g_nd.astype(jnp.float32), token_s) * w_s[:, None]).astype(y_sd.dtype)
   return dy_sd, dw_nk.astype(w_nk.dtype), None, None
 
 

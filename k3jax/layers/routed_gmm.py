@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.ffn import silu_mul
-from k3jax.layers.moe_dispatch import SlotPlan
+from k3jax.layers.moe_dispatch import SlotPlan, combine_grad_parts, slot_sums, weighted_rows
 from pallas_kernels.gmm import api as gmm_api
 from pallas_kernels.gmm import config as gmm_config
 from pallas_kernels.gmm.layout import TileMap, tile_map
@@ -103,10 +103,6 @@ def _tiles(index: _Index, static: _Static) -> TileMap:
                  static.config.block_m)
 
 
-def _take_rows(x_rd, index_i):
-  return jnp.take(x_rd, index_i, axis=0, mode="fill", fill_value=0)
-
-
 def _gate_up(gu_sf, dtype):
   hidden = gu_sf.shape[1] // 2
   return silu_mul(gu_sf[:, :hidden], gu_sf[:, hidden:], dtype)
@@ -123,9 +119,7 @@ def _forward(x_nd, w_nk, wi_gate, wi_up, wo, index: _Index, static: _Static):
     y = gmm_api.gmm(gu, w_out, tiles, lhs_swiglu=True, **kw)
   else:
     y = gmm_api.gmm(_gate_up(gu, dt), w_out, tiles, **kw)
-  rows_nkd = _take_rows(y, index.slot_nk).astype(jnp.float32)
-  out = jnp.einsum("nkd,nk->nd", rows_nkd, w_nk)
-  return out, (xc, w_nk, w_in, w_out, gu, y)
+  return weighted_rows(y, w_nk, index.slot_nk), (xc, w_nk, w_in, w_out, gu, y)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -143,13 +137,8 @@ def _experts_bwd(static, saved, g_nd):
   x_dt, wg_dt, wu_dt, wo_dt = static.grad_dtypes
   dt, kw = static.dtype, dict(config=static.config, interpret=static.interpret)
   tiles = _tiles(index, static)
-  k = index.slot_nk.shape[1]
-  g_nd = g_nd.astype(jnp.float32)
   gc = g_nd.astype(dt)
-  # Slot s holds assignment assign_s = n k + j (N k when empty: token N, out of range).
-  w_s = jnp.take(w_nk.reshape(-1), index.assign_s, mode="fill", fill_value=0)
-  token_s = index.assign_s // k
-  dw_nk = jnp.einsum("nkd,nd->nk", _take_rows(y, index.slot_nk).astype(jnp.float32), g_nd)
+  w_s, token_s, dw_nk = combine_grad_parts(y, w_nk, index.slot_nk, index.assign_s, g_nd)
   # The combine weight scales the activations (with their recomputation)
   # rather than the gathered rows inside tgmm, which would take them through
   # registers.
@@ -163,7 +152,7 @@ def _experts_bwd(static, saved, g_nd):
     (dgu,) = gate_up_vjp(dh)
   d_wo = gmm_api.tgmm(h_scaled, gc, tiles, rhs_index=token_s, **kw)
   dx_s = gmm_api.gmm(dgu, w_in, tiles, transpose_rhs=True, **kw)
-  dx = jnp.sum(_take_rows(dx_s, index.slot_nk).astype(jnp.float32), axis=1)
+  dx = slot_sums(dx_s, index.slot_nk)
   d_win = gmm_api.tgmm(xc, dgu, tiles, lhs_index=index.source_s, **kw)
   hidden = d_win.shape[-1] // 2
   return (dx.astype(x_dt), dw_nk, d_win[..., :hidden].astype(wg_dt),
