@@ -6,12 +6,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sizes import is_pow2
 
 BACKENDS = ("triton", "mosaic_gpu")
-
-
-def _is_pow2(n) -> bool:
-  return isinstance(n, int) and n > 0 and (n & (n - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +65,10 @@ class GmmConfig:
       value = getattr(self, name)
       if name == "wgrad_block_n" and value is None:
         continue
-      if not _is_pow2(value) or value < 16:
+      if not is_pow2(value) or value < 16:
         raise ValueError(f"GmmConfig.{name}={value!r}; must be a power of two >= 16 "
                          "(Triton tiles are powers of two; tensor cores take 16)")
-    if not _is_pow2(self.wgrad_rows) or self.wgrad_rows < 16:
+    if not is_pow2(self.wgrad_rows) or self.wgrad_rows < 16:
       raise ValueError(f"GmmConfig.wgrad_rows={self.wgrad_rows!r}; must be a power of two "
                        ">= 16 (tensor cores take 16-deep products)")
     if not (isinstance(self.wgrad_stages, int) and self.wgrad_stages >= 1):
@@ -79,7 +76,7 @@ class GmmConfig:
     if not (isinstance(self.group_m, int) and self.group_m >= 1):
       raise ValueError(f"GmmConfig.group_m={self.group_m!r}; must be an int >= 1")
     for name in ("num_warps", "wgrad_warps"):
-      if not _is_pow2(getattr(self, name)) or getattr(self, name) > 16:
+      if not is_pow2(getattr(self, name)) or getattr(self, name) > 16:
         raise ValueError(f"GmmConfig.{name}={getattr(self, name)!r}; must be 1, 2, 4, 8 or 16")
     if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
       raise ValueError(f"GmmConfig.num_stages={self.num_stages!r}; must be an int >= 1")

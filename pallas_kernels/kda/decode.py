@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kda import reference
 from pallas_kernels.kda import inputs
+from pallas_kernels.sizes import is_pow2
 
 DECODE_IMPLEMENTATIONS = ("pallas", "fused", "naive")
 # Tokens per call: the kernel unrolls its token loop, so the step is meant for
@@ -63,7 +64,7 @@ def resolve_decode(implementation: str, t_new: int | None = None, head_k: int | 
   if implementation == "auto":
     platform = jax.default_backend() if platform is None else platform
     multi = t_new is not None and t_new >= 2
-    tiles = head_k is None or _is_pow2(head_k)
+    tiles = head_k is None or is_pow2(head_k)
     return "pallas" if platform == "gpu" and multi and tiles else "fused"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"decode implementation must be 'auto' or one of {DECODE_IMPLEMENTATIONS}, "
@@ -80,10 +81,6 @@ def state_roofline_s(batch: int, heads: int, dk: int, dv: int,
                      bandwidth_bytes_s: float = 3.5e12) -> float:
   """The memory floor of one step: `state_bytes` over `bandwidth_bytes_s` (seconds)."""
   return state_bytes(batch, heads, dk, dv) / bandwidth_bytes_s
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
 
 
 def _validate(q, k, v, g, beta, state, scale):
@@ -193,13 +190,13 @@ def decode_step_pallas(q, k, v, g, beta, state, *, scale: float, block_v: int | 
   b, t_new, h, dk = q.shape
   dv = v.shape[-1]
   bv = min(DEFAULT_BLOCK_V, dv & -dv) if block_v is None else block_v
-  if not (isinstance(bv, int) and _is_pow2(bv) and dv % bv == 0):
+  if not (isinstance(bv, int) and is_pow2(bv) and dv % bv == 0):
     raise ValueError(f"block_v must be a power of two dividing V={dv}, got {block_v!r}")
-  if not _is_pow2(dk):
+  if not is_pow2(dk):
     raise ValueError(f"the pallas decode kernel needs K a power of two (Triton tiles), got "
                      f"K={dk}; use implementation='fused'")
   warps = DEFAULT_NUM_WARPS if num_warps is None else num_warps
-  if not (isinstance(warps, int) and _is_pow2(warps)):
+  if not (isinstance(warps, int) and is_pow2(warps)):
     raise ValueError(f"num_warps must be a power of two, got {num_warps!r}")
   # Triton tiles are powers of two: pad the token axis (never read back).
   # Otherwise the kernel reads the inputs where they lie (free reshapes).

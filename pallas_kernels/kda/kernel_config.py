@@ -27,6 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.sizes import is_pow2
+
 BACKENDS = ("triton", "tpu", "interpret", "tpu_interpret")
 
 # Ways of forming M = (I + A_kk)^-1 in the intra-chunk forward.
@@ -247,11 +249,6 @@ class KernelConfig:
     if self.is_tpu:
       return pl.BlockSpec(memory_space=pltpu.SMEM)
     return pl.BlockSpec((n,), lambda *_: (0,))
-
-
-def is_pow2(n: int) -> bool:
-  """Whether n is a positive power of two (the Pallas tile-size rule here)."""
-  return n > 0 and (n & (n - 1)) == 0
 
 
 def pow2_part(n: int) -> int:
