@@ -71,9 +71,9 @@ class ModelConfig:
   # Router of every MoE layer.
   router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
   # MoE expert path: "buffered" (capacity mode: per-expert buffers of the
-  # router's capacity and one batched matmul; needs router.capacity_factor;
-  # the GPU presets' choice), "ragged" (dropless mode: grouped matmul on
-  # tokens sorted by expert), "dense" (reference).
+  # router's capacity and one batched matmul; needs router.capacity_factor),
+  # "ragged" (dropless mode: grouped matmul on tokens sorted by expert; the
+  # GPU presets' choice, `configs/gpu_base.py`), "dense" (reference).
   moe_impl: str = "ragged"
   # Grouped-matmul backend of the ragged mode: "auto" ("pallas" on NVIDIA
   # GPUs, XLA's ragged_dot elsewhere; see grouped_matmul.resolve_backend),

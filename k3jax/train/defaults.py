@@ -31,7 +31,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   c.top_k = 2                   # experts per token
   c.expert_hidden = 256         # hidden width of each routed / shared expert
   c.num_shared_experts = 1      # always-on experts per MoE FFN
-  c.moe_impl = "ragged"         # routed experts: "ragged" (grouped matmul), "buffered" (capacity buffers; GPU), "dense"
+  c.moe_impl = "ragged"         # routed experts: "ragged" (grouped matmul), "buffered" (capacity buffers), "dense"
   c.moe_grouped_backend = "auto"  # ragged mode's grouped matmul: "auto" ("pallas" on NVIDIA GPUs, else "xla": XLA's ragged_dot), "xla", "tokamax" (opt-in kernel) or "pallas" (ours; also serves buffered)
   c.first_layer_dense = True    # layer 0 uses a dense FFN
   c.dense_hidden = 1024         # hidden width of dense FFNs
