@@ -10,7 +10,8 @@ On the GPU machine, from the repository root:
       python experiments/bench/profile_kda.py --shape=16x2048x16x128
 
 Registers and local-memory (spill) traffic of every kernel, in one pass per
-metric set (docs/benchmarks.md has the figures this gave):
+metric set (the figures this gave: `git show b6f631a:docs/benchmarks.md`,
+"Where the kernel time goes"):
 
   ncu --replay-mode application -k regex:kda_ --launch-count 8 --metrics \\
     gpu__time_duration.sum,launch__registers_per_thread,\\
