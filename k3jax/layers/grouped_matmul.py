@@ -4,16 +4,16 @@ One function, three backends:
 
 - "einsum": capacity layout, [G, c, d] buffers and one batched matmul per
   projection. On the H200 this runs at about the rate of a dense matmul of
-  the same FLOPs (docs/benchmarks.md, "MoE layer"), so capacity mode always
-  uses it.
+  the same FLOPs (docs/benchmarks.md, "MoE layer"), so "auto" picks it for
+  the capacity layout.
 - "xla": ragged layout through `jax.lax.ragged_dot`. Exact and portable, but
   XLA (jax 0.11) expands it to every group for every row on CPU and NVIDIA
   GPUs: G times the work (11x the einsum layer at the gpu_1b shape).
 - "tokamax": ragged layout through tokamax's `ragged_dot` kernel (optional
   extra, `pip install -e ".[tokamax]"`); 2.3x the dense SwiGLU at the gpu_1b
   shape. Opt-in only: its gradients did not match the dense reference in the
-  one H200 run of `tests/test_moe_dispatch.py`'s GPU twin (see
-  docs/benchmarks.md), so "auto" does not pick it.
+  one H200 run of `tests/test_moe_dispatch.py`'s GPU twin, so "auto" does
+  not pick it.
 
 - "pallas": either layout through our own grouped matmuls
   (`pallas_kernels.gmm`, Triton on the GPU, the interpreter elsewhere),
