@@ -344,6 +344,36 @@ def render(out_dir: str, names: list[str] | None = None) -> list[str]:
   return paths
 
 
+@figure("pipeline_bytes.png")
+def pipeline_bytes_figure():
+  """Bytes crossing one pipeline boundary per microbatch, by residual strategy and stage count."""
+  data = _read_json("pipeline_bytes.json")
+  rows = data["rows"]
+  strategies = list(dict.fromkeys(r["residual"] for r in rows))
+  stages = sorted({r["S"] for r in rows})
+  fig, ax = plt.subplots(figsize=(6.5, 3.2))
+  cell = {(r["residual"], r["S"]): r for r in rows}
+  measured = {f"S = {s}": [cell[name, s]["measured_mib"] if (name, s) in cell else None
+                           for name in strategies] for s in stages}
+  bars = _grouped_bars(ax, {label: [np.nan if v is None else v for v in mib]
+                            for label, mib in measured.items()})
+  for s in stages:
+    # A count N labels each bar; a layout the model refuses (blocks across a boundary) says so.
+    labels = [f"{cell[name, s]['N']} x" if (name, s) in cell and "refused" not in cell[name, s]
+              else "" for name in strategies]
+    ax.bar_label(bars[f"S = {s}"], labels, fontsize=7)
+    for bar, name in zip(bars[f"S = {s}"], strategies):
+      if "refused" in cell.get((name, s), {}):
+        ax.annotate("refused", (bar.get_x() + bar.get_width() / 2, 1), ha="center", va="bottom",
+                    fontsize=7, rotation=90)
+  ax.set_xticks(range(len(strategies)), strategies)
+  ax.set(title="bytes sent across a stage boundary (label: tensors of the residual stream)",
+         ylabel="MiB per microbatch, forward", xlabel="residual strategy (8 layers, d 1024, 2048 tokens, f32)")
+  ax.legend(loc="upper left")
+  fig.tight_layout()
+  return fig
+
+
 NOTEBOOKS = ("decay_ablation", "router_ablation", "residual_ablation")
 
 
