@@ -29,6 +29,7 @@ except ImportError:  # optional: a bare accelerator image may lack tqdm; metrics
 
 from k3jax.data import (Tokenizer, load_tokenizer, make_dataset, make_eval_batches, make_iterator,
                         model_segments)
+from k3jax.layers import kda
 from k3jax.models import lm
 from k3jax.parallel.model_layout import ModelLayout
 from k3jax.sharding import rules as rules_lib
@@ -312,7 +313,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
                                                pconf.expert_parallel(sizes["expert"]), layout)
   else:
     model_fn = _given_model(model_fn, layout)
-  if model_cfg.kda.implementation == "pallas" and jax.default_backend() == "cpu":
+  if kda.interprets(model_cfg.kda.implementation):
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                 "use --config.model.kda_implementation=xla for CPU runs")
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
