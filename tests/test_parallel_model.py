@@ -14,6 +14,7 @@ from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
 from k3jax.layers import moe_path
 from k3jax.parallel import context_parallel, layers
+from k3jax.parallel.model_layout import ModelLayout
 from k3jax.sharding import rules
 from k3jax.train import sharded_state
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -52,6 +53,20 @@ def _reference():
   return loss, logits, nnx.state(grads, nnx.Param)
 
 
+def test_the_layout_builds_mesh_aware_layers_with_the_plain_parameters():
+  plain = HybridLM(CONFIG, rngs=nnx.Rngs(0))
+  aware = ModelLayout(mesh_aware_kda=True).build_lm(CONFIG, rngs=nnx.Rngs(0))
+  kinds = [type(m) for _, m in nnx.iter_modules(aware)]
+  assert layers.ContextParallelKDA in kinds and layers.KDA not in kinds
+  got, want = nnx.to_flat_state(nnx.state(aware)), nnx.to_flat_state(nnx.state(plain))
+  assert [p for p, _ in got] == [p for p, _ in want]
+  for (path, a), (_, b) in zip(got, want):
+    np.testing.assert_array_equal(a.get_value(), b.get_value(), err_msg=str(path))
+  ModelLayout(mesh_aware_kda=True).check_built_for(aware)
+  with pytest.raises(ValueError, match="layers/0/mixer must be a k3jax.parallel.layers.ContextParallelKDA"):
+    ModelLayout(mesh_aware_kda=True).check_built_for(plain)
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)])
 def test_sharded_forward_and_gradients_equal_one_device(shape, monkeypatch):
   data, expert, ctx = shape
@@ -59,8 +74,8 @@ def test_sharded_forward_and_gradients_equal_one_device(shape, monkeypatch):
   used = count_calls(monkeypatch, ((moe_path, "expert_parallel_swiglu", "ep"),
                                     (context_parallel, "chunk_kda_context_parallel", "cp")))
 
-  model = layers.parallelize(HybridLM(CONFIG, rngs=nnx.Rngs(0),
-                                      expert_parallel=moe_path.ExpertParallel()))
+  model = HybridLM(CONFIG, rngs=nnx.Rngs(0), expert_parallel=moe_path.ExpertParallel(),
+                   kda_class=layers.ContextParallelKDA)
   graphdef, state = nnx.split(model)
   state = rules.shard_tree(state, mesh)
   tokens = jax.device_put(_tokens(), rules.batch_sharding(mesh))
@@ -135,7 +150,7 @@ def test_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
 def test_train_step_on_a_mesh_equals_one_device():
   tx = optax.adamw(1e-2)
   schedule = optax.constant_schedule(1e-2)
-  model_fn = lambda rngs: HybridLM(CONFIG, rngs=rngs)
+  model_fn = lambda rngs: HybridLM(CONFIG, rngs=rngs, kda_class=layers.ContextParallelKDA)
   tokens = np.asarray(_tokens())
   batch = {"inputs": tokens, "targets": np.roll(tokens, -1, axis=1),
            "mask": np.ones(tokens.shape, np.float32)}

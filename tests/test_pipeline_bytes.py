@@ -11,7 +11,7 @@ from flax import nnx
 from k3jax.models.lm import HybridLM
 from k3jax.parallel import pipeline_bytes
 from k3jax.parallel.pipeline_layout import PipelineLayout
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
+from k3jax.parallel.pipelined_lm import PipelinedLM
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from tests.kda_inputs import assert_close
@@ -74,7 +74,7 @@ def test_full_attnres_forward_equals_one_device():
                     compiler_options=FAST_COMPILE)
   logits_ref = forward(state, tokens)
   mesh = make_mesh(MeshConfig(stage=4, data=2))
-  pipelined = pipeline_parallelize(model, MICRO, stages=4)
+  pipelined = PipelinedLM(model, MICRO, stages=4)
   graphdef, state = nnx.split(pipelined)
   with jax.set_mesh(mesh):
     logits = jax.jit(lambda state, t: nnx.merge(graphdef, state)(t, deterministic=True)[0],

@@ -9,7 +9,7 @@ from flax import nnx
 
 from k3jax.models.lm import HybridLM
 from k3jax.parallel import stage_storage
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
+from k3jax.parallel.pipelined_lm import PipelinedLM
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train import checkpoint
@@ -22,7 +22,7 @@ TX = optax.adamw(1e-3)
 
 def _model(seed: int, stages: int):
   model = HybridLM(CFG, rngs=nnx.Rngs(seed))
-  return model if not stages else pipeline_parallelize(model, 4, stages)
+  return model if not stages else PipelinedLM(model, 4, stages)
 
 
 def _state(seed: int, stages: int, step: int):

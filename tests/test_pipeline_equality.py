@@ -13,8 +13,9 @@ from flax import nnx
 from k3jax.layers import moe_path
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
-from k3jax.parallel import layers, pipeline, stage_storage
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
+from k3jax.parallel import pipeline, stage_storage
+from k3jax.parallel.layers import ContextParallelKDA
+from k3jax.parallel.pipelined_lm import PipelinedLM
 from k3jax.routing.config import RouterConfig
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -61,10 +62,10 @@ def _reference(cfg: ModelConfig):
 
 
 def stacked_state(model: HybridLM, microbatches: int, stages: int):
-  """`model`'s values in the layout of `pipeline_parallelize(model, microbatches, stages)`;
+  """`model`'s values in the layout of `PipelinedLM(model, microbatches, stages)`;
   `model` itself is left as it is."""
   copy = nnx.merge(*nnx.split(model))
-  return nnx.state(pipeline_parallelize(copy, microbatches, stages))
+  return nnx.state(PipelinedLM(copy, microbatches, stages))
 
 
 def _loss_and_grads(graphdef):
@@ -94,8 +95,9 @@ def test_pipeline_equals_one_device(stages, microbatches, residual, experts, axe
   n_devices = stages * np.prod(list(axes.values()))
   mesh = make_mesh(mesh_config, devices=jax.devices()[:n_devices])
   loss_ref, grads_ref, aux_ref, model = _reference(cfg)
-  abstract = nnx.eval_shape(lambda: pipeline_parallelize(layers.parallelize(
-      HybridLM(cfg, rngs=nnx.Rngs(0), expert_parallel=expert_parallel)), microbatches, stages))
+  abstract = nnx.eval_shape(lambda: PipelinedLM(HybridLM(
+      cfg, rngs=nnx.Rngs(0), expert_parallel=expert_parallel, kda_class=ContextParallelKDA),
+      microbatches, stages))
   graphdef = nnx.split(abstract)[0]
   state = rules.shard_tree(stacked_state(model, microbatches, stages), mesh)
   tokens = jax.device_put(_tokens(), rules.batch_sharding(mesh))

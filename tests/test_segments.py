@@ -23,7 +23,7 @@ from k3jax.models import lm
 from k3jax.models.config import ModelConfig
 from k3jax.parallel import context_parallel
 from k3jax.parallel import layers as parallel_layers
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
+from k3jax.parallel.pipelined_lm import PipelinedLM
 from k3jax.routing import RouterConfig
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -258,7 +258,7 @@ def test_buffered_moe_padding_takes_no_capacity():
 
 
 def test_context_axis_refuses_segments():
-  model = parallel_layers.parallelize(lm.HybridLM(_config(), rngs=nnx.Rngs(0)))
+  model = lm.HybridLM(_config(), rngs=nnx.Rngs(0), kda_class=parallel_layers.ContextParallelKDA)
   tokens, ids, _ = _batch()
   mesh = make_mesh(MeshConfig(data=1, context=2), devices=jax.devices()[:2])
   with jax.set_mesh(mesh):
@@ -305,7 +305,7 @@ def test_pipelined_model_carries_segments():
   """Two stages, two microbatches of rows with other documents: every stage's layers get
   their microbatch's documents."""
   plain = lm.HybridLM(_config(layer_pattern="A"), rngs=nnx.Rngs(3))
-  piped = pipeline_parallelize(nnx.merge(*nnx.split(plain)), microbatches=2, stages=2)
+  piped = PipelinedLM(nnx.merge(*nnx.split(plain)), microbatches=2, stages=2)
   tokens, ids, _ = _batch(seed=4)  # 7 rows with other documents than their neighbours'
   tokens, ids = tokens[:6], ids[:6]
   ref_logits, ref_aux = _forward(plain)(tokens, ids)

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.models.lm import HybridLM
 from k3jax.parallel import pipeline_bytes, stage_storage
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
+from k3jax.parallel.pipelined_lm import PipelinedLM
 from k3jax.sharding import rules
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train.optimizer import decay_mask
@@ -23,7 +23,7 @@ CFG = config("block_attnres", 4)  # 4 layers
 def _pair(stages: int = 2):
   """(plain model, the same values pipelined over `stages`)."""
   plain = HybridLM(CFG, rngs=nnx.Rngs(0))
-  return plain, pipeline_parallelize(nnx.merge(*nnx.split(plain)), 4, stages)
+  return plain, PipelinedLM(nnx.merge(*nnx.split(plain)), 4, stages)
 
 
 def test_stacks_hold_every_layer_value_under_the_stage_axis_name():

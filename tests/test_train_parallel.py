@@ -146,11 +146,9 @@ def test_default_rules_match_the_library_and_overrides_apply():
 
 def test_batch_only_mesh_keeps_pallas_kernel_calls_per_device():
   """A data-parallel run with the Pallas KDA path gets the mesh-aware layers (shard_map calls)."""
-  from k3jax.train import trainer  # pylint: disable=g-import-not-at-top
-  config = base_config()
-  sizes = {"data": 2, "fsdp": 1, "expert": 1, "context": 1}
-  config.model.kda_implementation = "pallas"
-  assert trainer._splits_kernel_calls(config, sizes)  # pylint: disable=protected-access
-  assert not trainer._splits_kernel_calls(config, dict(sizes, data=1))  # pylint: disable=protected-access
-  config.model.kda_implementation = "xla"
-  assert not trainer._splits_kernel_calls(config, sizes)  # pylint: disable=protected-access
+  from k3jax.parallel.model_layout import ModelLayout  # pylint: disable=g-import-not-at-top
+  sizes = {"stage": 1, "data": 2, "fsdp": 1, "expert": 1, "context": 1}
+  assert ModelLayout.for_mesh(sizes, "pallas", 1).mesh_aware_kda
+  assert not ModelLayout.for_mesh(dict(sizes, data=1), "pallas", 1).mesh_aware_kda
+  assert not ModelLayout.for_mesh(sizes, "xla", 1).mesh_aware_kda
+  assert ModelLayout.for_mesh(dict(sizes, context=2), "xla", 1).mesh_aware_kda

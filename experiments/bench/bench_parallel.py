@@ -37,9 +37,8 @@ from flax import nnx
 
 from k3jax.layers.moe_path import ExpertParallel
 from k3jax.models.config import ModelConfig
-from k3jax.models.lm import HybridLM
+from k3jax.parallel.model_layout import ModelLayout
 from k3jax.parallel.pipeline_layout import PipelineLayout
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train import sharded_state
 from k3jax.train.step import make_train_step
@@ -114,9 +113,10 @@ def _run(mesh_shape, config):
   slots = FLAGS.dispatch_slot_factor if FLAGS.dispatch_slot_factor > 0 else None
   ep = ExpertParallel(dispatch_slot_factor=slots) if expert > 1 else None
 
-  def model_fn(rngs):
-    model = HybridLM(config, rngs=rngs, moe_impl=FLAGS.moe_impl, expert_parallel=ep)
-    return pipeline_parallelize(model, FLAGS.microbatches, stage) if stage > 1 else model
+  sizes = {"stage": stage, "data": data, "fsdp": 1, "expert": expert, "context": context}
+  layout = ModelLayout.for_mesh(sizes, config.kda.implementation, FLAGS.microbatches)
+  model_fn = lambda rngs: layout.build_lm(config, rngs=rngs, moe_impl=FLAGS.moe_impl,
+                                         expert_parallel=ep)
 
   graphdef, state = sharded_state.create_sharded_train_state(model_fn, tx, 0, mesh)
   step = make_train_step(graphdef, tx, optax.constant_schedule(1e-4))

@@ -38,6 +38,12 @@ from pallas_kernels.kda import decode as kda_decode
 from pallas_kernels.kda.spec import KdaSpec
 
 
+def interprets(implementation: str) -> bool:
+  """Whether a KDA path runs its Pallas kernels emulated: the "pallas" path when the default
+  platform is the CPU, which has no Pallas backend."""
+  return implementation == "pallas" and jax.default_backend() == "cpu"
+
+
 def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array,
                           tap_mask_btw: jax.Array | None = None) -> jax.Array:
   """y[t] = sum_j w[j] * x[t - (W - 1) + j], zeros before the start.
@@ -208,8 +214,8 @@ class KDA(nnx.Module):
 
   @property
   def interpret(self) -> bool:
-    """Pallas kernels run emulated when the default platform is the CPU."""
-    return self.spec.implementation == "pallas" and jax.default_backend() == "cpu"
+    """Pallas kernels run emulated when the default platform is the CPU (`interprets`)."""
+    return interprets(self.spec.implementation)
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
               gate_bias=None, offsets_bm=None):
@@ -337,6 +343,6 @@ class KDA(nnx.Module):
     impl = kda_decode.resolve_decode(self.decode_implementation, t_new, self.head_dim)
     o, state = kda_decode.kda_decode_step(
         q, k, v, g, beta, cache["state"].astype(jnp.float32), implementation=impl,
-        interpret=impl == "pallas" and jax.default_backend() == "cpu")
+        interpret=interprets(impl))
     new_cache["state"] = state
     return self._output(x_btd, o), new_cache

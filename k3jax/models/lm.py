@@ -72,10 +72,10 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | N
   return MoE(moe_config, rngs=rngs)
 
 
-def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs):
+def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs, kda_class: type[KDA]):
   dtype, pdt = config.compute_dtype, config.params_dtype
   if kind == "K":
-    return KDA(config.d_model, config.num_heads, config.head_dim, spec=config.kda,
+    return kda_class(config.d_model, config.num_heads, config.head_dim, spec=config.kda,
                conv_size=config.conv_size, decode_implementation=config.kda_decode, fuse_gate=config.kda_fuse_gate,
                dtype=dtype, param_dtype=pdt, rngs=rngs)
   return CausalSelfAttention(config.d_model, config.num_heads, config.num_kv_heads,
@@ -108,11 +108,12 @@ class DecoderLayer(nnx.Module):
   """One layer: a token mixer and an FFN, each with its own pre-norm."""
 
   def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
-               moe_impl: str | None = None, expert_parallel: ExpertParallel | None = None):
+               moe_impl: str | None = None, expert_parallel: ExpertParallel | None = None,
+               kda_class: type[KDA] = KDA):
     pdt = config.params_dtype
     self.kind = config.layer_types[layer]
     self.mixer_norm = RMSNorm(config.d_model, param_dtype=pdt)
-    self.mixer = _make_mixer(config, self.kind, rngs)
+    self.mixer = _make_mixer(config, self.kind, rngs, kda_class)
     self.ffn_norm = RMSNorm(config.d_model, param_dtype=pdt)
     self.ffn = _make_ffn(config, layer, rngs, moe_impl, expert_parallel)
 
@@ -139,11 +140,14 @@ class HybridLM(nnx.Module):
   "ragged", "buffered" or "dense"); None keeps the config's. `expert_parallel`
   (a `moe_path.ExpertParallel`) makes the MoE layers shard their routed
   experts over its mesh axis when run under a mesh where it is > 1; None
-  runs them on each device's tokens. Neither changes a parameter.
+  runs them on each device's tokens. `kda_class` builds the KDA layers: a
+  subclass of `KDA` that holds the same variables (the mesh-aware
+  `k3jax.parallel.layers.ContextParallelKDA`) changes where their scan runs.
+  None of the three changes a parameter.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe_impl: str | None = None,
-               expert_parallel: ExpertParallel | None = None):
+               expert_parallel: ExpertParallel | None = None, kda_class: type[KDA] = KDA):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"HybridLM needs a ModelConfig, got {type(config)}")
     self.config = config
@@ -151,7 +155,7 @@ class HybridLM(nnx.Module):
     self.embed = logical_param(rngs, jax.nn.initializers.normal(d ** -0.5), (v, d),
                                ("vocab", "embed"), pdt)
     self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, moe_impl=moe_impl,
-                                         expert_parallel=expert_parallel)
+                                         expert_parallel=expert_parallel, kda_class=kda_class)
                             for i in range(config.num_layers)])
     self.residual = make_residual(config.residual, config.num_sublayers, d,
                                   block_size=config.attnres_block_size, param_dtype=pdt)

@@ -2,10 +2,11 @@
 (see docs/sharding.md).
 
 Modules: `config` (ParallelConfig), `context_parallel`, `layers`
-(mesh-aware KDA, `parallelize`); pipeline stages: `pipeline_layout` (the
+(mesh-aware KDA), `model_layout` (the model built for its mesh: which
+KDA layer, how many stages); pipeline stages: `pipeline_layout` (the
 checks and the boundary formula), `pipeline` (the GPipe schedule),
 `pipeline_residual` (a stage's residual stream), `pipelined_lm`
-(`pipeline_parallelize`), `stage_storage` (the layers stacked per stage, and
+(`PipelinedLM`), `stage_storage` (the layers stacked per stage, and
 checkpoints between layouts), `pipeline_bytes` (boundary bytes, predicted and
 measured). Expert parallelism is part of the MoE
 layer's execution path, `k3jax.layers.moe_path`. The mesh and the

@@ -1,16 +1,15 @@
-"""The mesh-aware variant of the KDA layer, and `parallelize(model)`.
+"""The mesh-aware variant of the KDA layer.
 
 The variant changes only where the work runs: under a mesh (`jax.set_mesh`)
 whose context axis is > 1, KDA's chunked scan runs context-parallel. Without
 such a mesh it is the plain layer. Parameters and their names are the same,
-so checkpoints and states are interchangeable with the plain model.
+so checkpoints and states are interchangeable with the plain model. A model
+is built with it: `HybridLM(config, rngs=rngs, kda_class=ContextParallelKDA)`.
 
 The MoE layers need no variant: their execution path, expert-parallel
 included, is chosen when they are built (`k3jax.layers.moe_path`).
 """
 from __future__ import annotations
-
-from flax import nnx
 
 from k3jax.layers.kda import KDA
 from k3jax.parallel import context_parallel
@@ -54,19 +53,3 @@ class ContextParallelKDA(KDA):
         q, k, v, g, beta, mesh=mesh_lib.current_mesh(), initial_state=initial_state,
         output_final_state=output_final_state, spec=self.spec, interpret=self.interpret,
         offsets_bm=offsets_bm, **fused)
-
-
-_SWAPS = ((KDA, ContextParallelKDA),)
-
-
-def parallelize(model: nnx.Module) -> nnx.Module:
-  """Turns every KDA layer of `model` into its mesh-aware variant, in place.
-
-  The variant subclasses the layer and holds the same variables, so the
-  model's state (and any checkpoint of it) is unchanged. Returns `model`.
-  """
-  for _, module in nnx.iter_modules(model):
-    for plain, variant in _SWAPS:
-      if type(module) is plain:  # pylint: disable=unidiomatic-typecheck
-        module.__class__ = variant
-  return model

@@ -26,7 +26,7 @@ from flax import nnx
 from k3jax.models.config import ModelConfig
 from k3jax.models.lm import HybridLM
 from k3jax.parallel.pipeline_layout import PipelineLayout
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
+from k3jax.parallel.pipelined_lm import PipelinedLM
 from k3jax.parallel.stage_storage import PLAIN, STACKED
 from k3jax.sharding import rules as rules_lib
 from k3jax.sharding.mesh import MeshConfig, make_mesh
@@ -67,7 +67,7 @@ def measured_boundary_bytes(config: ModelConfig, layout: PipelineLayout, *, batc
   layout.check_batch(batch, 1)
   mesh = make_mesh(MeshConfig(stage=layout.stages, data=1),
                    devices=jax.devices()[:layout.stages])
-  abstract = nnx.eval_shape(lambda: pipeline_parallelize(HybridLM(config, rngs=nnx.Rngs(0)),
+  abstract = nnx.eval_shape(lambda: PipelinedLM(HybridLM(config, rngs=nnx.Rngs(0)),
                                                           layout.microbatches, layout.stages))
   graphdef, state = nnx.split(abstract)
 
@@ -92,7 +92,7 @@ def state_bytes_per_device(config: ModelConfig, stages: int, tx, *,
 
   def build():
     model = HybridLM(config, rngs=nnx.Rngs(0))
-    return pipeline_parallelize(model, 1, stages) if stages > 1 else model
+    return PipelinedLM(model, 1, stages) if stages > 1 else model
 
   params = nnx.state(nnx.eval_shape(build), nnx.Param)
   tree = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}

@@ -1,16 +1,16 @@
 """HybridLM with its layer stack pipelined over the mesh's stage axis.
 
-    model = pipeline_parallelize(HybridLM(config, rngs=rngs), microbatches=8, stages=2)
+    model = PipelinedLM(HybridLM(config, rngs=rngs), microbatches=8, stages=2)
     with jax.set_mesh(mesh):                  # a mesh whose stage axis is 2
       logits_btv, aux = model(tokens_bt)
 
-`pipeline_parallelize` makes the model a `PipelinedLM` in place and stores its
-layers stacked per stage (`stage_storage`): local layer j holds layers j,
+`PipelinedLM` is built from a plain model's variables and stores its layers
+stacked per stage (`stage_storage`): local layer j holds layers j,
 L/S + j, ... with a leading dim S that the sharding rules put on the stage
 axis, so each stage's devices hold only that stage's layers and their
 optimizer moments. The other variables (embedding, head, residual queries)
-are unchanged. Checkpoints move between stage counts and to the plain model
-(`k3jax.train.checkpoint`).
+are the plain model's. Checkpoints move between stage counts and to the plain
+model (`k3jax.train.checkpoint`).
 
 Under a mesh whose stage axis is S, `__call__` embeds the batch, cuts it
 into microbatches, runs the layers on the GPipe schedule (`pipeline.gpipe`,
@@ -51,12 +51,30 @@ def _shard(x, axes):
 class PipelinedLM(HybridLM):
   """HybridLM whose layers are stored stacked per stage and pipelined under a mesh with stages.
 
-  `pipeline_stages` (S) and `pipeline_microbatches` (M) are set by
-  `pipeline_parallelize`; `stage_layers` holds the L / S stacked layers.
+  Built from a plain `HybridLM` (`model`, whose variables it takes over: build
+  the plain model for this alone) for `stages` (S) stages and `microbatches`
+  (M) microbatches; `stage_layers` holds the L / S stacked layers, same values.
+
+  Raises:
+    ValueError: the counts are not positive ints, `model` is not a plain
+      HybridLM, or its layers do not split into `stages` equal stages
+      (`PipelineLayout.check_model` names the fix).
   """
 
-  pipeline_stages: int = 1
-  pipeline_microbatches: int = 1
+  def __init__(self, model: HybridLM, microbatches: int, stages: int):
+    layout = PipelineLayout(stages=stages, microbatches=microbatches)
+    if type(model) is not HybridLM:  # pylint: disable=unidiomatic-typecheck
+      raise ValueError(f"PipelinedLM needs a plain HybridLM, got {type(model).__name__}")
+    layout.check_model(model.config)
+    # The plain model's attributes in its order, `stage_layers` in place of `layers`.
+    for name, value in vars(model).items():
+      if name == "layers":
+        continue
+      if not name.startswith("_"):
+        setattr(self, name, value)
+    self.stage_layers = stage_storage.stack_layers(list(model.layers), stages)
+    self.pipeline_stages = stages
+    self.pipeline_microbatches = microbatches
 
   def _layer_modules(self):
     """The L layers in order, each read from its stack (slice s of stack j is layer s L/S + j)."""
@@ -83,34 +101,13 @@ class PipelinedLM(HybridLM):
     if stages != self.pipeline_stages:
       raise ValueError(
           f"the model stores its layers for {self.pipeline_stages} pipeline stages and the mesh "
-          f"has {stages}: build it with pipeline_parallelize(..., stages={stages}) (a checkpoint "
+          f"has {stages}: build it with PipelinedLM(..., stages={stages}) (a checkpoint "
           "restores under any stage count)")
     layout = PipelineLayout(stages=stages, microbatches=self.pipeline_microbatches)
     segments = segments_lib.for_tokens(tokens_bt, segment_ids, max_segments)
     final_btd, aux = pipelined_layers(self, tokens_bt, layout, deterministic=deterministic,
                                       segments=segments)
     return self._logits(final_btd), aux
-
-
-def pipeline_parallelize(model: HybridLM, microbatches: int, stages: int) -> PipelinedLM:
-  """Makes `model` a `PipelinedLM` of `stages` stages and `microbatches` microbatches, in
-  place, its layers stacked per stage (same values); returns it.
-
-  Raises:
-    ValueError: the counts are not positive ints, or the model's layers do not
-      split into `stages` equal stages (`PipelineLayout.check_model` names the fix).
-  """
-  layout = PipelineLayout(stages=stages, microbatches=microbatches)
-  if not isinstance(model, HybridLM) or isinstance(model, PipelinedLM):
-    raise ValueError(f"pipeline_parallelize needs a plain HybridLM, got {type(model).__name__}")
-  layout.check_model(model.config)
-  stacked = stage_storage.stack_layers(list(model.layers), stages)
-  del model.layers
-  model.__class__ = PipelinedLM
-  model.stage_layers = stacked
-  model.pipeline_stages = stages
-  model.pipeline_microbatches = microbatches
-  return model
 
 
 def _stage_residual(config, layout: PipelineLayout) -> StageResidual:
@@ -131,7 +128,7 @@ def pipelined_layers(model: PipelinedLM, tokens_bt: jax.Array, layout: PipelineL
 
   Args:
     model: the model (its variables, possibly traced), whose layers
-      `pipeline_parallelize` checked and stacked for `layout.stages` stages.
+      `PipelinedLM` checked and stacked for `layout.stages` stages.
     tokens_bt: [B, T] int; B divisible by the microbatches.
     layout: stages (the mesh's stage axis) and microbatches.
     deterministic: passed to the FFNs.

@@ -4,8 +4,9 @@
 value and what is allowed for: unknown keys (with a did-you-mean, or the level
 where a misplaced field lives), missing keys, wrong types, out-of-range values
 and unsafe combinations. It returns the `ModelConfig`.
-`parallel_config(config, num_devices)` repeats the mesh checks with the
-device count known (an axis of -1 resolved) and returns the `ParallelConfig`.
+`parallel_config(config, num_devices)` runs the same checks, the mesh's also
+with the device count known (an axis of -1 resolved), and returns the
+`ParallelConfig`.
 `unknown_field_message(dotted)` explains a `--config.a.b` override that names
 no field.
 """
@@ -185,6 +186,13 @@ def _check_model_keys(model_section: Mapping[str, Any]) -> None:
 def validate(config: Any):
   """Validates a full training config; returns the built `ModelConfig`. Raises ConfigError."""
   c = _to_plain(config)
+  model_cfg = _check_fields(c)
+  _check_parallel(c, model_cfg, num_devices=None)
+  return model_cfg
+
+
+def _check_fields(c: Mapping[str, Any]):
+  """Every check of `validate` but the mesh's; returns the built `ModelConfig`."""
   _check_keys(c, [*TOP_LEVEL, "parallel"], "", require_all=False)
   _check_keys({k: v for k, v in c.items() if k != "parallel"}, TOP_LEVEL, "")
   _check_types(c, {**TOP_LEVEL, "parallel": dict}, "")
@@ -238,7 +246,6 @@ def validate(config: Any):
   _require(model_cfg.vocab_size >= data_vocab,
            f"config model.vocab_size={model_cfg.vocab_size} is smaller than the data's vocabulary "
            f"{data_vocab} (data.kind={d['kind']!r})")
-  _check_parallel(c, model_cfg, num_devices=None)
   return model_cfg
 
 
@@ -267,9 +274,11 @@ def _check_documents(d: Mapping[str, Any], parallel: Mapping[str, Any]) -> None:
 def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
   """Checks `c["parallel"]` against the batch, sequence and model; returns (ParallelConfig, sizes).
 
-  With `num_devices` None an axis of -1 is unknown and only the fixed axes
-  are checked; with a count, -1 is resolved and the sizes must use exactly
-  that many devices. `sizes` maps every mesh axis to its size (-1 if unknown).
+  The fixed axes are checked first (an axis of -1 unknown), so that an error
+  names the field before the device count. With `num_devices`, -1 is then
+  resolved, the sizes must use exactly that many devices, and the checks run
+  on the resolved sizes if they differ. `sizes` maps every mesh axis to its
+  size (-1 if unknown).
   """
   section = c.get("parallel") or {}
   _check_keys(section, PARALLEL, "parallel.", require_all=False)
@@ -282,10 +291,22 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
   try:
     pconf = pconfig_lib.ParallelConfig.from_trainer_config(section)
     sizes = dict(zip(mesh_lib.AXES, pconf.mesh.sizes()))
-    if num_devices is not None:
-      sizes = dict(zip(mesh_lib.AXES, mesh_lib.resolve_sizes(pconf.mesh, num_devices)))
   except ValueError as e:
     raise ConfigError(f"config parallel: {e}") from None
+  _check_sizes(c, model_cfg, pconf, sizes)
+  if num_devices is None:
+    return pconf, sizes
+  try:
+    resolved = dict(zip(mesh_lib.AXES, mesh_lib.resolve_sizes(pconf.mesh, num_devices)))
+  except ValueError as e:
+    raise ConfigError(f"config parallel: {e}") from None
+  if resolved != sizes:  # an axis of -1, now known
+    _check_sizes(c, model_cfg, pconf, resolved)
+  return pconf, resolved
+
+
+def _check_sizes(c: Mapping[str, Any], model_cfg, pconf, sizes: dict) -> None:
+  """The mesh of axis `sizes` (-1: unknown) against the batch, sequence and model."""
 
   def product(axes) -> int:  # over the known sizes; an unresolved -1 counts as 1
     return math.prod(max(sizes[a], 1) for a in axes)
@@ -340,7 +361,6 @@ def _check_parallel(c: Mapping[str, Any], model_cfg, num_devices: int | None):
   _require(model_cfg.d_model % n_embed == 0,
            f"config model.d_model={model_cfg.d_model} must be divisible by the mesh axes that shard "
            f"it (parallel.rules.embed: {show(embed_axes)}, product {n_embed})")
-  return pconf, sizes
 
 
 @_as_config_error
@@ -350,6 +370,7 @@ def parallel_config(config: Any, num_devices: int):
   Returns:
     (ModelConfig, ParallelConfig, {axis: resolved size}).
   """
-  model_cfg = validate(config)
-  pconf, sizes = _check_parallel(_to_plain(config), model_cfg, num_devices=num_devices)
+  c = _to_plain(config)
+  model_cfg = _check_fields(c)
+  pconf, sizes = _check_parallel(c, model_cfg, num_devices=num_devices)
   return model_cfg, pconf, sizes

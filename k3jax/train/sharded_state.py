@@ -6,64 +6,52 @@
     with jax.set_mesh(mesh):
       state, metrics = step(state, shard_batch(batch, mesh))
 
-`model_fn` is wrapped with `layers.parallelize`, so KDA layers take their
-context-parallel path whenever the step runs under a mesh whose context axis
-is > 1. MoE layers choose their expert-parallel path when `model_fn` builds
-them (`HybridLM(..., expert_parallel=...)`, `k3jax.layers.moe_path`).
+`model_fn` builds the model for the mesh: KDA layers that take their
+context-parallel path (`HybridLM(..., kda_class=ContextParallelKDA)`), MoE
+layers their expert-parallel one (`HybridLM(..., expert_parallel=...)`,
+`k3jax.layers.moe_path`), stages (`PipelinedLM`); `k3jax.parallel.model_layout`
+chooses them from the mesh.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from k3jax.parallel import layers
-from k3jax.parallel.pipelined_lm import pipeline_parallelize
 from k3jax.sharding import rules as rules_lib
-from k3jax.train.state import TrainState
-
-
-def parallel_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module]
-                      ) -> Callable[[nnx.Rngs], nnx.Module]:
-  """`model_fn` whose KDA layers are the mesh-aware variant."""
-  return lambda rngs: layers.parallelize(model_fn(rngs))
-
-
-def pipelined_model_fn(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int,
-                       stages: int) -> Callable[[nnx.Rngs], nnx.Module]:
-  """`model_fn` whose layers are stored per stage and run on the pipeline schedule under a
-  mesh with `stages` stages (`k3jax.parallel.pipelined_lm`)."""
-  return lambda rngs: pipeline_parallelize(model_fn(rngs), microbatches, stages)
+from k3jax.train.state import TrainState, initial_state
 
 
 def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],
                                tx: optax.GradientTransformation, seed: int, mesh: Mesh,
-                               rules: rules_lib.Rules = rules_lib.DEFAULT_RULES
-                               ) -> tuple[nnx.GraphDef, TrainState]:
+                               rules: rules_lib.Rules = rules_lib.DEFAULT_RULES, *,
+                               shardings: Any = None) -> tuple[nnx.GraphDef, TrainState]:
   """Initialises a TrainState directly in its sharded layout (no full replica first).
 
   Parameters and optimizer moments are sharded by the parameters' logical
-  names; step, RNG and unnamed state are replicated.
+  names; step, RNG and unnamed state are replicated. `model_fn` builds the
+  model for the mesh (`k3jax.parallel.model_layout`). `shardings`, when the
+  caller has them (`rules.tree_shardings` of the abstract state), saves
+  tracing the initialisation once more to find them.
 
   Returns:
-    (graphdef of the mesh-aware model, TrainState on `mesh`).
+    (graphdef of the model, TrainState on `mesh`).
   """
-  model_fn = parallel_model_fn(model_fn)
+  graphdefs = []
 
   def init() -> TrainState:
-    _, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                      opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
+    graphdef, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
+    graphdefs.append(graphdef)  # static: the same at every trace
+    return initial_state(params, model_state, tx, seed)
 
-  abstract = jax.eval_shape(init)
-  graphdef = nnx.split(nnx.eval_shape(lambda: model_fn(nnx.Rngs(seed))), nnx.Param, ...)[0]
-  shardings = rules_lib.tree_shardings(abstract, mesh, rules)
-  return graphdef, jax.jit(init, out_shardings=shardings)()
+  if shardings is None:
+    shardings = rules_lib.tree_shardings(jax.eval_shape(init), mesh, rules)
+  state = jax.jit(init, out_shardings=shardings)()
+  return graphdefs[0], state
 
 
 def full_shardings(shardings: Any, tree: Any) -> Any:

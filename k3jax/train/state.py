@@ -29,6 +29,21 @@ class TrainState:
   rng: jax.Array
 
 
+def initial_state(params: Any, model_state: Any, tx: optax.GradientTransformation,
+                  seed: int) -> TrainState:
+  """The TrainState at step 0 of a model split into (params, model_state)."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
+                    opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
+
+
+def abstract_train_state(abstract_model: nnx.Module, tx: optax.GradientTransformation,
+                         seed: int) -> TrainState:
+  """The shapes and dtypes of the initial TrainState of `abstract_model` (from
+  `nnx.eval_shape`), without building the model again."""
+  _, params, model_state = nnx.split(abstract_model, nnx.Param, ...)
+  return jax.eval_shape(lambda p, m: initial_state(p, m, tx, seed), params, model_state)
+
+
 def create_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
                        seed: int, *, sharding: jax.sharding.Sharding | None = None
                        ) -> tuple[nnx.GraphDef, TrainState]:
@@ -38,8 +53,7 @@ def create_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.Gra
   runs in one process, where one jitted init program would recompile each time.
   """
   graphdef, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                     opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
+  state = initial_state(params, model_state, tx, seed)
   if sharding is not None:
     state = place(state, sharding)
   return graphdef, state

@@ -29,7 +29,9 @@ except ImportError:  # optional: a bare accelerator image may lack tqdm; metrics
 
 from k3jax.data import (Tokenizer, load_tokenizer, make_dataset, make_eval_batches, make_iterator,
                         model_segments)
+from k3jax.layers import kda
 from k3jax.models import lm
+from k3jax.parallel.model_layout import ModelLayout
 from k3jax.sharding import rules as rules_lib
 from k3jax.train import data_state
 from k3jax.train import report
@@ -41,7 +43,7 @@ from k3jax.train.cli_errors import InputError, SaveFailedError, os_cause
 from k3jax.train.config_schema import ConfigError, parallel_config
 from k3jax.train.metrics import MetricWriter, drop_superseded
 from k3jax.train.optimizer import make_optimizer
-from k3jax.train.state import create_train_state, param_count
+from k3jax.train.state import abstract_train_state, create_train_state, param_count
 from k3jax.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -78,10 +80,25 @@ def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int, max_segme
           make_eval_step(graphdef, max_segments=max_segments))
 
 
-def _default_model(model_cfg, seq_len: int, expert_parallel
+def _default_model(model_cfg, seq_len: int, expert_parallel, layout: ModelLayout
                    ) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
   fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
-  return (lambda rngs: lm.HybridLM(model_cfg, rngs=rngs, expert_parallel=expert_parallel)), fpt
+  return (lambda rngs: layout.build_lm(model_cfg, rngs=rngs, expert_parallel=expert_parallel)), fpt
+
+
+def _given_model(model_fn: Callable[[nnx.Rngs], nnx.Module], layout: ModelLayout
+                 ) -> Callable[[nnx.Rngs], nnx.Module]:
+  """A given `model_fn` built for `layout`: pipelined under stages; its KDA layers must be
+  mesh-aware where the layout needs them. A model that cannot be is a config error."""
+  def build(rngs):
+    try:
+      model = layout.pipelined(model_fn(rngs))
+      layout.check_built_for(model)
+    except ValueError as e:
+      raise ConfigError(f"config parallel: {e}") from None
+    return model
+
+  return build
 
 
 class _NoBar:
@@ -119,26 +136,6 @@ def _needs_sharded_state(abstract_model: nnx.Module, mesh: Mesh, pconf, sizes: d
     return True
   shardings = rules_lib.tree_shardings(nnx.state(abstract_model), mesh, pconf.rules)
   return any(s.spec != P() for s in jax.tree.leaves(shardings))
-
-
-def _splits_kernel_calls(config: Any, sizes: dict) -> bool:
-  """Whether a batch-only mesh still needs the mesh-aware layers: the compiler cannot split a
-  Pallas kernel call over the batch, so the KDA layers must call it inside `shard_map`."""
-  batch_devices = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-  return config.model.kda_implementation == "pallas" and batch_devices > 1
-
-
-def _pipelined(model_fn: Callable[[nnx.Rngs], nnx.Module], microbatches: int, stages: int):
-  """`model_fn` on the pipeline schedule; a model that is not a HybridLM is a config error."""
-  pipelined = sharded_state.pipelined_model_fn(model_fn, microbatches, stages)
-
-  def build(rngs):
-    try:
-      return pipelined(rngs)
-    except ValueError as e:
-      raise ConfigError(f"config parallel.stages > 1: {e}") from None
-
-  return build
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -223,7 +220,9 @@ def train_and_evaluate(config: Any, workdir: str, *,
     workdir: run directory.
     model_fn: optional `rngs -> nnx.Module` replacing `HybridLM(config.model)`; the
       module maps tokens [B, T] to (float32 logits [B, T, V], aux dict). Its MoE layers,
-      if any, run expert-parallel only if it builds them so (`moe_path.ExpertParallel`).
+      if any, run expert-parallel only if it builds them so (`moe_path.ExpertParallel`);
+      its KDA layers must be `ContextParallelKDA` on a mesh that needs them (else a
+      ConfigError); under stages it must be a plain HybridLM, built into a `PipelinedLM`.
     flops_per_token: training FLOPs per token for MFU when `model_fn` is given.
     hooks: callables `hook(step, host_metrics)` run after every step (forces a
       host sync per step; meant for tests and notebooks).
@@ -306,11 +305,15 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   devices = _devices(config, nproc)
   # Every check, the mesh's included, runs before anything is computed.
   model_cfg, pconf, sizes = parallel_config(config, len(devices))
+  # The model's layout is chosen here, once: the MoE layers' path (expert-parallel when the
+  # mesh shards the experts), the KDA layers' (mesh-aware) and the pipeline stages.
+  layout = ModelLayout.for_mesh(sizes, model_cfg.kda.implementation, pconf.microbatches)
   if model_fn is None:
-    # The MoE layers' path is chosen here, once: expert-parallel when the mesh shards the experts.
     model_fn, flops_per_token = _default_model(model_cfg, config.seq_len,
-                                               pconf.expert_parallel(sizes["expert"]))
-  if model_cfg.kda.implementation == "pallas" and jax.default_backend() == "cpu":
+                                               pconf.expert_parallel(sizes["expert"]), layout)
+  else:
+    model_fn = _given_model(model_fn, layout)
+  if kda.interprets(model_cfg.kda.implementation):
     log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
                 "use --config.model.kda_implementation=xla for CPU runs")
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -335,23 +338,16 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
                 for b in make_eval_batches(dataset, config.data, batch_size=config.batch_size,
                                            seq_len=config.seq_len, num_batches=config.eval_batches)]
 
-  run_model_fn = model_fn
   # Models are built outside `jax.set_mesh`: under a mesh, parameters would be
   # created with eager sharding constraints; placement is done explicitly here.
   abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   if model_segments(config.data, config.seq_len) is not None:
     _check_takes_segments(abstract)
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
-  if sharded or _splits_kernel_calls(config, sizes):
-    model_fn = sharded_state.parallel_model_fn(model_fn)
-  if sizes["stage"] > 1:
-    model_fn = _pipelined(model_fn, pconf.microbatches, sizes["stage"])
-  if model_fn is not run_model_fn:
-    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(config.seed)))
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
                                         config.num_steps, model_segments(config.data, config.seq_len))
-  abstract_state = jax.eval_shape(lambda: create_train_state(model_fn, tx, config.seed)[1])
+  abstract_state = abstract_train_state(abstract, tx, config.seed)
   return _Build(config=config, workdir=workdir, nproc=nproc, ndev=len(devices), pconf=pconf,
                 sizes=sizes, model_fn=model_fn, flops_per_token=flops_per_token, ckpt_dir=ckpt_dir,
                 resuming=resuming, dataset=dataset, tokenizer=tokenizer, data_it=data_it, eval_set=eval_set, mesh=mesh,
@@ -469,7 +465,7 @@ def _initial_state(run: _Build, ckpt: Checkpointer, restored):
   if run.sizes["fsdp"] > 1 or run.sizes["stage"] > 1:
     # ZeRO-3 or stage-local layers: initialised in the sharded layout, never as a full replica.
     return sharded_state.create_sharded_train_state(run.model_fn, run.tx, config.seed, run.mesh,
-                                                    run.pconf.rules)[1]
+                                                    run.pconf.rules, shardings=run.shardings)[1]
   # No fsdp: each device holds a full replica of all but the experts anyway, so the
   # eager one-device initialisation (no init program to compile) is placed instead.
   return sharded_state.place(create_train_state(run.model_fn, run.tx, config.seed)[1], run.shardings)
