@@ -64,3 +64,35 @@ def write(path: str, tables: dict, *, peer_or_base: str, **extra) -> None:
   with open(path, "w", encoding="utf-8") as f:
     json.dump(record(tables, peer_or_base=peer_or_base, **extra), f, indent=1, allow_nan=False)
     f.write("\n")
+
+
+def cell(text: str):
+  """A printed cell as JSON: a number where it is one, else the text ("1.00 / 1.35" stays text)."""
+  try:
+    return float(text)
+  except ValueError:
+    return text
+
+
+class Tables:
+  """Markdown tables printed a row at a time and kept, as `write` takes them, for `--json`.
+
+  `tables` is {name: {"columns": [...], "rows": [{column: cell}]}}; a row
+  belongs to the table started last.
+  """
+
+  def __init__(self):
+    self.tables: dict = {}
+
+  def start(self, name: str, columns) -> None:
+    """Prints the header row of table `name` (the heading above it is the caller's)."""
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|", flush=True)
+    self.tables[name] = {"columns": list(columns), "rows": []}
+
+  def row(self, cells) -> None:
+    """Prints one row of the table started last and keeps its cells."""
+    texts = [str(c) for c in cells]
+    print("| " + " | ".join(texts) + " |", flush=True)
+    table = next(reversed(self.tables.values()))
+    table["rows"].append(dict(zip(table["columns"], map(cell, texts))))
