@@ -74,6 +74,19 @@ def cell(text: str):
     return text
 
 
+def _cells(line: str) -> list[str]:
+  return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def parse_table(text: str) -> dict:
+  """{"columns", "rows"} of a markdown table printed whole (header, separator, rows); lines
+  not starting with "|" are passed over."""
+  lines = [line for line in text.splitlines() if line.strip().startswith("|")]
+  columns = _cells(lines[0])
+  return {"columns": columns,
+          "rows": [dict(zip(columns, map(cell, _cells(line)))) for line in lines[2:]]}
+
+
 class Tables:
   """Markdown tables printed a row at a time and kept, as `write` takes them, for `--json`.
 
