@@ -4,7 +4,9 @@ The scripts under experiments/bench print markdown tables; with `--json=PATH`
 they also write the same rows here, together with the command line, the
 device, the commit of the tree and what the rows are measured against (the
 peer or the base). docs/data/*.json hold the published tables in this form
-and experiments/render_docs.py draws the figures from them.
+and experiments/render_docs.py draws the figures from them. `Tables` prints
+a table a row at a time and keeps its rows; `parse_table` reads a table
+printed whole.
 """
 from __future__ import annotations
 
