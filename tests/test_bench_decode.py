@@ -1,4 +1,5 @@
 """experiments/bench/bench_decode.py on tiny shapes (a smoke test; CPU times mean nothing)."""
+import json
 import math
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ def test_tilings_parse():
     bench_decode.parse_tilings(["32x4"])
 
 
-def test_layer_and_model_tables(capsys):
+def test_layer_and_model_tables(capsys, tmp_path):
   tiny = bench_decode.PRESETS["tiny"]
   rows = bench_decode.layer_table([2], [1, 3], ["naive", "fused", "pallas"], [(8, 2)],
                                   heads=tiny["heads"], head_dim=tiny["head_dim"],
@@ -39,3 +40,9 @@ def test_layer_and_model_tables(capsys):
   assert all(_finite_positive(r, ("ms", "tok_s", "ratio")) for r in model_rows)
   out = capsys.readouterr().out
   assert "| impl | B | T_new | us/step |" in out and "| kda_decode | B | ms/step |" in out
+  bench_decode.write_json(str(tmp_path / "decode.json"))
+  record = json.loads((tmp_path / "decode.json").read_text())
+  assert record["command"].startswith("python ") and record["peer_or_base"].startswith("base:")
+  tables = record["tables"]
+  assert len(tables["layer"]["rows"]) == len(rows) and len(tables["model"]["rows"]) == 2
+  assert "tok/s" in tables["layer"]["columns"] and tables["model"]["rows"][0]["ratio vs first"] == 1.0

@@ -1,4 +1,5 @@
 """experiments/bench/bench_kda_memory.py: its policy column and one interpreted row (CPU)."""
+import json
 import os
 import sys
 import types
@@ -13,11 +14,19 @@ def test_default_column_names_the_segments_of_the_policy():
   assert bench_kda_memory.default_choice(1, 2 ** 15, 16, 128) == (1, 2 ** 15 * 16 * 1792)
 
 
-def test_one_row_runs_interpreted():
+def test_one_row_runs_interpreted(tmp_path):
+  rows = []
   for policy in ("default", "recompute"):
     row = bench_kda_memory.measure(1, 64, 2, 16, policy, iters=1, lower_bound=-5.0)
     assert "error" not in row, row
     assert row["finite"] and row["compiled"] > 0 and row["ms"] > 0
+    rows.append((64, 2 ** 20, 1, policy, row))
+  bench_kda_memory.table(rows, str(tmp_path / "memory.json"))
+  record = json.loads((tmp_path / "memory.json").read_text())
+  assert record["command"].startswith("python ") and record["peer_or_base"].startswith("none")
+  (table,) = record["tables"].values()
+  assert [r["policy"] for r in table["rows"]] == ["default", "recompute"]
+  assert "fwd+bwd ms" in table["columns"] and table["rows"][0]["outputs finite"] == "True"
 
 
 def test_calls_in_flight_fit_beside_the_arguments():

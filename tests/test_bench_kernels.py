@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments" / "be
 import bench_kernels  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from pallas_kernels.tools import bench  # pylint: disable=wrong-import-position
+from pallas_kernels.tools import bench_json  # pylint: disable=wrong-import-position
 from pallas_kernels.kda import kernel_config  # pylint: disable=wrong-import-position
 
 
@@ -101,6 +102,11 @@ def test_tuning_grid_and_table():
   # A row of stages outside both sums (tune_kda --stages=diag_fwd,diag_bwd) has no sums.
   only_diag = bench.stage_table([("e", {"diag_fwd": 0.2, "diag_bwd": 0.4})]).splitlines()[2]
   assert only_diag == "| e | 0.200* | 0.400* | - | - |"
+  # tune_kda --json: the same table as rows, numbers without the stars.
+  parsed = bench_json.parse_table(text.replace("*", ""))
+  assert parsed["columns"][0] == "config" and "fwd sum" in parsed["columns"]
+  assert parsed["rows"][0]["intra_fwd"] == 4.0 and parsed["rows"][0]["intra_bwd_cc"] == "-"
+  assert parsed["rows"][2]["cumsum"].startswith("failed: ValueError")
 
 
 @pytest.mark.parametrize("block_v", [12, 128, 0])

@@ -20,6 +20,7 @@ On the GPU machine, from the repository root:
 
   python experiments/bench/bench_cumsum.py --shapes=16x2048x16x128,1x32768x16x128
   python experiments/bench/bench_cumsum.py --block_f=128 --warps=8   # a block / warp variant
+  python experiments/bench/bench_cumsum.py ... --json=/tmp/cumsum.json   # the rows as JSON too
 
 Every pass runs on in-range gates, as in training: the clamp's mask is then
 neither written nor read.
@@ -46,6 +47,8 @@ _ITERS = flags.DEFINE_integer("iters", 20, "Calls per timing round.")
 _LOWER_BOUND = flags.DEFINE_float("lower_bound", -5.0, "g_min of the clamp and the fused gate.")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Emulate the kernels at a tiny shape (CPU "
                                "smoke run; the times mean nothing).")
+_JSON = flags.DEFINE_string("json", "", "Also write every table's rows, the command line, device "
+                            "and commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 
 def main(argv):
@@ -53,6 +56,7 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   from pallas_kernels import timing  # pylint: disable=g-import-not-at-top
   from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.tools import bench_json  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import kernel_config  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import platform_lowering  # pylint: disable=g-import-not-at-top
 
@@ -62,6 +66,7 @@ def main(argv):
   overrides = {"num_warps": (("cumsum", _WARPS.value),)} if _WARPS.value else None
   print(f"device: {jax.devices()[0].device_kind}; block_f={_BLOCK_F.value or 'default'}, "
         f"warps={_WARPS.value or 'default'}")
+  tables = bench_json.Tables()  # one per shape
   for b, t, h, k in shapes:
     backend = platform_lowering.host_backend(_INTERPRET.value)
     if backend is None:
@@ -77,10 +82,14 @@ def main(argv):
       times[name] = timing.pipelined_ms(lambda: fn(*args), jax.block_until_ready,
                                         iters=_ITERS.value, rounds=5, warmup=3)
     print(f"\nB{b} T{t} H{h} K{k} (gate [B, T, H*K] f32, {4 * b * t * h * k / 1e6:.0f} MB)")
-    print(f"| pass | ms | TB/s | x xla_copy |\n|---|---|---|---|")
+    tables.start(f"B{b} T{t} H{h} K{k}", ["pass", "ms", "TB/s", "x xla_copy"])
     for name, (_, _, nbytes) in table.items():
       ms = times[name]
-      print(f"| {name} | {ms:.4f} | {nbytes / ms / 1e9:.2f} | {ms / times['xla_copy']:.2f} |")
+      tables.row([name, f"{ms:.4f}", f"{nbytes / ms / 1e9:.2f}", f"{ms / times['xla_copy']:.2f}"])
+  if _JSON.value:
+    bench_json.write(_JSON.value, tables.tables, peer_or_base=(
+        "base: xla_copy, an XLA elementwise pass over the same array in the same call"))
+    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":

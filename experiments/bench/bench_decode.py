@@ -4,6 +4,7 @@
   python experiments/bench/bench_decode.py --tokens=1,4 --pallas=16:4,32:4,64:4,128:8 --model=none
   python experiments/bench/bench_decode.py --nolayer                 # the model table only
   python experiments/bench/bench_decode.py --preset=tiny --batches=1,2 --steps=4 --pallas=8:4   # CPU smoke
+  python experiments/bench/bench_decode.py ... --json=/tmp/decode.json   # the rows as JSON too
 
 Layer table: one KDA layer's state step (`kda_decode_step`) for each
 implementation, B and T_new, timed as a jitted `lax.scan` of `--steps` steps
@@ -41,6 +42,7 @@ from k3jax.models import lm  # noqa: E402
 from k3jax.models.config import ModelConfig  # noqa: E402
 from pallas_kernels import timing  # noqa: E402
 from pallas_kernels.kda import decode  # noqa: E402
+from pallas_kernels.tools import bench_json  # noqa: E402
 
 # Layer shapes (heads, head_dim) and models per preset.
 PRESETS = {
@@ -73,9 +75,14 @@ def _define_flags():
   flags.DEFINE_string("model", "preset", "'preset' (the --preset model) or 'none'.")
   flags.DEFINE_bool("layer", True, "Print the layer table (--nolayer: the model only).")
   flags.DEFINE_integer("prompt", 16, "Prompt tokens of the model table.")
+  flags.DEFINE_string("json", "", "Also write the printed tables' rows, the command line, "
+                      "device and commit to this JSON file (pallas_kernels/tools/bench_json.py).")
 
 
 FLAGS = flags.FLAGS
+
+# The printed tables ("layer", "model"), kept for --json.
+_TABLES = bench_json.Tables()
 
 
 def _interpret() -> bool:
@@ -146,8 +153,7 @@ def layer_table(batches, tokens, impls, tilings, *, heads, head_dim, dtype, step
   """
   header = ("impl", "B", "T_new", "us/step", "tok/s", "state GB/s", "roofline us", "x roofline",
             "ratio vs first")
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header), flush=True)
+  _TABLES.start("layer", header)
   rows = []
   for b in batches:
     for t_new in tokens:
@@ -164,9 +170,9 @@ def layer_table(batches, tokens, impls, tilings, *, heads, head_dim, dtype, step
                    gb_s=decode.state_bytes(b, heads, head_dim, head_dim) / step_s / 1e9,
                    roofline_us=floor_s * 1e6, x_roofline=step_s / floor_s, ratio=step_s / first)
         rows.append(row)
-        print(f"| {name} | {b} | {t_new} | {row['us']:.3g} | {row['tok_s']:.4g} | "
-              f"{row['gb_s']:.4g} | {row['roofline_us']:.3g} | {row['x_roofline']:.3g} | "
-              f"{row['ratio']:.2f} |", flush=True)
+        _TABLES.row([name, b, t_new, f"{row['us']:.3g}", f"{row['tok_s']:.4g}",
+                     f"{row['gb_s']:.4g}", f"{row['roofline_us']:.3g}",
+                     f"{row['x_roofline']:.3g}", f"{row['ratio']:.2f}"])
   return rows
 
 
@@ -200,8 +206,7 @@ def model_table(batches, impls, *, model_cfg: dict, dtype, prompt, steps, iters)
         f"H={base.num_heads}, head_dim={base.head_dim}, dtype={base.dtype}; prompt {prompt}, "
         f"{steps} steps per scan")
   header = ("kda_decode", "B", "ms/step", "tok/s", "ratio vs first")
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header), flush=True)
+  _TABLES.start("model", header)
   rows = []
   for b in batches:
     first = None
@@ -212,8 +217,7 @@ def model_table(batches, impls, *, model_cfg: dict, dtype, prompt, steps, iters)
       first = first or step_s
       row = dict(impl=impl, batch=b, ms=step_s * 1e3, tok_s=b / step_s, ratio=step_s / first)
       rows.append(row)
-      print(f"| {impl} | {b} | {row['ms']:.3f} | {row['tok_s']:.4g} | {row['ratio']:.2f} |",
-            flush=True)
+      _TABLES.row([impl, b, f"{row['ms']:.3f}", f"{row['tok_s']:.4g}", f"{row['ratio']:.2f}"])
   return rows
 
 
@@ -238,6 +242,15 @@ def main(argv):
                 prompt=FLAGS.prompt, steps=FLAGS.steps, iters=FLAGS.iters)
   elif FLAGS.model != "none":
     raise ValueError(f"--model must be 'preset' or 'none', got {FLAGS.model!r}")
+  if FLAGS.json:
+    write_json(FLAGS.json)
+
+
+def write_json(path: str) -> None:
+  """Writes the tables printed so far to `path` (bench_json's record)."""
+  bench_json.write(path, _TABLES.tables, peer_or_base=(
+      "base: the first implementation of each B (and T_new) in the same call"))
+  print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ timing) of:
 
   python experiments/bench/bench_gate_fusion.py
   python experiments/bench/bench_gate_fusion.py --shapes=16x2048x16x128 --iters=50
+  python experiments/bench/bench_gate_fusion.py ... --json=/tmp/gate_fusion.json   # rows as JSON too
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def _define_flags():
   flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
   flags.DEFINE_enum("implementation", "pallas", ["pallas", "xla"], "chunk_kda path "
       "(xla: a CPU smoke run; the fused gate is then jnp as well).")
+  flags.DEFINE_string("json", "", "Also write the table's rows, the command line, device and "
+                      "commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 
 FLAGS = flags.FLAGS
@@ -130,11 +133,22 @@ def main(argv):
       rows.append((shape, part, ms["unfused"], ms["fused"]))
       print(f"{shape:18s} {part:6s} unfused {ms['unfused']:9.3f} ms  fused {ms['fused']:9.3f} ms",
             flush=True)
-  print("\nforward+backward, ms (median of", FLAGS.iters, "calls)")
-  print(f"{'shape':18s} {'part':6s} {'unfused':>9s} {'fused':>9s} {'saved':>9s} {'saved %':>8s}")
+  summary_table(rows)
+
+
+def summary_table(rows) -> None:
+  """Prints the (shape, part, unfused ms, fused ms) rows as a markdown table; --json writes it."""
+  from pallas_kernels.tools import bench_json  # pylint: disable=g-import-not-at-top
+  print(f"\nforward+backward, ms (median of {FLAGS.iters} calls)\n")
+  tables = bench_json.Tables()
+  tables.start("gate fusion", ["shape", "part", "unfused ms", "fused ms", "saved ms", "saved %"])
   for shape, part, unfused, fused in rows:
-    print(f"{shape:18s} {part:6s} {unfused:9.3f} {fused:9.3f} {unfused - fused:9.3f} "
-          f"{100 * (unfused - fused) / unfused:7.1f}%")
+    tables.row([shape, part, f"{unfused:.3f}", f"{fused:.3f}", f"{unfused - fused:.3f}",
+                f"{100 * (unfused - fused) / unfused:.1f}"])
+  if FLAGS.json:
+    bench_json.write(FLAGS.json, tables.tables,
+                     peer_or_base="base: the unfused gate of the same shape and part in the same call")
+    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

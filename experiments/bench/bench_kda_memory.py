@@ -12,6 +12,7 @@ pipelined time per call, with as many calls in flight as memory allows
   python experiments/bench/bench_kda_memory.py          # B1 H16 D128, T = 2^13 ... 2^20
   python experiments/bench/bench_kda_memory.py --lengths=65536,1048576 --policies=default
   python experiments/bench/bench_kda_memory.py --lengths=64,128 --heads=2 --head_dim=16 --iters=1   # CPU smoke
+  python experiments/bench/bench_kda_memory.py ... --json=/tmp/kda_memory.json   # rows as JSON too
 
 On the CPU the kernels run interpreted (a smoke test: the times mean nothing
 there).
@@ -33,6 +34,7 @@ from pallas_kernels.kda import api  # noqa: E402
 from pallas_kernels.kda import kernel_config  # noqa: E402
 from pallas_kernels.kda import pallas_op  # noqa: E402
 from pallas_kernels.tools import bench  # noqa: E402
+from pallas_kernels.tools import bench_json  # noqa: E402
 
 # Policy name -> config_overrides of the pallas path: the default (segments
 # above the budget), one whole call saving its residuals, one whole call
@@ -54,6 +56,8 @@ def _define_flags():
                     f"Residual policies, of {sorted(POLICIES)}.")
   flags.DEFINE_integer("iters", 5, "Timed calls per round (pipelined; median of 3 rounds).")
   flags.DEFINE_float("lower_bound", -5.0, "Gate lower bound g_min.")
+  flags.DEFINE_string("json", "", "Also write the table's rows, the command line, device and "
+                      "commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 
 def default_choice(b: int, t: int, h: int, d: int, dtype=jnp.bfloat16, chunk_size: int = 64,
@@ -154,15 +158,26 @@ def main(argv):
       row = measure(b, t, h, d, policy, iters=f.iters, lower_bound=f.lower_bound)
       rows.append((t, kept, segments, policy, row))
       print(f"T={t} {policy}: {row}", flush=True)
-  print("\n| T | residuals GiB | default segments | policy | fwd+bwd ms | calls in flight | "
-        "compiled GiB | outputs finite |")
-  print("|---|---|---|---|---|---|---|---|")
+  table(rows, f.json)
+
+
+def table(rows, json_path: str = "") -> None:
+  """Prints the (T, residual bytes, segments, policy, measured row) rows; writes them to
+  `json_path` as well when it is set."""
+  print()
+  tables = bench_json.Tables()
+  tables.start("kda memory", ["T", "residuals GiB", "default segments", "policy", "fwd+bwd ms",
+                              "calls in flight", "compiled GiB", "outputs finite"])
   for t, kept, segments, policy, row in rows:
     if "error" in row:
-      print(f"| {t} | {_gib(kept)} | {segments} | {policy} | {row['error']} | | | |")
+      tables.row([t, _gib(kept), segments, policy, row["error"], "", "", ""])
     else:
-      print(f"| {t} | {_gib(kept)} | {segments} | {policy} | {row['ms']:.2f} | "
-            f"{row['in_flight']} | {_gib(row['compiled'])} | {row['finite']} |")
+      tables.row([t, _gib(kept), segments, policy, f"{row['ms']:.2f}", row["in_flight"],
+                  _gib(row["compiled"]), row["finite"]])
+  if json_path:
+    bench_json.write(json_path, tables.tables, peer_or_base=(
+        "none: absolute times and bytes (the policies of one T side by side)"))
+    print(f"wrote {json_path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ One core, as the issue of a training host's input pipeline asks (`taskset -c 0`)
 
   taskset -c 0 python experiments/bench/bench_loader.py --seq_lens=128,2048
   taskset -c 0 python experiments/bench/bench_loader.py --sources=bytes,prepared:runs/data/stdlib_bpe
+  taskset -c 0 python experiments/bench/bench_loader.py ... --json=/tmp/loader.json   # rows as JSON too
 
 Each row builds the trainer's pipeline (`k3jax.data.documents.packed_dataset`,
 no background prefetch, so the figure is one thread's), takes `--warmup`
@@ -20,6 +21,7 @@ import time
 from absl import app, flags
 
 from k3jax.data import ByteCorpus, Packing, PreparedDocuments, packed_dataset
+from pallas_kernels.tools import bench_json
 
 _SOURCES = flags.DEFINE_list("sources", ["bytes"], "'bytes' (the stdlib sources) or 'prepared:DIR'.")
 _SEQ_LENS = flags.DEFINE_list("seq_lens", ["128", "2048"], "Row lengths T.")
@@ -29,6 +31,8 @@ _BINS = flags.DEFINE_integer("bins", 64, "Packing: rows first-fit fills at once.
 _SECONDS = flags.DEFINE_float("seconds", 5.0, "Timed seconds per row of the table.")
 _WARMUP = flags.DEFINE_integer("warmup", 4, "Untimed batches first.")
 _CONSUMPTION = flags.DEFINE_float("consumption", 130e3, "Tokens/s a training run consumes (the ratio's base).")
+_JSON = flags.DEFINE_string("json", "", "Also write the table's rows, the command line, device and "
+                            "commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 
 def _documents(source: str):
@@ -59,15 +63,21 @@ def measure(documents, packing: Packing, rows: int, seconds: float, warmup: int)
 
 def main(argv):
   del argv
-  print(f"| source | T | tokens/s | x {_CONSUMPTION.value / 1e3:.0f}k | non-padding | docs/row |")
-  print("|---|---|---|---|---|---|")
+  tables = bench_json.Tables()
+  tables.start("loader", ["source", "T", "tokens/s", f"x {_CONSUMPTION.value / 1e3:.0f}k",
+                          "non-padding", "docs/row"])
   for source in _SOURCES.value:
     documents = _documents(source)
     for t in map(int, _SEQ_LENS.value):
       packing = Packing(seq_len=t, max_documents_per_row=_MAX_DOCS.value, bins=_BINS.value, prefetch=0)
       m = measure(documents, packing, _ROWS.value, _SECONDS.value, _WARMUP.value)
-      print(f"| {source} | {t} | {m['tokens_per_s'] / 1e6:.2f}M | {m['tokens_per_s'] / _CONSUMPTION.value:.1f} "
-            f"| {m['non_padding']:.4f} | {m['docs_per_row']:.2f} |", flush=True)
+      tables.row([source, t, f"{m['tokens_per_s'] / 1e6:.2f}M",
+                  f"{m['tokens_per_s'] / _CONSUMPTION.value:.1f}", f"{m['non_padding']:.4f}",
+                  f"{m['docs_per_row']:.2f}"])
+  if _JSON.value:
+    bench_json.write(_JSON.value, tables.tables, peer_or_base=(
+        f"base: --consumption, {_CONSUMPTION.value:.0f} tokens/s a training run consumes"))
+    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
   python experiments/bench/bench_model.py --preset=100m --batch=8 --seq_len=2048 \
       --implementations=xla,pallas
+  python experiments/bench/bench_model.py ... --json=/tmp/model.json   # the rows as JSON too
 
 Prints a table: for each implementation the median forward time, then the
 median forward+backward time, with tokens/s and the achieved TFLOP/s (from
@@ -29,6 +30,7 @@ from flax import nnx  # noqa: E402
 
 from k3jax.models import lm  # noqa: E402
 from k3jax.models.config import ModelConfig  # noqa: E402
+from pallas_kernels.tools import bench_json  # noqa: E402
 
 PRESETS = {
     # ~99M parameters (~60M active): 12 layers 3 KDA : 1 attention, 8 experts top-2 + 1 shared.
@@ -51,6 +53,8 @@ flags.DEFINE_integer("warmup", 2, "Untimed calls after compilation.")
 flags.DEFINE_integer("iters", 10, "Timed calls (median reported).")
 flags.DEFINE_bool("backward", True, "Also time forward+backward.")
 flags.DEFINE_string("moe_impl", None, "MoE expert path: ragged | buffered | dense (default: MoE's).")
+flags.DEFINE_string("json", "", "Also write the table's rows, the command line, device and "
+                    "commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 
 def _median_seconds(fn, *args):
@@ -105,8 +109,8 @@ def main(argv):
   # so that a time-limited run still reports the forward comparison.
   passes = [("fwd", 1)] + ([("fwd+bwd", 3)] if FLAGS.backward else [])
   header = ("impl", "pass", "ms", "Mtok/s", "TFLOP/s", "ratio vs first")
-  print("| " + " | ".join(header) + " |")
-  print("|" + "---|" * len(header), flush=True)
+  tables = bench_json.Tables()
+  tables.start("model", header)
   cache = {}
   for name, flop_share in passes:
     first = None
@@ -118,12 +122,16 @@ def main(argv):
         state, forward, forward_backward = cache[impl]
         seconds = _median_seconds(forward if name == "fwd" else forward_backward, state, tokens)
       except NotImplementedError as e:
-        print(f"| {impl} | {name} | n/a ({e}) | | | |", flush=True)
+        tables.row([impl, name, f"n/a ({e})", "", "", ""])
         continue
       first = first or seconds
       tflops = fpt / 3 * flop_share * b * t / seconds / 1e12
-      print(f"| {impl} | {name} | {seconds * 1e3:.2f} | {b * t / seconds / 1e6:.3f} | "
-            f"{tflops:.1f} | {seconds / first:.2f} |", flush=True)
+      tables.row([impl, name, f"{seconds * 1e3:.2f}", f"{b * t / seconds / 1e6:.3f}",
+                  f"{tflops:.1f}", f"{seconds / first:.2f}"])
+  if FLAGS.json:
+    bench_json.write(FLAGS.json, tables.tables, peer_or_base=(
+        "base: the first implementation of the same pass in the same call"))
+    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

@@ -112,8 +112,8 @@ flags.DEFINE_integer("rate_matmul", 8192, "Size n of the n^3 bf16 matmul that me
 flags.DEFINE_string("json", "", "Also write every printed table's rows, the command line, device "
                     "and commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
-# The tables printed so far: {name: {"columns": [...], "rows": [{column: cell}]}}, for --json.
-_TABLES: dict[str, dict] = {}
+# The tables printed so far (their rows kept as bench_json.Tables does), for --json.
+_TABLES = bench_json.Tables()
 
 
 def _has_new_dispatch() -> bool:
@@ -194,23 +194,12 @@ def _layer_flops(shape, n_rows):
 def _table(name, columns):
   """Prints a table's heading and header; the rows `_row` prints next belong to it."""
   print(f"\n## {name}\n")
-  print("| " + " | ".join(columns) + " |")
-  print("|---" * len(columns) + "|", flush=True)
-  _TABLES[name] = {"columns": list(columns), "rows": []}
-
-
-def _cell(text):
-  """A printed cell as JSON: a number where it is one, else the text ("1.00 / 1.35" stays text)."""
-  try:
-    return float(text)
-  except ValueError:
-    return text
+  _TABLES.start(name, columns)
 
 
 def _row(cells):
-  print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
-  table = next(reversed(_TABLES.values()))
-  table["rows"].append(dict(zip(table["columns"], (_cell(str(c)) for c in cells))))
+  """Prints a row of the table started last."""
+  _TABLES.row(cells)
 
 
 def layer_table(shape_name, dtype, tflops):
@@ -486,7 +475,8 @@ def main(argv):
     for name in FLAGS.shapes:
       parts_table(name, dtype)
   if FLAGS.json:
-    bench_json.write(FLAGS.json, _TABLES, peer_or_base="base: the dense SwiGLU of the layer's active "
+    bench_json.write(FLAGS.json, _TABLES.tables,
+                     peer_or_base="base: the dense SwiGLU of the layer's active "
                      "width in the same process (table 'layer'); dense matmuls of the same shapes "
                      "(table 'grouped matmuls')", dtype=FLAGS.dtype, router=FLAGS.router,
                      capacity_factor=FLAGS.capacity_factor, iters=FLAGS.iters, rounds=FLAGS.rounds,

@@ -5,6 +5,7 @@
         --kda_implementation=pallas,xla                               # one table per implementation
     PYTHONPATH=. python experiments/bench/bench_parallel.py --meshes=2,1,1:1,1,1,2 \
         --microbatches=8 --first_layer_dense=false      # two pipeline stages against data 2
+    PYTHONPATH=. python experiments/bench/bench_parallel.py ... --json=/tmp/parallel.json   # rows as JSON too
 
 Every mesh (data, expert, context[, stage]) runs the same per-device work:
 each device holds `--batch_per_device` sequences of `--seq_per_device`
@@ -42,6 +43,7 @@ from k3jax.parallel.pipeline_layout import PipelineLayout
 from k3jax.sharding.mesh import MeshConfig, make_mesh
 from k3jax.train import sharded_state
 from k3jax.train.step import make_train_step
+from pallas_kernels.tools import bench_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("meshes", "1,1,1:1,2,1:1,1,2:2,1,1",
@@ -72,6 +74,8 @@ flags.DEFINE_float("dispatch_slot_factor", 2.0,
 flags.DEFINE_integer("warmup", 2, "untimed steps after compilation")
 flags.DEFINE_integer("steps", 10, "timed steps (median reported)")
 flags.DEFINE_string("profile_dir", "", "write a jax.profiler trace per mesh here")
+flags.DEFINE_string("json", "", "also write the tables' rows, the command line, device and commit "
+                    "to this JSON file (see pallas_kernels/tools/bench_json.py)")
 
 
 KDA_IMPLEMENTATIONS = ("xla", "pallas")
@@ -165,6 +169,7 @@ def main(argv):
     if len(m) not in (3, 4):
       raise ValueError(f"--meshes entries are data,expert,context[,stage] sizes, got {m}")
   meshes = [m if len(m) == 4 else (*m, 1) for m in meshes]
+  tables = bench_json.Tables()  # one table per implementation
   for impl in impls:
     config = _config(impl)
     print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind}; model d={config.d_model} "
@@ -174,7 +179,7 @@ def main(argv):
           f"{FLAGS.seq_per_device} tokens; dispatch_slot_factor={FLAGS.dispatch_slot_factor}")
     header = ("mesh d,e,c,s", "devs", "global BxT", "step ms", "fwd ms", "tokens/s",
               "eff vs base", "bubble", "loss", "compile s")
-    print(" | ".join(header))
+    tables.start(f"kda={impl}", header)
     base = None
     for m in meshes:
       try:
@@ -183,18 +188,21 @@ def main(argv):
         # One failing mesh (memory, a compiler error) must not lose the others' rows.
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
         traceback.print_exc(file=sys.stderr)  # the whole message, for a log file
-        print(" | ".join([",".join(map(str, m)), "failed", f"{type(e).__name__}: {first_line[:300]}"]),
-              flush=True)
+        tables.row([",".join(map(str, m)), "failed", f"{type(e).__name__}: {first_line[:300]}"])
         continue
       per_dev = r["tok_s"] / r["n"]
       base = per_dev if base is None else base
       bubble = PipelineLayout(stages=m[3], microbatches=FLAGS.microbatches).bubble_fraction()
-      print(" | ".join([",".join(map(str, m)), str(r["n"]), f"{r['b']}x{r['t']}",
-                        f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['fwd_s']:.1f}",
-                        f"{r['tok_s']:.0f}", f"{per_dev / base:.3f}",
-                        f"{bubble:.2f}" if m[3] > 1 else "-", f"{r['loss']:.4f}",
-                        f"{r['compile_s']:.1f}"]), flush=True)
+      tables.row([",".join(map(str, m)), r["n"], f"{r['b']}x{r['t']}",
+                  f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['fwd_s']:.1f}", f"{r['tok_s']:.0f}",
+                  f"{per_dev / base:.3f}", f"{bubble:.2f}" if m[3] > 1 else "-",
+                  f"{r['loss']:.4f}", f"{r['compile_s']:.1f}"])
     print(flush=True)
+  if FLAGS.json:
+    bench_json.write(FLAGS.json, tables.tables, peer_or_base=(
+        "base: the first mesh of each table in the same call (eff vs base: tokens/s per device "
+        "over its)"))
+    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

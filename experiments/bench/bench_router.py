@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python experiments/bench/bench_router.py                  # both tables
     PYTHONPATH=. python experiments/bench/bench_router.py --tables=timing --experts=256 --topk=8 --tokens=65536
+    PYTHONPATH=. python experiments/bench/bench_router.py ... --json=/tmp/router.json   # rows as JSON too
 
 Balance table: T=16384, E=64, k=8, 4 hot experts (+1.5 logits), fresh batch
 every step, router state carried. Causality: B=4 sequences of 4096 tokens;
@@ -28,6 +29,7 @@ from k3jax.routing import probe
 from k3jax.routing import quantile as quantile_lib
 from k3jax.routing import quantiles
 from k3jax.routing import synthetic
+from pallas_kernels.tools import bench_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tables", ["balance", "overhead", "thresholds", "timing"],
@@ -47,6 +49,11 @@ flags.DEFINE_bool("layer", True, "time the whole MoE layer in the timing table")
 flags.DEFINE_enum("impl", "buffered", ["buffered", "ragged", "dense"],
                   "MoE path for the layer timing. XLA (jax 0.11) expands ragged_dot to every "
                   "expert for every row on CPU and NVIDIA GPUs, so 'ragged' is E times slower")
+flags.DEFINE_string("json", "", "Also write every printed table's rows, the command line, device "
+                    "and commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
+
+# The printed tables, kept for --json.
+_TABLES = bench_json.Tables()
 
 # (label, RouterConfig kwargs) rows of the balance and overhead tables.
 ROWS = (
@@ -106,10 +113,10 @@ def balance_table():
   b, s, cut = 4, 4096, 2047
   print(f"\n## Balance on skewed scores (T={t}, E={e}, k={k}, 4 hot experts +1.5; "
         f"{FLAGS.steps} fresh batches)\n")
-  print("| router | MaxVio batch 1 | MaxVio batch 10 | MaxVio last 10 | MaxVio routed "
-        "(pre-capacity) last 10 | drop fraction last 10 | reassigned last 10 | causal "
-        "| tokens <= t changed |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  _TABLES.start("balance", [
+      "router", "MaxVio batch 1", "MaxVio batch 10", "MaxVio last 10",
+      "MaxVio routed (pre-capacity) last 10", "drop fraction last 10", "reassigned last 10",
+      "causal", "tokens <= t changed"])
   key0, key1 = jax.random.split(jax.random.key(123))
   batch = synthetic.skewed_scores(key0, b * s, e).reshape(b, s, e)
   future = synthetic.skewed_scores(key1, s - cut - 1, e)
@@ -121,10 +128,11 @@ def balance_table():
     pr = probe.routing_causality_probe(batch, future, t=cut, k=k, config=cfg, state=state)
     last = slice(-10, None)
     vio10 = res["max_vio"][min(9, steps - 1)]
-    print(f"| {label} | {res['max_vio'][0]:.3f} | {vio10:.3f} | {res['max_vio'][last].mean():.3f} "
-          f"| {res['max_vio_routed'][last].mean():.3f} | {res['drop_fraction'][last].mean():.4f} "
-          f"| {res['reassigned_fraction'][last].mean():.4f} "
-          f"| {'yes' if pr['causal'] else 'no'} | {pr['changed_fraction']:.4f} |", flush=True)
+    _TABLES.row([
+        label, f"{res['max_vio'][0]:.3f}", f"{vio10:.3f}", f"{res['max_vio'][last].mean():.3f}",
+        f"{res['max_vio_routed'][last].mean():.3f}", f"{res['drop_fraction'][last].mean():.4f}",
+        f"{res['reassigned_fraction'][last].mean():.4f}", "yes" if pr["causal"] else "no",
+        f"{pr['changed_fraction']:.4f}"])
 
 
 def _carried_state(cfg, t, e, k, steps):
@@ -142,9 +150,8 @@ def timing_table():
   print(f"\n## Quantile router time, exact vs histogram (1000 bins), cf=1.0; "
         f"layer: {FLAGS.impl} MoE d_model={FLAGS.d_model} expert_hidden={FLAGS.expert_hidden} "
         f"{FLAGS.dtype}, {jax.devices()[0].device_kind}\n")
-  print("| E | k | T | exact ms | histogram ms | exact/hist | layer ms (exact) "
-        "| router share of layer (exact) | (histogram) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  _TABLES.start("timing", ["E", "k", "T", "exact ms", "histogram ms", "exact/hist",
+                          "layer ms (exact)", "router share of layer (exact)", "(histogram)"])
   for e in map(int, FLAGS.experts):
     for k in map(int, FLAGS.topk):
       for t in map(int, FLAGS.tokens):
@@ -157,18 +164,16 @@ def timing_table():
                                  t, e, k)
           # The histogram layer differs only in the router: swap its time in.
           layer_h = layer - ex + hi
-          tail = f"{layer * 1e3:.2f} | {ex / layer:.1%} | {hi / layer_h:.1%} |"
+          tail = [f"{layer * 1e3:.2f}", f"{ex / layer:.1%}", f"{hi / layer_h:.1%}"]
         else:
-          tail = "- | - | - |"
-        print(f"| {e} | {k} | {t} | {ex * 1e3:.2f} | {hi * 1e3:.2f} | {ex / hi:.2f} | {tail}",
-              flush=True)
+          tail = ["-", "-", "-"]
+        _TABLES.row([e, k, t, f"{ex * 1e3:.2f}", f"{hi * 1e3:.2f}", f"{ex / hi:.2f}", *tail])
 
 
 def thresholds_table():
   print(f"\n## Per-expert thresholds alone (the quantile step of the router), exact top_k vs "
         f"histogram (1000 bins), {jax.devices()[0].device_kind}\n")
-  print("| E | k | T | exact ms | histogram ms | exact/hist |")
-  print("|---|---|---|---|---|---|")
+  _TABLES.start("thresholds", ["E", "k", "T", "exact ms", "histogram ms", "exact/hist"])
   for e in map(int, FLAGS.experts):
     for k in map(int, FLAGS.topk):
       for t in map(int, FLAGS.tokens):
@@ -178,8 +183,7 @@ def thresholds_table():
                              scores)
         hi = _median_seconds(jax.jit(
             lambda s, c=count: quantiles.column_threshold_histogram(s, c, 1000)), scores)
-        print(f"| {e} | {k} | {t} | {ex * 1e3:.2f} | {hi * 1e3:.2f} | {ex / hi:.2f} |",
-              flush=True)
+        _TABLES.row([e, k, t, f"{ex * 1e3:.2f}", f"{hi * 1e3:.2f}", f"{ex / hi:.2f}"])
 
 
 def overhead_table():
@@ -193,11 +197,10 @@ def overhead_table():
   print(f"Whole layer with the quantile cf=1.0 router: {layer * 1e3:.2f} ms; "
         f"without its router: {rest * 1e3:.2f} ms (the same for every router: same "
         f"buffer size).\n")
-  print("| router | router ms | router share of layer |")
-  print("|---|---|---|")
+  _TABLES.start("overhead", ["router", "router ms", "router share of layer"])
   for label, kw in ROWS:
     r = _router_seconds(routing.RouterConfig(**kw), scores, k)
-    print(f"| {label} | {r * 1e3:.2f} | {r / (rest + r):.1%} |", flush=True)
+    _TABLES.row([label, f"{r * 1e3:.2f}", f"{r / (rest + r):.1%}"])
 
 
 def main(argv):
@@ -212,6 +215,11 @@ def main(argv):
     thresholds_table()
   if "timing" in FLAGS.tables:
     timing_table()
+  if FLAGS.json:
+    bench_json.write(FLAGS.json, _TABLES.tables, peer_or_base=(
+        "balance: none (absolute values); timing, thresholds: exact quantiles against the "
+        "histogram in the same call; overhead: each router against the layer without its router"))
+    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

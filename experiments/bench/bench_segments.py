@@ -4,6 +4,7 @@ masked by document, against the same calls without segments.
 GPU (one H200 or H100; bf16, H16, K = V = 128):
 
   python experiments/bench/bench_segments.py --shapes=16x2048,4x8192
+  python experiments/bench/bench_segments.py ... --json=/tmp/segments.json   # the rows as JSON too
 
 Rows, each forward and forward+backward (pipelined timer, ms per call):
 * `kda`: `chunk_kda` on the Pallas path, no segments;
@@ -29,6 +30,7 @@ from k3jax.layers.kda import chunk_kda_rows
 from k3jax.layers.segments import Segments
 from pallas_kernels.kda import api
 from pallas_kernels.tools import bench
+from pallas_kernels.tools import bench_json
 
 _SHAPES = flags.DEFINE_list("shapes", ["16x2048", "4x8192"], "BxT shapes.")
 _HEADS = flags.DEFINE_integer("heads", 16, "Heads H.")
@@ -36,6 +38,8 @@ _HEAD_DIM = flags.DEFINE_integer("head_dim", 128, "K = V.")
 _DOCS = flags.DEFINE_integer("docs_per_row", 3, "Documents per row of the segmented rows.")
 _MAX_SEGMENTS = flags.DEFINE_integer("max_segments", 9, "Static runs per row M.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Calls per pipelined round.")
+_JSON = flags.DEFINE_string("json", "", "Also write the table's rows, the command line, device "
+                            "and commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 _LOWER = -5.0
 
@@ -90,8 +94,8 @@ def main(argv):
   interpret = jax.default_backend() == "cpu"
   h, d = _HEADS.value, _HEAD_DIM.value
   print(f"device: {jax.devices()[0].device_kind}; bf16, H{h}, K = V = {d}; pipelined ms per call")
-  print("| B x T | path | fwd ms | fwd+bwd ms |")
-  print("|---|---|---|---|")
+  tables = bench_json.Tables()
+  tables.start("segments", ["B x T", "path", "fwd ms", "fwd+bwd ms"])
   for shape in _SHAPES.value:
     b, t = map(int, shape.split("x"))
     q, k, v, g, beta = bench.make_inputs(jax.random.key(0), b, t, h, d, lower_bound=_LOWER)
@@ -99,7 +103,12 @@ def main(argv):
     rows += [(name, fn, (q, k, v)) for name, fn in attention_rows(b, t)]
     for name, fn, args in rows:
       fwd, both = (_timed(fn, args, backward) for backward in (False, True))
-      print(f"| {b} x {t} | {name} | {fwd:.3f} | {both:.3f} |", flush=True)
+      tables.row([f"{b} x {t}", name, f"{fwd:.3f}", f"{both:.3f}"])
+  if _JSON.value:
+    bench_json.write(_JSON.value, tables.tables, peer_or_base=(
+        "base: the same call without segments in the same run (kda for the kda rows, "
+        "attention causal for attention by document)"))
+    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":

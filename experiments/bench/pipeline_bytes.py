@@ -5,6 +5,7 @@ formula; and the parameters and optimizer state each device stores, per stage co
     PYTHONPATH=. python experiments/bench/pipeline_bytes.py --stages=2,4
     PYTHONPATH=. python experiments/bench/pipeline_bytes.py --tables=state --stages=1,2,4 \
         --state_configs=configs/gpu_150m.py,configs/gpu_1b.py
+    PYTHONPATH=. python experiments/bench/pipeline_bytes.py ... --json=/tmp/pipeline.json   # rows as JSON too
 
 Compiles only (nothing runs), so a CPU host measures any size, on 8 CPU devices.
 """
@@ -18,6 +19,7 @@ from k3jax.parallel.pipeline_layout import PipelineLayout
 from k3jax.train.config_files import load_config_file
 from k3jax.train.config_schema import model_config_from
 from k3jax.train.optimizer import make_optimizer
+from pallas_kernels.tools import bench_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tables", ["boundary"], "tables to print: boundary (bytes crossing a stage "
@@ -38,6 +40,11 @@ flags.DEFINE_integer("wide_block_size", 8, "a second block size, which some stag
 # float32: XLA's CPU compiler widens a bfloat16 collective-permute to float32, so on a CPU
 # host the compiled program would show twice the bytes of the bfloat16 program it lowers.
 flags.DEFINE_string("dtype", "float32", "compute dtype")
+flags.DEFINE_string("json", "", "also write the tables' rows, the command line, device and commit "
+                    "to this JSON file (see pallas_kernels/tools/bench_json.py)")
+
+# The printed tables ("state", "boundary"), kept for --json.
+_TABLES = bench_json.Tables()
 
 
 def _config(residual: str, block: int) -> ModelConfig:
@@ -50,9 +57,8 @@ def _config(residual: str, block: int) -> ModelConfig:
 
 def state_table(stage_counts: list[int]) -> None:
   """Parameter + AdamW state bytes one device stores, per config and stage count."""
-  print("| config | model | S | layers GiB / device | rest MiB / device | total GiB / device "
-        "| vs S = 1 |")
-  print("|---|---|---|---|---|---|---|")
+  _TABLES.start("state", ["config", "model", "S", "layers GiB / device", "rest MiB / device",
+                          "total GiB / device", "vs S = 1"])
   for path in FLAGS.state_configs:
     config = load_config_file(path)
     config.model.first_layer_dense = False
@@ -63,14 +69,14 @@ def state_table(stage_counts: list[int]) -> None:
       try:
         PipelineLayout(stages=stages, microbatches=1).check_model(model_cfg)
       except ValueError as e:
-        print(f"| {path} | | {stages} | refused | | | {str(e).split(';')[0]} |")
+        _TABLES.row([path, "", stages, "refused", "", "", str(e).split(";")[0]])
         continue
       got = pipeline_bytes.state_bytes_per_device(model_cfg, stages, tx)
       base = base or (got["total"] if stages == 1 else None)
       ratio = f"{got['total'] / base:.2f}x" if base else ""
-      print(f"| {path} | {model_cfg.num_layers} layers, d {model_cfg.d_model} | {stages} | "
-            f"{got['layers'] / 2**30:.2f} | {got['other'] / 2**20:.1f} | "
-            f"{got['total'] / 2**30:.2f} | {ratio} |")
+      _TABLES.row([path, f"{model_cfg.num_layers} layers, d {model_cfg.d_model}", stages,
+                   f"{got['layers'] / 2**30:.2f}", f"{got['other'] / 2**20:.1f}",
+                   f"{got['total'] / 2**30:.2f}", ratio])
 
 
 def main(argv):
@@ -78,15 +84,23 @@ def main(argv):
   stage_counts = [int(s) for s in FLAGS.stages]
   if "state" in FLAGS.tables:
     state_table(stage_counts)
-  if "boundary" not in FLAGS.tables:
-    return
+  if "boundary" in FLAGS.tables:
+    boundary_table(stage_counts)
+  if FLAGS.json:
+    bench_json.write(FLAGS.json, _TABLES.tables, peer_or_base=(
+        "state: S = 1 (one device holds every layer); boundary: the formula's prediction "
+        "beside the compiled program's bytes"))
+    print(f"wrote {FLAGS.json}", flush=True)
+
+
+def boundary_table(stage_counts: list[int]) -> None:
+  """Bytes one stage sends the next per microbatch, predicted and measured, per residual."""
   mb_tokens = FLAGS.microbatch * FLAGS.seq_len
   tensor = mb_tokens * FLAGS.d_model * (2 if FLAGS.dtype == "bfloat16" else 4)
   print(f"microbatch {FLAGS.microbatch} x {FLAGS.seq_len} tokens, d_model {FLAGS.d_model}, "
         f"{FLAGS.dtype}: one [mb, T, D] tensor = {tensor / 2**20:.1f} MiB; "
         f"{FLAGS.num_layers} layers ({2 * FLAGS.num_layers} sublayers)")
-  print("| residual | S | tensors | predicted MiB | measured MiB |")
-  print("|---|---|---|---|---|")
+  _TABLES.start("boundary", ["residual", "S", "tensors", "predicted MiB", "measured MiB"])
   cases = [("prenorm", FLAGS.block_size), ("block_attnres", FLAGS.block_size),
            ("block_attnres", FLAGS.wide_block_size), ("full_attnres", 1)]
   for residual, block in cases:
@@ -97,12 +111,12 @@ def main(argv):
         measured = pipeline_bytes.measured_boundary_bytes(
             cfg, layout, batch=FLAGS.microbatch * FLAGS.microbatches, seq_len=FLAGS.seq_len)
       except ValueError as e:  # a misaligned layout: the error says what would align
-        print(f"| {residual} (block {block}) | {stages} | refused | | {e} |")
+        _TABLES.row([f"{residual} (block {block})", stages, "refused", "", e])
         continue
       predicted = pipeline_bytes.predicted_boundary_bytes(cfg, layout, mb_tokens)
       name = f"{residual} (block {block})" if residual == "block_attnres" else residual
-      print(f"| {name} | {stages} | {layout.boundary_slots(cfg)} | "
-            f"{predicted / 2**20:.1f} | {measured / 2**20:.1f} |")
+      _TABLES.row([name, stages, layout.boundary_slots(cfg), f"{predicted / 2**20:.1f}",
+                   f"{measured / 2**20:.1f}"])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ GPU machine, from the repository root:
   python experiments/bench/tune_kda.py --grid="inverse=substitution,blocked;intra_bwd=split,tiles"
   python experiments/bench/tune_kda.py --stages=state_rec,output_fwd \\
       --grid="rec_block_v=32,64;warps.state_rec=2,4;num_stages=1,2,3"
+  python experiments/bench/tune_kda.py ... --json=/tmp/tune.json   # the rows as JSON too
 
 Grid syntax: `;` separates fields, `,` separates a field's values; fields
 are KernelConfig names or `warps.<stage>` (as
@@ -40,6 +41,9 @@ _STAGES = flags.DEFINE_list("stages", [], "Time only these stages (names as in t
                             "empty: all). Kernels producing their inputs still run once.")
 _INTERPRET = flags.DEFINE_bool("interpret", False, "Emulate the kernels (CPU smoke run; the "
                                "times mean nothing).")
+_JSON = flags.DEFINE_string("json", "", "Also write the table's rows (without the stars), the "
+                            "command line, device and commit to this JSON file (see "
+                            "pallas_kernels/tools/bench_json.py).")
 
 def main(argv):
   del argv
@@ -72,7 +76,13 @@ def main(argv):
       first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
       rows.append((label, f"{type(e).__name__}: {first}"))
       print(f"{label}: failed: {type(e).__name__}: {first}", flush=True)
-  print("\n" + bench.stage_table(rows), flush=True)
+  text = bench.stage_table(rows)
+  print("\n" + text, flush=True)
+  if _JSON.value:
+    from pallas_kernels.tools import bench_json  # pylint: disable=g-import-not-at-top
+    bench_json.write(_JSON.value, {"stages": bench_json.parse_table(text.replace("*", ""))},
+                     peer_or_base="none: absolute per-stage times, configurations side by side")
+    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":
