@@ -46,30 +46,18 @@ flags.DEFINE_bool("traceback", False, "Print the traceback of an input error too
 flags.mark_flags_as_required(["workdir", "tasks"])
 
 
-def _fail(message: str):
-  cli_errors.exit_with(message, cli_errors.EXIT_INPUT_ERROR,
-                       show_traceback=cli_errors.traceback_requested(sys.argv))
-
-
-def _parse_flags(argv):
-  """absl's flag parsing, a failure as one `error:` paragraph and exit status 2."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    _fail(cli_errors.then(str(e).replace(" ?", "?"), "Pass --helpshort to list the flags."))
-
-
 def _check_flags():
   if not os.path.isfile(os.path.join(FLAGS.workdir, "config.json")):
-    _fail(f"--workdir={FLAGS.workdir!r} holds no config.json; give a training run directory "
-          "(experiments/train.py --workdir=...)")
+    cli_errors.fail_input(f"--workdir={FLAGS.workdir!r} holds no config.json; give a training run "
+                          "directory (experiments/train.py --workdir=...)")
   for name in ("limit", "seq_len", "batch_rows"):
     if FLAGS[name].value is not None and FLAGS[name].value < 1:
-      _fail(f"--{name}={FLAGS[name].value} must be >= 1")
+      cli_errors.fail_input(f"--{name}={FLAGS[name].value} must be >= 1")
   if FLAGS.num_fewshot is not None and FLAGS.num_fewshot < 0:
-    _fail(f"--num_fewshot={FLAGS.num_fewshot} must be >= 0")
+    cli_errors.fail_input(f"--num_fewshot={FLAGS.num_fewshot} must be >= 0")
   if not [t for t in FLAGS.tasks if t.strip()]:
-    _fail("--tasks is empty; name lm-eval tasks, e.g. --tasks=k3jax_python_next_line")
+    cli_errors.fail_input("--tasks is empty; name lm-eval tasks, e.g. "
+                          "--tasks=k3jax_python_next_line")
 
 
 def summary(results: dict, lm, tasks) -> dict:
@@ -84,7 +72,8 @@ def summary(results: dict, lm, tasks) -> dict:
 
 def main(argv):
   if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --tasks=NAME")
+    cli_errors.fail_input(f"unexpected arguments {argv[1:]}: every setting is a flag, "
+                          "e.g. --tasks=NAME")
   _check_flags()
   if FLAGS.offline:
     # Read when `datasets` and `huggingface_hub` are first imported, below.
@@ -96,7 +85,8 @@ def main(argv):
     from k3jax.eval import harness  # lm-eval is the optional `eval` extra
     from lm_eval.utils import make_table  # the same extra
   except ImportError as e:
-    _fail(f"{e}: experiments/evaluate.py needs lm-eval: pip install -e \".[eval]\"")
+    cli_errors.fail_input(f"{e}: experiments/evaluate.py needs lm-eval: "
+                          "pip install -e \".[eval]\"")
   tasks = [t.strip() for t in FLAGS.tasks if t.strip()]
   try:
     share_rows = {"auto": None, "shared": True, "alone": False}[FLAGS.packing]
@@ -105,7 +95,7 @@ def main(argv):
     results = harness.evaluate(lm, tasks, include_paths=FLAGS.include_path, limit=FLAGS.limit,
                                num_fewshot=FLAGS.num_fewshot)
   except (ValueError, CheckpointError) as e:
-    _fail(str(e))
+    cli_errors.fail_input(str(e))
   out = FLAGS.out or os.path.join(FLAGS.workdir, "eval", f"{'+'.join(tasks)}-step{lm.step}.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w", encoding="utf-8") as f:
@@ -115,4 +105,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli_errors.parse_flags)

@@ -82,19 +82,6 @@ class UsageError(ValueError):
   """A bad flag value or input; printed as one `error:` paragraph, exit status 2."""
 
 
-def _fail(message: str):
-  cli_errors.exit_with(message, cli_errors.EXIT_INPUT_ERROR,
-                       show_traceback=cli_errors.traceback_requested(sys.argv))
-
-
-def _parse_flags(argv):
-  """absl's flag parsing, with a bad flag as one `error:` paragraph and exit status 2."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    _fail(cli_errors.then(str(e).replace(" ?", "?"), "Pass --helpshort to list the flags."))
-
-
 # -- checks before anything is loaded -----------------------------------------
 
 
@@ -363,7 +350,8 @@ def _setup():
 
 def main(argv):
   if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --prompt=TEXT")
+    cli_errors.fail_input(f"unexpected arguments {argv[1:]}: every setting is a flag, "
+                          "e.g. --prompt=TEXT")
   if not FLAGS["verbosity"].present:
     # Library INFO lines (orbax's restore steps, backend probing) hide the samples.
     logging.set_verbosity(logging.WARNING)
@@ -376,7 +364,7 @@ def main(argv):
       except ValueError as e:
         raise UsageError(f"--kda_decode: {e}") from None
   except UsageError as e:
-    _fail(str(e))
+    cli_errors.fail_input(str(e))
   n = FLAGS.num_samples
   rows = [row for row in ids for _ in range(n)]
   generation = gen.Generation(
@@ -386,4 +374,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli_errors.parse_flags)

@@ -6,7 +6,6 @@ the evaluations (`evaluate`, `long_context`) and nothing calls it back.
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any, Callable
 
@@ -19,6 +18,7 @@ from k3jax.ablations import evaluate as evaluate_lib
 from k3jax.ablations import long_context
 from k3jax.ablations import runs as runs_lib
 from k3jax.ablations.sweeps import RunSpec, Sweep, make_sweep
+from pallas_kernels.tools.bench_json import finite_or_none
 
 
 def run_sweep(sweep: Sweep, out_dir: str, *, log: Callable[[str], None] | None = print) -> list[dict]:
@@ -106,14 +106,3 @@ def long_eval_args(sweep) -> dict[str, Any]:
 def sweep_of(spec: RunSpec) -> Sweep:
   """The one-seed sweep a run belongs to (its evaluation settings)."""
   return make_sweep(spec.sweep, spec.setting, (spec.seed,))
-
-
-def finite_or_none(x):
-  """JSON has no NaN/inf: they become None."""
-  if isinstance(x, dict):
-    return {k: finite_or_none(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [finite_or_none(v) for v in x]
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  return x

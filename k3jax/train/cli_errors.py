@@ -18,6 +18,8 @@ import sys
 import traceback
 from typing import Mapping, NoReturn, Sequence
 
+from absl import flags
+
 EXIT_FINISHED = 0     # the run reached num_steps (or already had: nothing to do)
 EXIT_FAILED = 1       # training failed (non-finite loss) or an unexpected exception (with its traceback)
 EXIT_INPUT_ERROR = 2  # configuration or input error: nothing was trained, the run directory is unchanged
@@ -95,3 +97,18 @@ def exit_with(message: str, code: int, *, show_traceback: bool) -> NoReturn:
     traceback.print_exc()
   print(paragraph(message), file=sys.stderr, flush=True)
   sys.exit(code)
+
+
+def fail_input(message: str) -> NoReturn:
+  """Exits with EXIT_INPUT_ERROR after one `error:` paragraph (and the traceback when
+  `--traceback` or the environment asks for it)."""
+  exit_with(message, EXIT_INPUT_ERROR, show_traceback=traceback_requested(sys.argv))
+
+
+def parse_flags(argv: Sequence[str]):
+  """absl's flag parsing for `app.run(..., flags_parser=parse_flags)`: a bad flag ends in one
+  `error:` paragraph and exit status 2, not absl's help text."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail_input(then(str(e).replace(" ?", "?"), "Pass --helpshort to list the flags."))

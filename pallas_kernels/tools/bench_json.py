@@ -39,12 +39,12 @@ def commit() -> str | None:
   return head + ("+dirty" if changed else "")
 
 
-def _finite(node):
+def finite_or_none(node):
   """The tree with NaN and infinities as None (strict JSON has neither)."""
   if isinstance(node, dict):
-    return {k: _finite(v) for k, v in node.items()}
+    return {k: finite_or_none(v) for k, v in node.items()}
   if isinstance(node, (list, tuple)):
-    return [_finite(v) for v in node]
+    return [finite_or_none(v) for v in node]
   if isinstance(node, float) and not math.isfinite(node):
     return None
   return node
@@ -53,7 +53,7 @@ def _finite(node):
 def record(tables: dict, *, peer_or_base: str, **extra) -> dict:
   """{"command", "gpu", "platform", "jax", "commit", "created", "peer_or_base", "tables", ...}."""
   device = jax.devices()[0]
-  return _finite({
+  return finite_or_none({
       "command": "python " + shlex.join(sys.argv), "gpu": device.device_kind,
       "platform": device.platform, "jax": jax.__version__, "commit": commit(),
       "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
