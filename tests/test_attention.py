@@ -1,4 +1,6 @@
 """Causal GQA softmax attention layer (k3jax.layers.attention)."""
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -6,7 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.layers.attention import CausalSelfAttention, resolve_implementation
+from k3jax.layers import packed_attention
+from k3jax.layers.attention import CausalSelfAttention, resolve_documents, resolve_implementation
+from k3jax.layers.segments import Segments
 
 D, H, KVH, HD = 16, 4, 2, 8
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2}
@@ -42,6 +46,8 @@ def _reference(layer, x):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_matches_float64_reference(dtype):
   layer = _layer(dtype)
+  if jax.default_backend() == "cpu":
+    assert layer.documents == "mask"  # the default keeps the document mask off cuDNN
   x = _x(2, 11)
   y, stats = nnx.jit(lambda m, x: m(x))(layer, x)
   chex.assert_shape(y, (2, 11, D))
@@ -97,6 +103,73 @@ def test_implementation_choice():
     assert resolve_implementation(None, jnp.bfloat16, H, KVH, HD) == "xla"
 
 
+def test_documents_path_choice():
+  """The packed layout only on cuDNN; XLA (the CPU's path) keeps the document mask."""
+  assert resolve_documents(None, "xla", jnp.bfloat16, H, KVH, HD) == "mask"
+  assert resolve_documents("mask", "cudnn", jnp.bfloat16, H, KVH, HD) == "mask"
+  assert resolve_documents("packed", "cudnn", jnp.bfloat16, H, KVH, HD) == "packed"
+  with pytest.raises(ValueError, match="implementation='cudnn' or documents='mask'"):
+    resolve_documents("packed", "xla", jnp.bfloat16, H, KVH, HD)
+  with pytest.raises(ValueError, match="allowed"):
+    resolve_documents("ragged", "cudnn", jnp.bfloat16, H, KVH, HD)
+
+
+# Row 0: documents of 1, 5 and 1 tokens, then padding; row 1: left padding, then a prompt;
+# row 2: one document; row 3: id 2 in two runs, then more runs than M = 4 (merged).
+DOC_IDS = np.array([[1, 2, 2, 2, 2, 2, 3, 0, 0, 0, 0, 0],
+                    [0, 0, 0, 0, 0, 7, 7, 7, 7, 7, 7, 7],
+                    [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4],
+                    [2, 2, 1, 2, 5, 5, 6, 7, 8, 8, 0, 0]], np.int32)
+DOC_RUNS = 4
+
+
+def _mask_of_runs(offsets, lengths, length):
+  """[N, T, T] bool: query i sees key j when both lie in one listed run (start offsets[n, m],
+  lengths[n, m] tokens; -1 unlisted) and j <= i. Asserts that the runs tile each row."""
+  mask = np.zeros((offsets.shape[0], length, length), bool)
+  cover = np.zeros((offsets.shape[0], length), np.int32)
+  for n, m in zip(*np.nonzero(lengths >= 0)):
+    start, size = offsets[n, m], lengths[n, m]
+    mask[n, start:start + size, start:start + size] = np.tril(np.ones((size, size), bool))
+    cover[n, start:start + size] += 1
+  np.testing.assert_array_equal(cover, 1)
+  return mask
+
+
+def test_cudnn_layout_lists_each_run():
+  """The packed layout's runs give the document mask, overflow merge included, and jax's
+  flattening of them (cuDNN's cumulative offsets over the batch) tiles the batch."""
+  b, t = DOC_IDS.shape
+
+  @jax.jit
+  def layouts(ids):
+    seg = Segments.from_ids(ids, DOC_RUNS)
+    offsets, lengths = packed_attention.cudnn_layout(seg)
+    tokens = jnp.zeros((b, t, 1, 1), jnp.bfloat16)  # token strides: one head of width 1
+    flat_lengths, _, flat_offsets, _ = packed_attention._cudnn_fa._fix_seqlen_offsets(  # pylint: disable=protected-access
+        lengths, lengths, offsets, offsets, tokens, tokens)
+    return offsets, lengths, seg.attention_mask_b1tt()[:, 0], flat_offsets, flat_lengths
+
+  offsets, lengths, want, flat_offsets, flat_lengths = map(np.asarray, layouts(DOC_IDS))
+  assert offsets.shape == (b, DOC_RUNS + 1) and lengths.shape == (b, DOC_RUNS)
+  np.testing.assert_array_equal(offsets[:, -1], -1)
+  np.testing.assert_array_equal(offsets[:, :-1] < 0, lengths < 0)
+  np.testing.assert_array_equal(lengths[0], [1, 5, 1, 5])
+  np.testing.assert_array_equal(lengths[2], [12, -1, -1, -1])
+  np.testing.assert_array_equal(offsets[3], [0, 2, 3, 4, -1])  # the 4th run takes the rest
+  np.testing.assert_array_equal(_mask_of_runs(offsets, lengths, t), want)
+  # jax's flattening over the batch, as cuDNN reads it.
+  flat_lengths, flat_offsets = flat_lengths.ravel(), flat_offsets.ravel()
+  real = flat_lengths > 0
+  np.testing.assert_array_equal(flat_offsets[1:1 + real.sum()] - flat_offsets[:real.sum()],
+                                flat_lengths[real])  # cumulative offsets
+  whole = _mask_of_runs(flat_offsets[None, :real.sum()], flat_lengths[None, real], b * t)[0]
+  blocks = np.zeros((b * t, b * t), bool)
+  for r in range(b):
+    blocks[r * t:(r + 1) * t, r * t:(r + 1) * t] = want[r]
+  np.testing.assert_array_equal(whole, blocks)
+
+
 def test_parameters_carry_logical_axes():
   layer = _layer()
   assert layer.wq.get_metadata()["out_sharding"] == ("embed", "heads", "kv")
@@ -139,3 +212,75 @@ def test_sequence_split_attention_sees_whole_sequences(context, kv_heads, heads_
   # q [B=2, T=16, H=4, hd]: batch over data (2), whole sequence, heads over context or whole.
   assert seen[-1] == (1, 16, H // context if heads_split else H, HD), seen
   np.testing.assert_allclose(np.asarray(y, np.float64), _reference(layer, x), rtol=2e-5, atol=2e-5)
+
+
+def _rel_err(x, ref):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return np.abs(x - ref).max() / np.abs(ref).max()
+
+
+@pytest.mark.gpu
+def test_gpu_packed_layout_equals_document_mask():
+  """cuDNN's packed layout against the document mask, values and q, k, v gradients.
+
+  Rows: documents of 1 token (softmax over one key: the output is that token's
+  value), padding (id 0) after and before documents, one document, and more
+  runs than M (merged). Both bf16 paths are held to a float32 XLA reference of
+  the same bf16 inputs: the packed one may err at most 1.5 times as much as
+  cuDNN with the mask plus one bf16 step at the largest value (2^-8), since the
+  two differ only in tiling and where masked logits are skipped.
+  """
+  b, t, h, kvh, hd, runs = 4, 256, 4, 2, 64, 6
+  ids = np.zeros((b, t), np.int32)
+  ids[0, :1], ids[0, 1:101], ids[0, 101:102] = 1, 2, 3            # then padding
+  ids[1, 37:] = 7                                                # left padding
+  ids[2] = 4
+  ids[3] = np.repeat(np.arange(1, 9), t // 8)                    # 8 runs, M = 6
+  seg = Segments.from_ids(ids, runs)
+  keys = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(keys[0], (b, t, h, hd), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (b, t, kvh, hd), jnp.bfloat16) for key in keys[1:3])
+  do = jax.random.normal(keys[3], (b, t, h, hd), jnp.bfloat16)
+  mask = seg.attention_mask_b1tt()
+
+  def packed(q, k, v):
+    return packed_attention.attend(q, k, v, *packed_attention.cudnn_layout(seg))
+
+  def masked(q, k, v, impl="cudnn"):
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=impl)
+
+  def value_and_grads(fn, *xs):
+    out, vjp = jax.vjp(fn, *xs)
+    return (out, *vjp(do.astype(out.dtype)))
+
+  got = jax.jit(functools.partial(value_and_grads, packed))(q, k, v)
+  base = jax.jit(functools.partial(value_and_grads, masked))(q, k, v)
+  ref = jax.jit(functools.partial(value_and_grads, functools.partial(masked, impl="xla")))(
+      *(x.astype(jnp.float32) for x in (q, k, v)))
+  for name, g, m, r in zip(("o", "dq", "dk", "dv"), got, base, ref):
+    assert np.all(np.isfinite(np.asarray(g, np.float32))), name
+    err, err_mask = _rel_err(g, r), _rel_err(m, r)
+    assert err <= 1.5 * err_mask + 2.0 ** -8, (name, err, err_mask)
+  for pos in (0, 101):  # one-token documents of row 0: the output is the token's value
+    np.testing.assert_allclose(np.asarray(got[0][0, pos], np.float32),
+                               np.repeat(np.asarray(v[0, pos], np.float32), h // kvh, axis=0),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_default_is_packed_and_matches_mask():
+  """The bf16 layer picks the packed path on the GPU; full passes with documents and a
+  left-padded prefill of odd length equal the mask path's (same parameters)."""
+  layers = {d: CausalSelfAttention(64, 4, 2, 64, dtype=jnp.bfloat16, documents=d,
+                                   rngs=nnx.Rngs(0)) for d in (None, "mask")}
+  assert layers[None].implementation == "cudnn" and layers[None].documents == "packed"
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 37, 64)), jnp.bfloat16)
+  ids = Segments.from_ids(DOC_IDS.repeat(4, axis=1)[:, :37], DOC_RUNS)
+  valid = np.arange(37)[None, :] >= np.array([[0], [5], [36], [17]])
+  full = {d: nnx.jit(lambda m, x, s: m(x, s)[0])(layer, x, ids) for d, layer in layers.items()}
+  pre = {d: nnx.jit(lambda m, x, v: m.prefill(x, 40, v)[0])(layer, x, valid)
+         for d, layer in layers.items()}
+  for out in (full, pre):
+    ref = np.asarray(out["mask"], np.float32)
+    np.testing.assert_allclose(np.asarray(out[None], np.float32), ref, rtol=0,
+                               atol=2e-2 * np.abs(ref).max())

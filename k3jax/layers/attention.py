@@ -5,12 +5,17 @@ on GPU for 16-bit compute when it compiles for the layer's head shape, XLA
 otherwise (CPU, float32). Decoding keeps a preallocated KV cache.
 
 Documents packed in a row (`segments`): each token attends only within its
-own run, through a [B, 1, T, T] boolean mask (same run and causal) beside
-`is_causal=True`; XLA applies it to the logits and cuDNN takes it as an
-additive bias without a bias gradient. Not wired: on TPU the fused path
-would be splash attention with segment ids, and cuDNN's packed layout
-(`q_offsets`/`kv_offsets` of `jax._src.cudnn.fused_attention_stablehlo`)
-would skip the [T, T] mask, but it is private API.
+own run, one of two ways (`documents`):
+- "packed": cuDNN's packed layout (`k3jax.layers.packed_attention`), the
+  run starts and lengths of each row; no [T, T] mask, and the tiles between
+  documents are skipped. Needs the cuDNN implementation, a Hopper or later
+  GPU, and a jax version whose private call was checked.
+- "mask": a [B, 1, T, T] boolean mask (same run and causal) beside
+  `is_causal=True`; XLA applies it to the logits, cuDNN takes it as an
+  additive bias without a bias gradient, which doubles attention's cost.
+  The reference, and the path on the CPU.
+A left-padded prompt (`prefill`) is two runs, padding then prompt, and takes
+the same path. Not wired: splash attention with segment ids on TPU.
 """
 from __future__ import annotations
 
@@ -21,11 +26,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import packed_attention
 from k3jax.layers.params import fan_in_init, logical_param
 from k3jax.layers.segments import Segments
 from k3jax.sharding import rules as rules_lib
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
+DOCUMENT_PATHS = (None, "mask", "packed")
+# Runs of a left-padded prompt row: padding, then the prompt.
+_PROMPT_RUNS = 2
 
 
 @functools.cache
@@ -56,6 +65,29 @@ def resolve_implementation(requested: str | None, dtype, num_heads: int, num_kv_
   return "cudnn" if ok else "xla"
 
 
+def resolve_documents(requested: str | None, implementation: str, dtype, num_heads: int,
+                      num_kv_heads: int, head_dim: int) -> str:
+  """Returns `requested`, or for None: "packed" where the resolved `implementation` is
+  cuDNN and its packed layout compiles for this head shape, else "mask"."""
+  if requested not in DOCUMENT_PATHS:
+    raise ValueError(f"attention documents path {requested!r}; allowed: {DOCUMENT_PATHS}")
+  if requested == "mask":
+    return requested
+  if requested == "packed":
+    if implementation != "cudnn":
+      raise ValueError(f"documents='packed' runs on cuDNN, but the attention implementation is "
+                       f"{implementation!r}: pass implementation='cudnn' or documents='mask'")
+    if not packed_attention.available():
+      raise ValueError(f"documents='packed' goes through a private jax API checked on jax "
+                       f"{packed_attention.TESTED_JAX} only, not {jax.__version__}: pass "
+                       f"documents='mask'")
+    return requested
+  if implementation != "cudnn" or not packed_attention.available():
+    return "mask"
+  ok = packed_attention.compiles(jnp.dtype(dtype).name, num_heads, num_kv_heads, head_dim)
+  return "packed" if ok else "mask"
+
+
 def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
                   dtype) -> dict:
   """Zero KV cache: k, v [B, max_len, KVH, hd], the filled length `pos` (int32) and
@@ -66,12 +98,10 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
           "pos": jnp.zeros((), jnp.int32), "start": jnp.zeros((batch,), jnp.int32)}
 
 
-def prompt_mask_b1tt(valid_bt: jax.Array) -> jax.Array:
-  """[B, 1, T, T] bool for left-padded prompts (valid_bt [B, T] False on the padding):
-  causal, and no prompt token sees the padding (padding sees only padding)."""
-  same = valid_bt[:, None, :, None] == valid_bt[:, None, None, :]
-  length = valid_bt.shape[1]
-  return same & jnp.tril(jnp.ones((length, length), bool))
+def prompt_segments(valid_bt: jax.Array) -> Segments:
+  """The runs of left-padded prompts (valid_bt [B, T] bool, False on the padding):
+  padding then prompt, so no prompt token sees the padding (padding sees only padding)."""
+  return Segments.from_ids(valid_bt.astype(jnp.int32), _PROMPT_RUNS)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -86,11 +116,14 @@ class CausalSelfAttention(nnx.Module):
     param_dtype: parameter dtype.
     implementation: "xla", "cudnn", or None to pick cuDNN on GPU for 16-bit
       compute when it compiles for this head shape, else XLA.
+    documents: how documents packed in a row are kept apart (module
+      docstring): "packed", "mask", or None for "packed" where the
+      implementation is cuDNN and the packed layout compiles, else "mask".
   """
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                dtype=jnp.float32, param_dtype=jnp.float32, implementation: str | None = None,
-               rngs: nnx.Rngs):
+               documents: str | None = None, rngs: nnx.Rngs):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -98,6 +131,8 @@ class CausalSelfAttention(nnx.Module):
     self.dtype = dtype
     self.implementation = resolve_implementation(implementation, dtype, num_heads, num_kv_heads,
                                                  head_dim)
+    self.documents = resolve_documents(documents, self.implementation, dtype, num_heads,
+                                       num_kv_heads, head_dim)
     init = fan_in_init(d_model)
     self.wq = logical_param(rngs, init, (d_model, num_heads, head_dim), ("embed", "heads", "kv"), param_dtype)
     self.wk = logical_param(rngs, init, (d_model, num_kv_heads, head_dim), ("embed", "heads", "kv"), param_dtype)
@@ -115,23 +150,30 @@ class CausalSelfAttention(nnx.Module):
   def _out(self, o_bthk):
     return jnp.einsum("bthk,hkd->btd", o_bthk.astype(self.dtype), self.wo[...].astype(self.dtype))
 
-  def _attend(self, q, k, v, mask_b1tt=None):
-    """Causal attention of [B, T, H|KVH, hd] q, k, v -> [B, T, H, hd], within the
-    [B, 1, T, T] boolean mask when given (documents in a row).
+  def _attend(self, q, k, v, segments: Segments | None = None):
+    """Causal attention of [B, T, H|KVH, hd] q, k, v -> [B, T, H, hd], within each
+    run of `segments` when given (documents in a row), on the `documents` path.
 
     On a mesh whose sequence is split (context axis), the operands are
     re-laid out with the whole sequence on each device and the heads split over
     the context axis instead ("attn_heads"): one all-to-all in and one out,
     and cuDNN's fused kernel, which refuses a split sequence, still runs.
     Head counts the axis does not divide fall back to gathering the sequence.
-    The mask is split like the batch only, whole on every device.
+    The mask or the run offsets are split like the batch only, whole on every device.
     """
     split = all(rules_lib.divides("attn_heads", n) for n in (self.num_heads, self.num_kv_heads))
     axes = ("batch", None, "attn_heads" if split else None, "kv")
     q, k, v = (rules_lib.constrain(x, axes, skip_indivisible=True) for x in (q, k, v))
-    if mask_b1tt is not None:
-      mask_b1tt = rules_lib.constrain(mask_b1tt, ("batch", None, None, None),
-                                      skip_indivisible=True)
+    if segments is None:
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                          implementation=self.implementation)
+    if self.documents == "packed":
+      offsets_bm1, lengths_bm = (
+          rules_lib.constrain(x, ("batch", None), skip_indivisible=True)
+          for x in packed_attention.cudnn_layout(segments))
+      return packed_attention.attend(q, k, v, offsets_bm1, lengths_bm)
+    mask_b1tt = rules_lib.constrain(segments.attention_mask_b1tt(), ("batch", None, None, None),
+                                    skip_indivisible=True)
     return jax.nn.dot_product_attention(q, k, v, mask=mask_b1tt, is_causal=True,
                                         implementation=self.implementation)
 
@@ -148,8 +190,7 @@ class CausalSelfAttention(nnx.Module):
     """
     self._check(x_btd)
     q, k, v = self._qkv(x_btd)
-    mask = None if segments is None else segments.attention_mask_b1tt()
-    return self._out(self._attend(q, k, v, mask)), {}
+    return self._out(self._attend(q, k, v, segments)), {}
 
   def prefill(self, x_btd: jax.Array, max_len: int, valid_bt: jax.Array | None = None
               ) -> tuple[jax.Array, dict, dict]:
@@ -157,7 +198,8 @@ class CausalSelfAttention(nnx.Module):
 
     valid_bt: [B, T] bool, False on each row's left padding (prompts of several
     lengths), or None when every position holds a token. Padding is neither
-    attended in the pass nor by later `decode` steps (the cache's `start`).
+    attended in the pass (padding and prompt are two runs of the row, on the
+    `documents` path) nor by later `decode` steps (the cache's `start`).
 
     Returns ([B, T, D], stats, cache) with cache from `init_kv_cache`.
     """
@@ -166,7 +208,7 @@ class CausalSelfAttention(nnx.Module):
     if t > max_len:
       raise ValueError(f"prompt length {t} exceeds cache length {max_len}")
     q, k, v = self._qkv(x_btd)
-    o = self._attend(q, k, v, None if valid_bt is None else prompt_mask_b1tt(valid_bt))
+    o = self._attend(q, k, v, None if valid_bt is None else prompt_segments(valid_bt))
     cache = init_kv_cache(b, max_len, self.num_kv_heads, self.head_dim, self.dtype)
     cache["k"] = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, 0))
     cache["v"] = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, 0, 0))
