@@ -14,8 +14,10 @@ Rows, each forward and forward+backward (pipelined timer, ms per call):
   `--max_segments` runs (the trainer's bound: data.max_documents_per_row + 1);
 * `attention causal`: `jax.nn.dot_product_attention(is_causal=True)` (cuDNN on
   the GPU);
-* `attention by document`: the same with the [B, 1, T, T] document mask of the
-  D-document rows (`Segments.attention_mask_b1tt`).
+* `attention by document (mask)`: the same with the [B, 1, T, T] document mask
+  of the D-document rows (`Segments.attention_mask_b1tt`);
+* `attention by document (packed)`: the same rows through cuDNN's packed layout
+  (`k3jax.layers.packed_attention`, the GPU layer's default), on the GPU only.
 On a CPU the Pallas rows run interpreted: use tiny shapes (`--shapes=2x64 --heads=2
 --head_dim=32 --iters=2`), whose times say nothing.
 """
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from k3jax.layers import packed_attention
 from k3jax.layers.kda import chunk_kda_rows
 from k3jax.layers.segments import Segments
 from pallas_kernels.kda import api
@@ -81,12 +84,17 @@ def kda_rows(b, t, h, d, interpret):
 def attention_rows(b, t):
   """(name, function of (q, k, v)) of the attention rows."""
   impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-  mask = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)),
-                           _MAX_SEGMENTS.value).attention_mask_b1tt()
+  segments = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)), _MAX_SEGMENTS.value)
+  mask = segments.attention_mask_b1tt()
   attend = lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                              implementation=impl, **kw)
-  return [(f"attention causal ({impl})", attend),
+  rows = [(f"attention causal ({impl})", attend),
           (f"attention by document ({impl}, mask)", lambda q, k, v: attend(q, k, v, mask=mask))]
+  if impl == "cudnn":
+    layout = packed_attention.cudnn_layout(segments)
+    rows.append(("attention by document (cudnn, packed)",
+                 lambda q, k, v: packed_attention.attend(q, k, v, *layout)))
+  return rows
 
 
 def main(argv):
