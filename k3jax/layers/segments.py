@@ -10,7 +10,7 @@ in `overflow_b` so the caller can report it.
 
     segments = Segments.from_ids(segment_ids_bt, max_segments)
     KDA:       conv_mask_btw(width) per conv tap, offsets_bm as per-row cu_seqlens
-    attention: attention_mask_b1tt()
+    attention: attention_mask_b1tt(), or offsets_bm as cuDNN's packed layout (packed_attention)
     MoE:       token_mask_bt() (padding takes no expert)
 """
 from __future__ import annotations
