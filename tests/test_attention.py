@@ -284,3 +284,33 @@ def test_gpu_layer_default_is_packed_and_matches_mask():
     ref = np.asarray(out["mask"], np.float32)
     np.testing.assert_allclose(np.asarray(out[None], np.float32), ref, rtol=0,
                                atol=2e-2 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+def test_gpu_packed_layout_with_the_batch_split():
+  """On two GPUs with the batch split, each device's cuDNN call takes its own rows' runs:
+  the layer's output and input gradient equal the mask path's under the same mesh."""
+  from k3jax.sharding import rules  # pylint: disable=g-import-not-at-top
+  from k3jax.sharding.mesh import MeshConfig, make_mesh  # pylint: disable=g-import-not-at-top
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two GPUs")
+  mesh = make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 48, 64)), jnp.bfloat16)
+  seg = Segments.from_ids(DOC_IDS.repeat(4, axis=1), DOC_RUNS)
+  out = {}
+  for documents in ("packed", "mask"):
+    graphdef, state = nnx.split(CausalSelfAttention(64, 4, 2, 64, dtype=jnp.bfloat16,
+                                                    documents=documents, rngs=nnx.Rngs(0)))
+
+    @jax.jit
+    def value_and_grad(state, x, seg, graphdef=graphdef):
+      def f(x):
+        x = rules.constrain(x, ("batch", "length", "embed"))
+        return nnx.merge(graphdef, state)(x, seg)[0].astype(jnp.float32)
+      y, vjp = jax.vjp(f, x)
+      return y, vjp(jnp.ones_like(y))[0]
+
+    with jax.set_mesh(mesh):
+      out[documents] = [np.asarray(a, np.float32) for a in value_and_grad(state, x, seg)]
+  for got, ref in zip(out["packed"], out["mask"]):
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
