@@ -31,10 +31,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-# Private: the only route to cuDNN's packed layout in jax 0.11 (module docstring).
-from jax._src.cudnn import fused_attention_stablehlo as _cudnn_fa
 
 from k3jax.layers.segments import Segments
+
+try:  # Private: the only route to cuDNN's packed layout in jax 0.11 (module docstring).
+  from jax._src.cudnn import fused_attention_stablehlo as _cudnn_fa
+except ImportError:  # moved or gone in another jax: the layer keeps the mask
+  _cudnn_fa = None
 
 # jax (major, minor) versions whose private packed-layout call this module was checked on.
 TESTED_JAX = ((0, 11),)
@@ -42,7 +45,7 @@ TESTED_JAX = ((0, 11),)
 
 def available() -> bool:
   """Whether this jax is one whose private packed-layout call was checked (`TESTED_JAX`)."""
-  return tuple(jax.__version_info__[:2]) in TESTED_JAX
+  return _cudnn_fa is not None and tuple(jax.__version_info__[:2]) in TESTED_JAX
 
 
 def cudnn_layout(segments: Segments) -> tuple[jax.Array, jax.Array]:
