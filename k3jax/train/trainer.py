@@ -314,8 +314,8 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   else:
     model_fn = _given_model(model_fn, layout)
   if kda.interprets(model_cfg.kda.implementation):
-    log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
-                "use --config.model.kda_implementation=xla for CPU runs")
+    log.warning("model.kda.implementation='pallas' on CPU runs the kernel interpreted (slow); "
+                "use --config.model.kda.implementation=xla for CPU runs")
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
   dataset, tokenizer = _open_data(config, model_cfg)
   config = _with_tokenizer_digest(config, tokenizer)
