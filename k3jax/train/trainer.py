@@ -81,8 +81,8 @@ def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int, max_segme
 
 
 def _default_model(model_cfg, seq_len: int, expert_parallel, layout: ModelLayout
-                   ) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
-  fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
+                   ) -> tuple[Callable[[nnx.Rngs], nnx.Module], float]:
+  fpt = lm.flops_per_token(model_cfg, seq_len)
   return (lambda rngs: layout.build_lm(model_cfg, rngs=rngs, expert_parallel=expert_parallel)), fpt
 
 
