@@ -13,11 +13,11 @@ no field.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 from typing import Any, Mapping
 
+from k3jax.configdict import did_you_mean
 from k3jax.configdict import to_plain as _to_plain
 from k3jax.data import DATA_KINDS, DOCUMENT_KINDS, PACKINGS
 from k3jax.data.corpus import BYTE_VOCAB_SIZE
@@ -114,8 +114,7 @@ def _unknown_key(where: str, key: str, allowed, sections: Mapping[str, list[str]
     levels = " and ".join(f"{h!r}" + (" (top level)" if "." not in h else "") for h in homes)
     return (f"config {dotted + rest!r} names no field: {key} lives at {levels}, not {_level(where)}. "
             f"Use --config.{homes[0] + rest}=VALUE (or set it there in the config file).")
-  close = difflib.get_close_matches(key, list(allowed), n=1)
-  hint = f"; did you mean {where + close[0]!r}?" if close else "."
+  hint = did_you_mean(key, allowed, where) or "."
   return f"unknown config key {dotted!r}{hint} Allowed {_level(where)}: {sorted(allowed)}"
 
 
