@@ -88,7 +88,7 @@ def parallel_config(**overrides) -> ml_collections.ConfigDict:
 def base_config() -> ml_collections.ConfigDict:
   """Every trainer field with its default (a small byte-level CPU run)."""
   c = ml_collections.ConfigDict()
-  c.seed = 0                    # seeds the model init, the data order and the step RNG
+  c.seed = 0                    # seeds the model init and the data order
   c.num_steps = 200             # optimizer updates in the whole run (the schedule's length)
   c.batch_size = 16             # global batch (sequences per step), split over processes and devices
   c.num_devices = 0             # devices the mesh spans: the first N of one process (0 = all devices of all processes)

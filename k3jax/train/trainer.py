@@ -347,7 +347,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
                                         config.num_steps, model_segments(config.data, config.seq_len))
-  abstract_state = abstract_train_state(abstract, tx, config.seed)
+  abstract_state = abstract_train_state(abstract, tx)
   return _Build(config=config, workdir=workdir, nproc=nproc, ndev=len(devices), pconf=pconf,
                 sizes=sizes, model_fn=model_fn, flops_per_token=flops_per_token, ckpt_dir=ckpt_dir,
                 resuming=resuming, dataset=dataset, tokenizer=tokenizer, data_it=data_it, eval_set=eval_set, mesh=mesh,
