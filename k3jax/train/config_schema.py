@@ -1,9 +1,11 @@
 """Typed validation of the whole training ConfigDict, run before any compute.
 
 `validate(config)` raises `ConfigError` (a ValueError) naming the key, the
-value and what is allowed for: unknown keys (with a did-you-mean, or the level
-where a misplaced field lives), missing keys, wrong types, out-of-range values
-and unsafe combinations. It returns the `ModelConfig`.
+value and what is allowed for: unknown keys (with a did-you-mean, the level
+where a misplaced field lives, or the nested key that a flat model key of
+earlier versions became), missing keys, wrong types, out-of-range values and
+unsafe combinations. It returns the `ModelConfig`; the model's own checks come
+back as `config model.<path>...`, their messages led by the field's path.
 `parallel_config(config, num_devices)` runs the same checks, the mesh's also
 with the device count known (an axis of -1 resolved), and returns the
 `ParallelConfig`.
@@ -123,7 +125,8 @@ def moved_message(old: str) -> str:
   new = "model." + defaults.MOVED_MODEL_KEYS[old]
   note = (" (0: no bound, the softplus gate, which needs model.kda.diagonal='pairwise')"
           if new == "model.kda.lower_bound" else "")
-  return f"config 'model.{old}' is now '{new}'{note}: use --config.{new}=VALUE or set it in the config file."
+  return (f"config 'model.{old}' is now '{new}'{note}: use --config.{new}=VALUE or set it in the "
+          "config file.")
 
 
 def unknown_field_message(dotted: str) -> str | None:
@@ -183,7 +186,7 @@ def model_config_from(model_section: Mapping[str, Any]):
   _check_model_keys(d)
   for dotted, number in defaults.NONE_AS.items():
     section, name = dotted.split(".")
-    if d.get(section, {}).get(name) == number:
+    if isinstance(d.get(section), Mapping) and d[section].get(name) == number:
       d[section] = dict(d[section], **{name: None})
   try:
     return model_config_lib.ModelConfig.from_dict(d)
