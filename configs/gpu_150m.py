@@ -17,7 +17,7 @@ then on the H200:
     && PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/gpu_150m.py \
          --workdir=/tmp/runs/gpu_150m --config.num_steps=300
 
-The KDA layers run the Pallas kernel (`--config.model.kda_implementation=xla` for
+The KDA layers run the Pallas kernel (`--config.model.kda.implementation=xla` for
 the pure-XLA path). tokens/s and MFU (H200 bf16 peak 989 TFLOP/s)
 are in `<workdir>/metrics.jsonl`.
 """

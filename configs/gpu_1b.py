@@ -7,7 +7,7 @@ Same data options and wheels as `gpu_150m.py`. GPU command (run from the repo ro
     && PYTHONPATH=.:/tmp/site python3 experiments/train.py --config=configs/gpu_1b.py \
          --workdir=/tmp/runs/gpu_1b --config.num_steps=300 --config.optim.warmup_steps=100
 
-The KDA layers run the Pallas kernel (`--config.model.kda_implementation=xla` for
+The KDA layers run the Pallas kernel (`--config.model.kda.implementation=xla` for
 the pure-XLA path). Memory: float32 weights, AdamW moments
 and gradients take ~17 GB; activations at batch 16 x 2048 dominate the rest.
 """

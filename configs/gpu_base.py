@@ -24,10 +24,10 @@ def get_config():
   c.model.vocab_size = 256
   c.model.layer_pattern = "KKKA"
   c.model.head_dim = 128
-  c.model.kda_chunk_size = 64
-  c.model.kda_sub_chunk = 16
-  c.model.g_min = -5.0  # 5 * (16 - 1) = 75 < 85: the dense diagonal tiles are safe
-  c.model.kda_implementation = "pallas"
+  c.model.kda.chunk_size = 64
+  c.model.kda.sub_chunk = 16
+  c.model.kda.lower_bound = -5.0  # 5 * (16 - 1) = 75 < 85: the dense diagonal tiles are safe
+  c.model.kda.implementation = "pallas"
   c.model.top_k = 2
   c.model.num_shared_experts = 1
   # Dropless: every routed token reaches its experts through our grouped matmuls

@@ -35,8 +35,8 @@ def get_config():
   c.model.num_heads = 4
   c.model.head_dim = 32
   c.model.num_kv_heads = 4
-  c.model.kda_chunk_size = 64
-  c.model.kda_sub_chunk = 16
+  c.model.kda.chunk_size = 64
+  c.model.kda.sub_chunk = 16
   c.model.num_experts = 4
   c.model.top_k = 2
   c.model.expert_hidden = 128
@@ -44,7 +44,7 @@ def get_config():
   c.model.dense_hidden = 256
   # On a CPU at this size the recurrent form is the fastest chunk_kda path (same math as the chunked
   # one): 1.3 s against 3.4 s of CPU time per step for "xla" (B16 T128). GPU presets use "pallas".
-  c.model.kda_implementation = "naive"
+  c.model.kda.implementation = "naive"
   c.model.dtype = "float32"  # CPUs gain nothing from bf16
 
   c.data.kind = "bytes"

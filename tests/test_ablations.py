@@ -27,7 +27,7 @@ def test_every_sweep_config_validates(setting):
     assert sweep.seeds == ((0,) if setting == "quick" else (0, 1, 2))
     for spec in sweep.runs():
       config = spec.config()
-      model = validate(config)  # raises on a bad field or an unsafe (g_min, tile) pair
+      model = validate(config)  # raises on a bad field or an unsafe (lower bound, tile) pair
       assert config.seed == spec.seed
       if name in ("decay", "long") and model.gate == "bounded":
         assert abs(model.kda.lower_bound) * (model.kda.sub_chunk - 1) <= 85
@@ -56,7 +56,7 @@ def test_long_sweep_arms_differ_only_where_intended(setting):
   flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (
       flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(p + k, v)])}
   b, s, a = (flat(configs[n]) for n in ("bounded", "softplus", "attention"))
-  assert {k for k in b if b[k] != s[k]} == {"model.gate", "model.kda_diagonal"}
+  assert {k for k in b if b[k] != s[k]} == {"model.kda.lower_bound", "model.kda.diagonal"}
   assert set(validate(sweeps.RunSpec("long", setting, sweep.variant("attention"), sweep.tasks[0], 0,
                                      sweep.base).config()).layer_types) == {"A"}
   assert "model.layer_pattern" in {k for k in b if b[k] != a[k]}

@@ -107,7 +107,8 @@ def test_typo_keys_raise_with_a_suggestion(key, suggestion):
 
 
 @pytest.mark.parametrize("key,home", [
-    ("model.batch_size", "batch_size"), ("optim.seq_len", "seq_len"), ("data.g_min", "model.g_min"),
+    ("model.batch_size", "batch_size"), ("optim.seq_len", "seq_len"),
+    ("data.lower_bound", "model.kda.lower_bound"),
     ("model.learning_rate", "optim.learning_rate"),
     ("capacity_factor", "model.router.capacity_factor"),
     ("dispatch_slot_factor", "parallel.dispatch_slot_factor"),
@@ -172,12 +173,16 @@ def test_missing_key_raises():
     ({"optim.warmup_steps": 500}, r"warmup_steps=500 must be in \[0, num_steps=200\]"),
     ({"optim.b2": 1.0}, r"optim.b2=1.0 must be in \[0, 1\)"),
     ({"optim.grad_clip": 0.0}, r"grad_clip=0.0 must be > 0"),
-    ({"model.g_min": -10.0}, r"g_min=-10.0 with kda_sub_chunk=16"),
-    ({"model.gate": "softplus"}, r"kda_diagonal='dense' with gate='softplus'.*diagonal='pairwise'"),
+    ({"model.kda.lower_bound": -10.0}, r"^config model.kda.lower_bound=-10.0 is unsafe for a dense "
+                                       r"diagonal tile of length 16"),
+    ({"model.kda.lower_bound": 0.0, "model.kda.implementation": "xla"},
+     r"^config model.kda.diagonal='dense' needs lower_bound.*diagonal='pairwise'"),
+    ({"model.kda.sub_chunk": 24}, r"^config model.kda.sub_chunk must divide chunk_size=64, got 24"),
+    ({"model.num_kv_heads": 3}, r"^config model.num_kv_heads=3 must divide num_heads=4"),
     ({"model.param_dtype": "bfloat16"}, r"float32 master weights"),
     ({"model.vocab_size": 128}, r"model.vocab_size=128 is smaller than the data's vocabulary 256"),
     ({"model.top_k": 9}, r"top_k"),
-    ({"model.router.name": "quantiles"}, r"config model.router.name='quantiles'"),
+    ({"model.router.name": "quantiles"}, r"^config model.router.name='quantiles'"),
     ({"data.kind": "text"}, r"data.kind='text'; allowed"),
     ({"data.kind": "token_file", "data.vocab_size": 256}, r"data.token_file is empty"),
     ({"data.kind": "mqar", "data.vocab_size": 256, "data.mqar_num_kv_pairs": 200}, r"fewer than num_kv_pairs=200"),
@@ -190,9 +195,34 @@ def test_unsafe_or_invalid_values_raise(changes, message):
     validate(_cfg(**changes))
 
 
-def test_trainer_router_defaults_are_router_config_defaults():
-  """The trainer's `model.router` section (0 and -1 encode None) builds RouterConfig()."""
+def test_model_section_is_built_from_the_dataclasses_and_reads_back():
+  """`model` is ModelConfig's fields (kda and router as sections), each default the dataclass's,
+  and a ModelConfig with every None of NONE_AS written as its number reads back equal."""
+  import dataclasses
+  from k3jax.models.config import ModelConfig
   from k3jax.routing.config import RouterConfig
   from k3jax.train.config_schema import model_config_from
-  from k3jax.train.defaults import model_config
-  assert model_config_from(model_config()).router == RouterConfig()
+  from k3jax.train.defaults import config_dict, model_config
+  from pallas_kernels.kda.spec import FIELDS as KDA_FIELDS
+  from pallas_kernels.kda.spec import KdaSpec
+  section = model_config()
+  assert sorted(section) == sorted(f.name for f in dataclasses.fields(ModelConfig))
+  assert sorted(section.kda) == sorted(KDA_FIELDS)
+  assert sorted(section.router) == sorted(f.name for f in dataclasses.fields(RouterConfig))
+  assert section.kda.lower_bound == -5.0 and section.router.overflow_choices == -1
+  assert model_config_from(section) == ModelConfig()
+  changed = ModelConfig(d_model=32, kda=KdaSpec(lower_bound=None, diagonal="pairwise", sub_chunk=8),
+                        router=RouterConfig(name="topk", capacity_factor=None, overflow_choices=1))
+  assert config_dict(changed).kda.lower_bound == 0.0
+  assert model_config_from(config_dict(changed)) == changed
+  assert ModelConfig.from_dict(changed.to_dict()) == changed
+
+
+@pytest.mark.parametrize("old,new", [("g_min", "kda.lower_bound"), ("gate", "kda.lower_bound"),
+                                     ("kda_chunk_size", "kda.chunk_size")])
+def test_a_flat_model_key_names_its_nested_key(old, new):
+  from k3jax.train.config_schema import unknown_field_message
+  message = unknown_field_message(f"model.{old}")
+  assert message.startswith(f"config 'model.{old}' is now 'model.{new}'") and "\n" not in message
+  with pytest.raises(ValueError, match=re.escape(message)):  # the same line from a config file
+    validate(_cfg(**{f"model.{old}": -5.0}))

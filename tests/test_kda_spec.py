@@ -67,14 +67,15 @@ def test_model_config_builds_the_spec_the_layers_hold():
   config = ModelConfig(vocab_size=64, d_model=32, num_layers=2, layer_pattern="KA",
                        num_heads=2, head_dim=16, num_kv_heads=2, num_experts=0,
                        kda=KdaSpec(chunk_size=32, sub_chunk=8, lower_bound=-4.0))
-  flat = ModelConfig.from_dict(dict(config.to_dict()))
-  assert flat == config and config.to_dict()["g_min"] == -4.0
+  d = config.to_dict()
+  assert ModelConfig.from_dict(d) == config and d["kda"]["lower_bound"] == -4.0
   model = HybridLM(config, rngs=nnx.Rngs(0))
   assert model.layers[0].mixer.spec is config.kda
-  softplus = ModelConfig.from_dict(dict(config.to_dict(), gate="softplus", kda_diagonal="pairwise"))
-  assert softplus.kda.lower_bound is None and softplus.gate == "softplus"
-  with pytest.raises(ValueError, match=r"kda_sub_chunk=8, kda_chunk_size=36.*sub_chunk must divide"):
-    ModelConfig.from_dict(dict(config.to_dict(), kda_chunk_size=36))
+  # A partial kda mapping keeps the model's default spec for the fields it leaves out.
+  softplus = ModelConfig.from_dict(dict(d, kda=dict(lower_bound=None, diagonal="pairwise")))
+  assert softplus.kda == KdaSpec(lower_bound=None, diagonal="pairwise") and softplus.gate == "softplus"
+  with pytest.raises(ValueError, match=r"^kda.sub_chunk must divide chunk_size=36, got 8"):
+    ModelConfig.from_dict(dict(d, kda=dict(d["kda"], chunk_size=36)))
 
 
 def test_layer_takes_the_spec_whole():

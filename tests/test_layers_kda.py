@@ -173,8 +173,8 @@ def test_fused_gate_is_opt_in_and_bounded_only():
   config refuses the pair, naming the fix, and a layer built directly fails at its first call."""
   assert not _layer(implementation="pallas").fuse_gate
   assert _layer(implementation="pallas", fuse_gate=True).fuse_gate
-  with pytest.raises(ValueError, match="kda_fuse_gate=True needs gate='bounded'.*set "
-                                       "kda_fuse_gate=False or gate='bounded'"):
+  with pytest.raises(ValueError, match="^kda_fuse_gate=True needs the bounded gate.*set "
+                                       "kda_fuse_gate=False or a kda.lower_bound"):
     ModelConfig(kda=KdaSpec(diagonal="pairwise"), kda_fuse_gate=True)
   layer = kda_lib.KDA(D, H, K, spec=KdaSpec(diagonal="pairwise"), fuse_gate=True,
                       rngs=nnx.Rngs(0))

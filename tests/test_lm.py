@@ -19,7 +19,7 @@ CAUSAL_ROUTER = RouterConfig(name="topk", capacity_factor=None)  # dropless top-
 
 def _config(**overrides):
   base = dict(vocab_size=32, d_model=16, num_layers=2, layer_pattern="KA", num_heads=2,
-              head_dim=8, num_kv_heads=1, conv_size=3, kda_chunk_size=8, kda_sub_chunk=4,
+              head_dim=8, num_kv_heads=1, conv_size=3, kda=dict(chunk_size=8, sub_chunk=4),
               num_experts=4, top_k=2, expert_hidden=16, num_shared_experts=1, dense_hidden=32,
               router=CAUSAL_ROUTER, residual="block_attnres", attnres_block_size=2)
   base.update(overrides)
@@ -43,31 +43,33 @@ def forward():
 # -- config ------------------------------------------------------------------
 
 
-def test_config_rejects_unsafe_g_min_for_sub_chunk():
-  with pytest.raises(ValueError, match=r"g_min=-6.0 with kda_sub_chunk=16"):
-    ModelConfig.from_dict(dict(g_min=-6.0, kda_sub_chunk=16))
-  ModelConfig.from_dict(dict(g_min=-6.0, kda_sub_chunk=8))  # 6 * 7 = 42: safe
-  ModelConfig.from_dict(dict(g_min=-6.0, kda_sub_chunk=16, kda_diagonal="pairwise"))  # no dense diagonal
+def test_config_rejects_unsafe_lower_bound_for_sub_chunk():
+  with pytest.raises(ValueError, match=r"^kda.lower_bound=-6.0 is unsafe for a dense diagonal tile "
+                                       r"of length 16"):
+    ModelConfig.from_dict(dict(kda=dict(lower_bound=-6.0, sub_chunk=16)))
+  ModelConfig.from_dict(dict(kda=dict(lower_bound=-6.0, sub_chunk=8)))  # 6 * 7 = 42: safe
+  ModelConfig.from_dict(dict(kda=dict(lower_bound=-6.0, diagonal="pairwise")))  # no dense diagonal
 
 
 @pytest.mark.parametrize("field,value,match", [
     ("layer_pattern", "KXA", "layer_pattern"),
     ("layer_pattern", "", "layer_pattern"),
     ("num_kv_heads", 3, "num_kv_heads=3 must divide"),
-    ("gate", "exp", "gate='exp'"),
     ("residual", "postnorm", "residual='postnorm'"),
-    ("kda_implementation", "cuda", "kda_implementation"),
+    ("kda.implementation", "cuda", "kda.implementation must be one of"),
     ("kda_decode", "scan", "kda_decode='scan'; allowed: 'auto', 'pallas'"),
-    ("kda_sub_chunk", 24, "kda_sub_chunk=24.*sub_chunk must divide chunk_size=64"),
+    ("kda.sub_chunk", 24, "kda.sub_chunk must divide chunk_size=64, got 24"),
     ("top_k", 9, "top_k=9"),
     ("dtype", "float16", "dtype='float16'"),
     ("d_model", 0, "d_model=0"),
-    ("g_min", 1.0, "g_min"),
+    ("kda.lower_bound", 1.0, "kda.lower_bound must be negative"),
+    ("router.name", "x", "router.name='x'"),
     ("moe_impl", "sparse", "moe_impl='sparse'"),
 ])
-def test_config_errors_name_the_field(field, value, match):
-  with pytest.raises(ValueError, match=match):
-    ModelConfig.from_dict({field: value})
+def test_config_errors_start_with_the_field_path(field, value, match):
+  section, _, name = field.rpartition(".")
+  with pytest.raises(ValueError, match="^" + match):
+    ModelConfig.from_dict({section: {name: value}} if section else {field: value})
 
 
 def test_config_buffered_moe_needs_a_capacity():
@@ -77,18 +79,20 @@ def test_config_buffered_moe_needs_a_capacity():
 
 
 def test_config_softplus_needs_pairwise():
-  with pytest.raises(ValueError, match="kda_diagonal='dense' with gate='softplus'.*diagonal='pairwise'"):
-    ModelConfig.from_dict(dict(gate="softplus"))
-  ModelConfig.from_dict(dict(gate="softplus", kda_diagonal="pairwise"))
+  with pytest.raises(ValueError, match="^kda.diagonal='dense' needs lower_bound.*diagonal='pairwise'"):
+    ModelConfig.from_dict(dict(kda=dict(lower_bound=None)))
+  ModelConfig.from_dict(dict(kda=dict(lower_bound=None, diagonal="pairwise")))
   with pytest.raises(ValueError, match="use diagonal='pairwise' for an unbounded gate"):
     ModelConfig(kda=KdaSpec(lower_bound=None))
 
 
 def test_from_dict_rejects_unknown_keys_and_builds_router():
-  with pytest.raises(ValueError, match=r"\['d_modle'\]"):
+  with pytest.raises(ValueError, match=r"^d_modle: unknown key \['d_modle'\]"):
     ModelConfig.from_dict({"d_modle": 8})
-  with pytest.raises(ValueError, match=r"\['capacity'\]"):
+  with pytest.raises(ValueError, match=r"^router.capacity: unknown key \['capacity'\]"):
     ModelConfig.from_dict({"router": {"capacity": 2}})
+  with pytest.raises(ValueError, match=r"^kda.g_min: unknown key"):
+    ModelConfig.from_dict({"kda": {"g_min": -5.0}})
   cfg = ModelConfig.from_dict({"d_model": 32, "router": {"name": "topk", "capacity_factor": None}})
   assert cfg.router == RouterConfig(name="topk", capacity_factor=None)
   assert ModelConfig.from_dict(cfg.to_dict()) == cfg
@@ -232,12 +236,13 @@ def _kda_paths_logits(**overrides):
   base = dict(vocab_size=256, d_model=256, num_layers=4, num_heads=2, head_dim=128,
               num_kv_heads=2, num_experts=4, expert_hidden=256, dense_hidden=512,
               router=CAUSAL_ROUTER, residual="block_attnres", dtype="bfloat16",
-              kda_chunk_size=64, kda_sub_chunk=16, conv_size=4, layer_pattern="KKKA")
+              conv_size=4, layer_pattern="KKKA")
   tokens = _tokens(2, 1000, vocab=256, seed=9)
   fwd = nnx.jit(lambda m, t: m(t, deterministic=True)[0])
   out = []
   for impl in ("xla", "pallas"):
-    model = lm.HybridLM(ModelConfig.from_dict(dict(base, **overrides, kda_implementation=impl)),
+    kda = dict(chunk_size=64, sub_chunk=16, implementation=impl)
+    model = lm.HybridLM(ModelConfig.from_dict(dict(base, **overrides, kda=kda)),
                         rngs=nnx.Rngs(0))
     out.append(np.asarray(fwd(model, tokens), np.float64))
   assert all(np.all(np.isfinite(x)) for x in out)

@@ -24,8 +24,8 @@ VOCAB = 32
 def _model(seed=0, **overrides):
   # K then A: a KDA state and an attention KV cache; chunk 16, so lengths below are not multiples.
   cfg = dict(vocab_size=VOCAB, d_model=16, num_layers=2, layer_pattern="KA", num_heads=2, head_dim=8,
-             num_kv_heads=1, conv_size=3, kda_chunk_size=16, kda_sub_chunk=16, num_experts=0,
-             dense_hidden=32, kda_implementation="xla", dtype="float32")
+             num_kv_heads=1, conv_size=3, kda=dict(chunk_size=16, sub_chunk=16, implementation="xla"),
+             num_experts=0, dense_hidden=32, dtype="float32")
   return lm.HybridLM(ModelConfig.from_dict({**cfg, **overrides}), rngs=nnx.Rngs(seed))
 
 
@@ -318,8 +318,9 @@ def test_gpu_decode_after_a_32k_prefill_is_as_accurate_as_the_full_pass():
   # 0.03-0.04 of the largest logit from it differ from each other by as much (docs/benchmarks.md,
   # "GPU tier"), so their difference bounds neither. The 1.25 allows for the spread of a maximum
   # over a few thousand rounding errors between two evaluations.
-  m = _model(d_model=128, num_heads=2, head_dim=64, num_kv_heads=2, kda_chunk_size=64,
-             kda_implementation="pallas", dtype="bfloat16", num_layers=4, layer_pattern="KKKA")
+  m = _model(d_model=128, num_heads=2, head_dim=64, num_kv_heads=2,
+             kda=dict(chunk_size=64, implementation="pallas"), dtype="bfloat16", num_layers=4,
+             layer_pattern="KKKA")
   out = lc.decode_accuracy(m, lc.float32_twin(m), _tokens(1, 32768 + 256, 7), 32768, window=64)
   assert out["decoded_rel_max"] <= 1.25 * out["full_rel_max"], out
   assert out["decoded_last"] <= 1.25 * out["decoded_first"], out    # no drift over the decode
@@ -332,8 +333,9 @@ def test_gpu_decode_after_a_32k_prefill_is_as_accurate_as_the_full_pass():
 def test_gpu_heldout_at_128k_tokens_is_finite():
   from k3jax.data import make_dataset
   from k3jax.train.defaults import base_config
-  m = _model(vocab_size=256, d_model=128, num_heads=2, head_dim=64, num_kv_heads=2, kda_chunk_size=64,
-             kda_implementation="pallas", dtype="bfloat16", num_layers=4, layer_pattern="KKKA")
+  m = _model(vocab_size=256, d_model=128, num_heads=2, head_dim=64, num_kv_heads=2,
+             kda=dict(chunk_size=64, implementation="pallas"), dtype="bfloat16", num_layers=4,
+             layer_pattern="KKKA")
   data = base_config().data
   data.kind, data.max_bytes = "bytes", 0  # the whole stdlib tree: the held-out split holds 128k bytes
   corpus = make_dataset(data, seed=0)

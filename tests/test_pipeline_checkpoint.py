@@ -33,7 +33,7 @@ def _state(seed: int, stages: int, step: int):
   opt_state = jax.tree.map(lambda x: x + 0.25 if jnp.issubdtype(x.dtype, jnp.floating) else x,
                            TX.init(params))
   state = TrainState(step=jnp.asarray(step, jnp.int32), params=params, model_state=model_state,
-                     opt_state=opt_state, rng=jax.random.PRNGKey(step))
+                     opt_state=opt_state)
   if not stages:
     return jax.device_put(state, jax.devices()[0])
   return rules.shard_tree(state, make_mesh(MeshConfig(stage=stages, data=8 // stages)))

@@ -25,8 +25,8 @@ RTOL, ATOL = 2e-5, 1e-5
 
 def _config(**overrides):
   base = dict(vocab_size=VOCAB, d_model=32, num_layers=2, layer_pattern="KA", num_heads=2,
-              head_dim=16, num_kv_heads=1, conv_size=4, kda_chunk_size=16, kda_sub_chunk=8,
-              kda_implementation="xla", num_experts=4, top_k=2, expert_hidden=16,
+              head_dim=16, num_kv_heads=1, conv_size=4,
+              kda=dict(chunk_size=16, sub_chunk=8, implementation="xla"), num_experts=4, top_k=2, expert_hidden=16,
               num_shared_experts=1, dense_hidden=32, first_layer_dense=False,
               router=RouterConfig(name="topk", capacity_factor=None))
   base.update(overrides)

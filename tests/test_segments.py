@@ -45,8 +45,8 @@ MAX_SEGMENTS = 4
 
 def _config(impl="xla", **overrides):
   base = dict(vocab_size=VOCAB, d_model=32, num_layers=2, layer_pattern="KA", num_heads=2,
-              head_dim=16, num_kv_heads=1, conv_size=4, kda_chunk_size=16, kda_sub_chunk=8,
-              kda_implementation=impl, num_experts=4, top_k=2, expert_hidden=16,
+              head_dim=16, num_kv_heads=1, conv_size=4,
+              kda=dict(chunk_size=16, sub_chunk=8, implementation=impl), num_experts=4, top_k=2, expert_hidden=16,
               num_shared_experts=1, dense_hidden=32, first_layer_dense=False,
               router=RouterConfig(name="topk", capacity_factor=None), moe_impl="ragged",
               residual="block_attnres", attnres_block_size=2)
@@ -326,8 +326,8 @@ def test_gpu_packed_documents_equal_documents_alone():
       vocab_size=256, d_model=256, num_layers=4, layer_pattern="KKKA", num_heads=2,
       head_dim=128, num_kv_heads=2, num_experts=4, top_k=2, expert_hidden=256,
       dense_hidden=512, router=RouterConfig(name="topk", capacity_factor=None),
-      residual="block_attnres", dtype="bfloat16", kda_implementation="pallas",
-      kda_chunk_size=64, kda_sub_chunk=16))
+      residual="block_attnres", dtype="bfloat16",
+      kda=dict(implementation="pallas", chunk_size=64, sub_chunk=16)))
   model = lm.HybridLM(cfg, rngs=nnx.Rngs(0))
   assert model.layers[3].mixer.implementation == "cudnn"
   lengths, length = (100, 333, 257, 210), 1024

@@ -37,7 +37,7 @@ def _shrunk_tiny(**overrides):
   c.async_checkpoints = False
   c.data.max_bytes = 200_000
   c.model.update(num_layers=2, layer_pattern="KA", d_model=32, num_heads=2, head_dim=16,
-                 num_kv_heads=2, kda_chunk_size=16, kda_sub_chunk=16, num_experts=4,
+                 num_kv_heads=2, kda=dict(chunk_size=16, sub_chunk=16), num_experts=4,
                  expert_hidden=32, dense_hidden=64, first_layer_dense=False)
   return set_dotted(c, overrides)
 
@@ -314,13 +314,13 @@ def test_num_steps_at_or_below_the_saved_step_changes_nothing(tmp_path):
 
 
 def test_diff_configs_splits_refused_from_allowed_fields():
-  saved = {"seed": 0, "num_steps": 10, "model": {"d_model": 32, "kda_implementation": "pallas"},
+  saved = {"seed": 0, "num_steps": 10, "model": {"d_model": 32, "kda": {"implementation": "pallas"}},
            "parallel": {"expert": 2}, "data": {"paths": ["a"]}}
-  new = {"seed": 0, "num_steps": 20, "model": {"d_model": 32, "kda_implementation": "xla", "extra": 1},
+  new = {"seed": 0, "num_steps": 20, "model": {"d_model": 32, "kda": {"implementation": "xla"}, "extra": 1},
          "parallel": {"expert": 1}, "data": {"paths": ["a", "b"]}}
   refused, allowed = run_config.diff_configs(saved, new)
   assert refused == [("data.paths", ["a"], ["a", "b"])]
-  assert [k for k, *_ in allowed] == ["model.extra", "model.kda_implementation", "num_steps",
+  assert [k for k, *_ in allowed] == ["model.extra", "model.kda.implementation", "num_steps",
                                       "parallel.expert"]
 
 

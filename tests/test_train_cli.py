@@ -22,7 +22,7 @@ SHRUNK = ["--config.batch_size=8", "--config.seq_len=32", "--config.num_devices=
           "--config.progress_bar=False", "--config.async_checkpoints=False", "--config.data.max_bytes=200000",
           "--config.optim.warmup_steps=1", "--config.model.num_layers=2", "--config.model.layer_pattern=KA",
           "--config.model.d_model=32", "--config.model.num_heads=2", "--config.model.head_dim=16",
-          "--config.model.num_kv_heads=2", "--config.model.kda_chunk_size=16", "--config.model.num_experts=4",
+          "--config.model.num_kv_heads=2", "--config.model.kda.chunk_size=16", "--config.model.num_experts=4",
           "--config.model.expert_hidden=32", "--config.model.dense_hidden=64",
           "--config.model.first_layer_dense=False"]
 
@@ -63,7 +63,8 @@ def _resumable_run_dir(tmp_path):
     # A bad value: the field, the value, the limit and where to change it.
     (["--config.batch_size=-4"], ["batch_size=-4", ">= 1", "--config.batch_size=VALUE"]),
     # The model's own checks, spelt as config fields.
-    (["--config.model.g_min=-50"], ["model.g_min=-50.0", "safe limit 85.0", "--config.model.g_min=VALUE"]),
+    (["--config.model.kda.lower_bound=-50"], ["model.kda.lower_bound=-50.0", "safe limit 85.0",
+                                               "--config.model.kda.lower_bound=VALUE"]),
     # A misspelt section, and a misspelt field inside one.
     (["--config.modle.d_model=64"], ["'modle'", "did you mean 'model'"]),
     (["--config.optim.lerning_rate=1e-3"], ["'optim.lerning_rate'", "did you mean 'optim.learning_rate'"]),

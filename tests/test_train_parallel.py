@@ -86,7 +86,7 @@ def _cfg(**changes):
 @pytest.mark.parametrize("changes,message", [
     ({"parallel.context": 3}, r"seq_len=256 must be divisible by the mesh axes that shard the sequence"),
     ({"parallel.context": 8}, r"seq_len=256 must be divisible by parallel.context=8 x "
-                              r"model.kda_chunk_size=64 = 512"),
+                              r"model.kda.chunk_size=64 = 512"),
     ({"parallel.expert": 3, "batch_size": 18}, r"num_experts=8 must be divisible by parallel.expert=3"),
     ({"parallel.fsdp": 3}, r"batch_size=16 must be divisible by the mesh axes that shard the batch "
                            r"\(parallel.rules.batch: data=\? x fsdp=3 x expert=1, product 3\)"),

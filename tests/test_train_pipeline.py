@@ -44,12 +44,12 @@ def _gate_stats(workdir):
 def test_pipelined_trainer_matches_one_device_and_resumes_across_layouts(tmp_path):
   ref_dir = str(tmp_path / "no_pipeline")
   ref_config = _config(stages=1)
-  assert ref_config.model.kda_implementation == "naive"  # the noise-floor run takes the other one
+  assert ref_config.model.kda.implementation == "naive"  # the noise-floor run takes the other one
   ref = train_and_evaluate(ref_config, ref_dir)
   ref_losses = _losses(ref_dir)
   assert ref_losses[-1][1] < ref_losses[0][1]  # the model trains
   other_order = str(tmp_path / "other_kda_implementation")
-  train_and_evaluate(_config(stages=1, **{"model.kda_implementation": "xla"}), other_order)
+  train_and_evaluate(_config(stages=1, **{"model.kda.implementation": "xla"}), other_order)
   gn_rtol = [max(RTOL["grad_norm"], 2 * abs(gn - want) / want)
              for (_, _, gn), (_, _, want) in zip(_losses(other_order), ref_losses)]
 

@@ -1,14 +1,14 @@
-"""Decay-gate ablation: the bounded gate at several (g_min, diagonal tile) pairs vs the softplus baseline.
+"""Decay-gate ablation: the bounded gate at several (lower_bound, diagonal tile) pairs vs the softplus baseline.
 
 `arg` is `VARIANT[,SCALE]`; SCALE is `gpu_150m` (default) or `tiny` (CPU).
-Variants (safe pairs keep |g_min| * (tile - 1) < ~85):
+Variants (safe pairs keep |lower_bound| * (tile - 1) < ~85):
 
-  softplus          -exp(A) * softplus(.) gate, pairwise diagonal tiles (the unbounded baseline)
-  bounded_pairwise  g_min=-5, tile 16, pairwise diagonal (separates the gate from the kernel path)
-  g5_t16            g_min=-5,   tile 16, dense diagonal (default model)
-  g10_t8            g_min=-10,  tile 8,  dense diagonal
-  g2.5_t32          g_min=-2.5, tile 32, dense diagonal
-  g1.3_t64          g_min=-1.3, tile 64, dense diagonal (one tile per 64-row chunk)
+  softplus          -exp(A) * softplus(.) gate (lower_bound 0: none), pairwise diagonal tiles (the unbounded baseline)
+  bounded_pairwise  lower_bound=-5, tile 16, pairwise diagonal (separates the gate from the kernel path)
+  g5_t16            lower_bound=-5,   tile 16, dense diagonal (default model)
+  g10_t8            lower_bound=-10,  tile 8,  dense diagonal
+  g2.5_t32          lower_bound=-2.5, tile 32, dense diagonal
+  g1.3_t64          lower_bound=-1.3, tile 64, dense diagonal (one tile per 64-row chunk)
 
 GPU command (see configs/gpu_150m.py for the wheel install line), one run per variant:
 
@@ -22,24 +22,25 @@ CPU check: `python experiments/train.py --config=configs/ablations/decay.py:soft
 """
 from k3jax.train.config_files import sibling_config
 
+# Each variant's `model.kda` fields; lower_bound 0 is no bound (the softplus gate).
 VARIANTS = {
-    "softplus": dict(gate="softplus", kda_diagonal="pairwise", kda_sub_chunk=16),
-    "bounded_pairwise": dict(gate="bounded", g_min=-5.0, kda_sub_chunk=16, kda_diagonal="pairwise"),
-    "g5_t16": dict(gate="bounded", g_min=-5.0, kda_sub_chunk=16, kda_diagonal="dense"),
-    "g10_t8": dict(gate="bounded", g_min=-10.0, kda_sub_chunk=8, kda_diagonal="dense"),
-    "g2.5_t32": dict(gate="bounded", g_min=-2.5, kda_sub_chunk=32, kda_diagonal="dense"),
-    "g1.3_t64": dict(gate="bounded", g_min=-1.3, kda_sub_chunk=64, kda_diagonal="dense"),
+    "softplus": dict(lower_bound=0.0, sub_chunk=16, diagonal="pairwise"),
+    "bounded_pairwise": dict(lower_bound=-5.0, sub_chunk=16, diagonal="pairwise"),
+    "g5_t16": dict(lower_bound=-5.0, sub_chunk=16, diagonal="dense"),
+    "g10_t8": dict(lower_bound=-10.0, sub_chunk=8, diagonal="dense"),
+    "g2.5_t32": dict(lower_bound=-2.5, sub_chunk=32, diagonal="dense"),
+    "g1.3_t64": dict(lower_bound=-1.3, sub_chunk=64, diagonal="dense"),
 }
 SCALES = ("gpu_150m", "tiny")
 
 
 def get_config(arg="g5_t16"):
-  """Returns the preset at SCALE with the decay variant's model fields."""
+  """Returns the preset at SCALE with the decay variant's `model.kda` fields."""
   variant, _, scale = arg.partition(",")
   scale = scale or SCALES[0]
   if variant not in VARIANTS or scale not in SCALES:
     raise ValueError(f"decay ablation arg {arg!r}: variant must be one of {sorted(VARIANTS)}, "
                      f"scale one of {SCALES}")
   c = sibling_config(__file__, f"../{scale}.py")
-  c.model.update(VARIANTS[variant])
+  c.model.kda.update(VARIANTS[variant])
   return c

@@ -4,8 +4,8 @@ trained at 2048 tokens and evaluated far past it.
 `arg` is `VARIANT[,SCALE]`; SCALE is `gpu_150m` (default, seq_len 2048) or `tiny` (CPU, seq_len 128).
 Variants (otherwise identical models):
 
-  bounded    KKKA hybrid, bounded gate g_min=-5, 16-row dense diagonal tiles (the default model)
-  softplus   KKKA hybrid, -exp(A) * softplus(.) gate, pairwise diagonal tiles (unbounded)
+  bounded    KKKA hybrid, bounded gate lower_bound=-5, 16-row dense diagonal tiles (the default model)
+  softplus   KKKA hybrid, -exp(A) * softplus(.) gate (lower_bound 0: none), pairwise diagonal tiles
   attention  every layer NoPE softmax attention (the reference expected to degrade past 2048)
 
 GPU command (see configs/gpu_150m.py for the wheel install line), one run per variant and seed:
@@ -31,9 +31,8 @@ CPU check: `python experiments/train.py --config=configs/ablations/long_context.
 from k3jax.train.config_files import sibling_config
 
 VARIANTS = {
-    "bounded": dict(layer_pattern="KKKA", gate="bounded", g_min=-5.0, kda_sub_chunk=16,
-                    kda_diagonal="dense"),
-    "softplus": dict(layer_pattern="KKKA", gate="softplus", kda_sub_chunk=16, kda_diagonal="pairwise"),
+    "bounded": dict(layer_pattern="KKKA", kda=dict(lower_bound=-5.0, sub_chunk=16, diagonal="dense")),
+    "softplus": dict(layer_pattern="KKKA", kda=dict(lower_bound=0.0, sub_chunk=16, diagonal="pairwise")),
     "attention": dict(layer_pattern="A"),
 }
 SCALES = ("gpu_150m", "tiny")

@@ -51,7 +51,7 @@ PRESETS = {
         head_dim=128, num_kv_heads=4, num_experts=0, dense_hidden=4096, dtype="bfloat16")),
     "tiny": dict(heads=2, head_dim=16, model=dict(
         vocab_size=64, d_model=32, num_layers=2, layer_pattern="KA", num_heads=2, head_dim=16,
-        num_kv_heads=1, num_experts=0, dense_hidden=64, kda_chunk_size=16, kda_sub_chunk=8)),
+        num_kv_heads=1, num_experts=0, dense_hidden=64, kda=dict(chunk_size=16, sub_chunk=8))),
 }
 
 

@@ -39,7 +39,7 @@ PRESETS = {
                  num_shared_experts=1, dense_hidden=2048, dtype="bfloat16"),
     "tiny": dict(vocab_size=256, d_model=64, num_layers=4, num_heads=2, head_dim=32,
                  num_kv_heads=2, num_experts=4, top_k=2, expert_hidden=64, dense_hidden=128,
-                 kda_chunk_size=16, kda_sub_chunk=8),
+                 kda=dict(chunk_size=16, sub_chunk=8)),
 }
 
 FLAGS = flags.FLAGS

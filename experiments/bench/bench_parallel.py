@@ -87,7 +87,7 @@ def _config(kda_implementation: str) -> ModelConfig:
       layer_pattern=FLAGS.layer_pattern, num_heads=FLAGS.num_heads, head_dim=FLAGS.head_dim,
       num_kv_heads=FLAGS.num_heads, num_experts=FLAGS.num_experts, top_k=FLAGS.top_k,
       expert_hidden=FLAGS.expert_hidden, dense_hidden=4 * FLAGS.d_model,
-      first_layer_dense=FLAGS.first_layer_dense, kda_implementation=kda_implementation,
+      first_layer_dense=FLAGS.first_layer_dense, kda=dict(implementation=kda_implementation),
       dtype=FLAGS.dtype))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import ml_collections
 
-from k3jax.train.defaults import base_config
+from k3jax.train.defaults import NONE_AS, base_config
 
 SETTINGS = ("quick", "full")
 SWEEPS = ("decay", "router", "residual")  # the three ablations `run_ablations.py` runs by default
@@ -153,21 +153,23 @@ _RUN_FULL: Overrides = _RUN_COMMON + (
     ("eval_every", 125), ("eval_batches", 4), ("optim.warmup_steps", 25),
     ("optim.learning_rate", 2e-3), ("data.max_bytes", 8_000_000),
 )
+# model.kda.lower_bound of the softplus arms: no bound.
+_NO_BOUND = NONE_AS["kda.lower_bound"]
 # Tiny CPU model: every sweep starts here and changes the layer stack it studies.
 _MODEL_QUICK: Overrides = (
     ("model.d_model", 32), ("model.num_heads", 2), ("model.head_dim", 16), ("model.num_kv_heads", 2),
     ("model.dense_hidden", 64), ("model.expert_hidden", 32), ("model.num_experts", 0),
-    ("model.first_layer_dense", False), ("model.kda_implementation", "xla"),
-    ("model.kda_chunk_size", 16), ("model.kda_sub_chunk", 16), ("model.dtype", "float32"),
+    ("model.first_layer_dense", False), ("model.kda.implementation", "xla"),
+    ("model.kda.chunk_size", 16), ("model.kda.sub_chunk", 16), ("model.dtype", "float32"),
 )
 # GPU model: d_model 256, four heads of 64, bf16 compute, the XLA chunked KDA path
-# (it accepts every (g_min, tile) pair of the decay sweep; kernel times come from benchmarks).
+# (it accepts every (lower bound, tile) pair of the decay sweep; kernel times come from benchmarks).
 _MODEL_FULL: Overrides = (
     ("model.d_model", 256), ("model.num_heads", 4), ("model.head_dim", 64), ("model.num_kv_heads", 4),
     ("model.dense_hidden", 768), ("model.expert_hidden", 256), ("model.num_experts", 8),
     ("model.top_k", 2), ("model.num_shared_experts", 1), ("model.first_layer_dense", True),
-    ("model.kda_implementation", "xla"), ("model.moe_impl", "ragged"),
-    ("model.kda_chunk_size", 64), ("model.kda_sub_chunk", 16), ("model.dtype", "bfloat16"),
+    ("model.kda.implementation", "xla"), ("model.moe_impl", "ragged"),
+    ("model.kda.chunk_size", 64), ("model.kda.sub_chunk", 16), ("model.dtype", "bfloat16"),
 )
 # Byte-level text and MQAR share the 256-id vocabulary, so both tasks run the same compiled
 # programs. MQAR keys come from [1, 128) and values from [128, 256).
@@ -191,9 +193,9 @@ def _seeds(setting: str, seeds: tuple[int, ...] | None) -> tuple[int, ...]:
 
 # -- the three sweeps ----------------------------------------------------------
 
-# (name, gate, g_min, diagonal tile, diagonal strategy); every bounded pair keeps
-# |g_min| * (tile - 1) <= 85 (docs/design.md, "Why the bound matters"); softplus has no
-# bound and needs pairwise tiles.
+# (name, gate, g_min, diagonal tile, diagonal strategy), as the runs are tagged; g_min is the
+# bounded gate's model.kda.lower_bound, and every bounded pair keeps |g_min| * (tile - 1) <= 85
+# (docs/design.md, "Why the bound matters"); softplus has no bound and needs pairwise tiles.
 DECAY_ARMS = (
     ("softplus", "softplus", -5.0, 16, "pairwise"),
     ("g1.3_t64", "bounded", -1.3, 64, "dense"),
@@ -204,7 +206,7 @@ QUICK_DECAY_ARMS = ("softplus", "g5_t16")
 
 
 def decay_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> Sweep:
-  """Bounded vs softplus KDA gate and g_min/tile pairs, on MQAR recall and byte-level loss.
+  """Bounded vs softplus KDA gate and bound/tile pairs, on MQAR recall and byte-level loss.
 
   The model is a pure KDA stack (no softmax attention, dense FFNs) so that recall
   has to come from the decaying state; each run is also evaluated at 4x and 16x
@@ -227,8 +229,8 @@ def decay_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) ->
   # Each arm compiles its own programs; the CPU setting keeps the two ends of the comparison.
   arms = DECAY_ARMS if setting == "full" else tuple(a for a in DECAY_ARMS if a[0] in QUICK_DECAY_ARMS)
   variants = tuple(
-      Variant(name, (("model.gate", gate), ("model.g_min", g_min), ("model.kda_sub_chunk", tile),
-                     ("model.kda_diagonal", diagonal)),
+      Variant(name, (("model.kda.lower_bound", g_min if gate == "bounded" else _NO_BOUND),
+                     ("model.kda.sub_chunk", tile), ("model.kda.diagonal", diagonal)),
               (("gate", gate), ("g_min", g_min), ("tile", tile), ("diagonal", diagonal)))
       for name, gate, g_min, tile, diagonal in arms)
   return Sweep("decay", setting, base, variants, (_mqar(pairs), _BYTES), _seeds(setting, seeds),
@@ -287,14 +289,14 @@ def residual_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None)
   return Sweep("residual", setting, base, variants, (_BYTES,), _seeds(setting, seeds))
 
 
-# (name, layer pattern, gate overrides): the bounded and the softplus hybrid differ only in the
-# gate (and the diagonal tiles softplus needs); the attention-only stack is the NoPE reference.
+# (name, layer pattern, gate, gate overrides): the bounded and the softplus hybrid differ only in
+# the gate (and the diagonal tiles softplus needs); the attention-only stack is the NoPE reference.
 LONG_ARMS = (
-    ("bounded", "hybrid", (("model.gate", "bounded"), ("model.g_min", -5.0),
-                           ("model.kda_sub_chunk", 16), ("model.kda_diagonal", "dense"))),
-    ("softplus", "hybrid", (("model.gate", "softplus"), ("model.kda_sub_chunk", 16),
-                            ("model.kda_diagonal", "pairwise"))),
-    ("attention", "attention", ()),
+    ("bounded", "hybrid", "bounded", (("model.kda.lower_bound", -5.0), ("model.kda.sub_chunk", 16),
+                                      ("model.kda.diagonal", "dense"))),
+    ("softplus", "hybrid", "softplus", (("model.kda.lower_bound", _NO_BOUND),
+                                        ("model.kda.sub_chunk", 16), ("model.kda.diagonal", "pairwise"))),
+    ("attention", "attention", "none", ()),
 )
 
 
@@ -323,9 +325,9 @@ def long_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None) -> 
   patterns = {"hybrid": hybrid, "attention": "A"}
   variants = tuple(
       Variant(name, (("model.layer_pattern", patterns[stack]),) + gate,
-              (("stack", stack), ("gate", dict(gate).get("model.gate", "none")),
+              (("stack", stack), ("gate", gate_name),
                ("layers", patterns[stack] * (num_layers // len(patterns[stack])))))
-      for name, stack, gate in LONG_ARMS)
+      for name, stack, gate_name, gate in LONG_ARMS)
   return Sweep("long", setting, base, variants, (_BYTES, _mqar(pairs)), _seeds(setting, seeds),
                length_multipliers=(1, 4, 16, 64), gap_multipliers=(8, 16, 32, 64),
                decode_prefill_x=decode_x)
@@ -361,7 +363,7 @@ def documents_sweep(setting: str = "quick", seeds: tuple[int, ...] | None = None
         ("model.num_heads", 4), ("model.head_dim", 32), ("model.num_kv_heads", 4),
         ("model.num_experts", 4), ("model.top_k", 2), ("model.expert_hidden", 128),
         # The recurrent form is the fastest chunk_kda path on a CPU at this size (configs/tiny.py).
-        ("model.dense_hidden", 256), ("model.kda_implementation", "naive"), ("model.dtype", "float32"))
+        ("model.dense_hidden", 256), ("model.kda.implementation", "naive"), ("model.dtype", "float32"))
   variants = tuple(Variant(name, ov, (("feed", name),)) for name, ov in DOCUMENT_ARMS)
   task = Task("bytes", (("data.kind", "bytes"),))
   return Sweep("documents", setting, base, variants, (task,), _seeds(setting, seeds))

@@ -1,7 +1,7 @@
 """Log-decay gates for KDA / Gated DeltaNet layers.
 
 * bounded (default): g = lower_bound * sigmoid(z), so g in (lower_bound, 0)
-  (`KdaSpec.lower_bound`, the model's g_min). The bound
+  (`KdaSpec.lower_bound`, the model's `kda.lower_bound`). The bound
   keeps intra-tile decay ratios inside the float range, which lets every
   causal tile run as a dense matmul (docs/design.md, "Why the bound matters").
 * softplus (baseline): g = -exp(A_log) * softplus(z + dt_bias), unbounded

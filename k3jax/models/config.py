@@ -6,7 +6,6 @@ from typing import Any, Mapping
 
 import jax.numpy as jnp
 
-from k3jax.layers.gates import GATES
 from k3jax.layers.grouped_matmul import RAGGED_BACKENDS
 from k3jax.layers.moe import MOE_IMPLS
 from k3jax.layers.residual import STRATEGIES as RESIDUALS
@@ -16,14 +15,20 @@ from pallas_kernels.kda.spec import KdaSpec
 
 LAYER_KINDS = ("K", "A")  # K: KDA token mixer, A: softmax attention
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# The model's KDA default: KdaSpec's tiling with the bounded gate at g_min = -5
+# The model's KDA default: KdaSpec's tiling with the bounded gate at lower_bound = -5
 # (|-5| * (16 - 1) = 75 <= 85: dense diagonal tiles of 16 rows are safe).
 DEFAULT_KDA = KdaSpec(lower_bound=-5.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hybrid decoder: KDA / attention mixers, MoE FFNs, a residual strategy."""
+  """Hybrid decoder: KDA / attention mixers, MoE FFNs, a residual strategy.
+
+  Each check's message starts with the field's path below the config
+  (`num_kv_heads=3 ...`, `kda.lower_bound=...`, `router.name=...`), so that a
+  caller holding the config at a path (the trainer's `model`) names the key by
+  putting that path in front.
+  """
 
   # Vocabulary size V of token ids and logits.
   vocab_size: int = 256
@@ -45,7 +50,7 @@ class ModelConfig:
   # diagonal-tile lengths, diagonal strategy, implementation, and the gate's lower
   # bound. A bound makes the gate the bounded `lower_bound * sigmoid(.)`; None makes
   # it the unbounded softplus baseline, which needs diagonal="pairwise". The
-  # trainer config spells these fields flat (`TRAINER_KDA_KEYS`).
+  # trainer config's section `model.kda` holds the same fields by the same names.
   kda: KdaSpec = DEFAULT_KDA
   # How decoding steps the KDA state: "auto" (on the GPU the decode kernel for
   # steps of 2 or more tokens at a power-of-two head width, else the fused jnp
@@ -97,50 +102,50 @@ class ModelConfig:
     def positive(name):
       value = getattr(self, name)
       if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        raise ValueError(f"ModelConfig.{name}={value!r}; must be a positive int")
+        raise ValueError(f"{name}={value!r}; must be a positive int")
 
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim",
                  "num_kv_heads", "conv_size", "expert_hidden", "dense_hidden",
                  "attnres_block_size"):
       positive(name)
     if not self.layer_pattern or set(self.layer_pattern) - set(LAYER_KINDS):
-      raise ValueError(f"ModelConfig.layer_pattern={self.layer_pattern!r}; must be a non-empty "
+      raise ValueError(f"layer_pattern={self.layer_pattern!r}; must be a non-empty "
                        f"string over {LAYER_KINDS}")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide "
+      raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide "
                        f"num_heads={self.num_heads}")
     if not isinstance(self.kda, KdaSpec):  # a KdaSpec checked itself when it was built
-      raise ValueError(f"ModelConfig.kda must be a KdaSpec, got {type(self.kda).__name__}")
+      raise ValueError(f"kda must be a KdaSpec, got {type(self.kda).__name__}")
     if self.kda_decode != "auto" and self.kda_decode not in DECODE_IMPLEMENTATIONS:
-      raise ValueError(f"ModelConfig.kda_decode={self.kda_decode!r}; allowed: 'auto', "
+      raise ValueError(f"kda_decode={self.kda_decode!r}; allowed: 'auto', "
                        f"{', '.join(map(repr, DECODE_IMPLEMENTATIONS))}")
     if self.kda_fuse_gate and not self.kda.bounded:  # the one check of the pair
-      raise ValueError("ModelConfig.kda_fuse_gate=True needs gate='bounded' (the kernels fuse "
-                       "lower_bound * sigmoid), got gate='softplus' (a spec without lower_bound); "
-                       "set kda_fuse_gate=False or gate='bounded' with a g_min")
+      raise ValueError("kda_fuse_gate=True needs the bounded gate (the kernels fuse "
+                       "lower_bound * sigmoid), got kda.lower_bound=None (the softplus gate); "
+                       "set kda_fuse_gate=False or a kda.lower_bound")
     if not (isinstance(self.num_experts, int) and self.num_experts >= 0):
-      raise ValueError(f"ModelConfig.num_experts={self.num_experts!r}; must be an int >= 0")
+      raise ValueError(f"num_experts={self.num_experts!r}; must be an int >= 0")
     if self.num_experts > 0 and not 1 <= self.top_k <= self.num_experts:
-      raise ValueError(f"ModelConfig.top_k={self.top_k!r}; must be in [1, num_experts="
+      raise ValueError(f"top_k={self.top_k!r}; must be in [1, num_experts="
                        f"{self.num_experts}]")
     if not (isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0):
-      raise ValueError(f"ModelConfig.num_shared_experts={self.num_shared_experts!r}; "
+      raise ValueError(f"num_shared_experts={self.num_shared_experts!r}; "
                        "must be an int >= 0")
     if not isinstance(self.router, RouterConfig):
-      raise ValueError(f"ModelConfig.router must be a RouterConfig, got {type(self.router)}")
+      raise ValueError(f"router must be a RouterConfig, got {type(self.router)}")
     if self.moe_impl not in MOE_IMPLS:
-      raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; allowed: {MOE_IMPLS}")
+      raise ValueError(f"moe_impl={self.moe_impl!r}; allowed: {MOE_IMPLS}")
     if self.moe_grouped_backend not in RAGGED_BACKENDS:
-      raise ValueError(f"ModelConfig.moe_grouped_backend={self.moe_grouped_backend!r}; "
+      raise ValueError(f"moe_grouped_backend={self.moe_grouped_backend!r}; "
                        f"allowed: {RAGGED_BACKENDS}")
     if self.moe_impl == "buffered" and self.router.capacity_factor is None:
-      raise ValueError("ModelConfig.moe_impl='buffered' sizes its buffers by the router's "
-                       "capacity_factor, which is None (dropless); set one or use 'ragged'")
+      raise ValueError("moe_impl='buffered' sizes its buffers by router.capacity_factor, "
+                       "which is None (dropless); set one or use 'ragged'")
     if self.residual not in RESIDUALS:
-      raise ValueError(f"ModelConfig.residual={self.residual!r}; allowed: {RESIDUALS}")
+      raise ValueError(f"residual={self.residual!r}; allowed: {RESIDUALS}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:
-        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r}; allowed: {tuple(DTYPES)}")
+        raise ValueError(f"{name}={getattr(self, name)!r}; allowed: {tuple(DTYPES)}")
 
   # -- derived ---------------------------------------------------------------
 
@@ -176,81 +181,39 @@ class ModelConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-    """Builds a config from the trainer's flat mapping (e.g. an ml_collections dict).
+    """Builds a config from a nested mapping of its fields (the inverse of `to_dict`).
 
-    The KDA spec comes from the flat keys of `TRAINER_KDA_KEYS` (`kda` itself
-    may be given instead, as a KdaSpec or a mapping of its fields); `router`
-    may be a RouterConfig or a mapping of its fields. Unknown keys are
-    rejected by name.
+    `kda` may be a KdaSpec or a mapping of its fields (those left out take
+    `DEFAULT_KDA`'s), `router` a RouterConfig or a mapping of its fields;
+    other fields left out take their defaults. Unknown keys are rejected by
+    name; an error inside `kda` or `router` is named by its path
+    (`kda.lower_bound=...`).
     """
     d = dict(d)
-    known = set(trainer_keys()) | {"kda"}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ValueError(f"unknown ModelConfig keys {unknown}; allowed: {sorted(known)}")
-    d["kda"] = _kda_from_flat(d)
-    router = d.get("router")
-    if router is not None and not isinstance(router, RouterConfig):
-      router = dict(router)
-      r_known = {f.name for f in dataclasses.fields(RouterConfig)}
-      r_unknown = sorted(set(router) - r_known)
-      if r_unknown:
-        raise ValueError(f"unknown RouterConfig keys {r_unknown}; allowed: {sorted(r_known)}")
-      d["router"] = RouterConfig(**router)
+    _reject_unknown(d, cls, "")
+    kda, router = d.get("kda"), d.get("router")
+    if isinstance(kda, Mapping):
+      d["kda"] = _build(KdaSpec, dataclasses.asdict(DEFAULT_KDA) | dict(kda), "kda.")
+    if isinstance(router, Mapping):
+      d["router"] = _build(RouterConfig, dict(router), "router.")
     return cls(**d)
 
   def to_dict(self) -> dict:
-    """The trainer's flat form (KDA fields as in `TRAINER_KDA_KEYS`, router as a dict), the
-    inverse of `from_dict`."""
-    d = dataclasses.asdict(self)
-    kda = d.pop("kda")
-    d.update({key: kda[field] for key, field in TRAINER_KDA_KEYS.items() if field})
-    d["gate"] = self.gate
-    if kda["lower_bound"] is None:
-      d["g_min"] = None
-    return d
+    """Every field as a plain nested dict (`kda` and `router` as dicts of their fields)."""
+    return dataclasses.asdict(self)
 
 
-# The trainer config's flat keys for `ModelConfig.kda`, each with its KdaSpec field;
-# `gate` picks whether g_min is the bound ("bounded") or there is none ("softplus").
-TRAINER_KDA_KEYS = {"gate": None, "g_min": "lower_bound", "kda_sub_chunk": "sub_chunk",
-                    "kda_chunk_size": "chunk_size", "kda_diagonal": "diagonal",
-                    "kda_implementation": "implementation"}
+def _reject_unknown(d: Mapping[str, Any], cls, where: str) -> None:
+  allowed = sorted(f.name for f in dataclasses.fields(cls))
+  unknown = sorted(set(d) - set(allowed))
+  if unknown:
+    raise ValueError(f"{where}{unknown[0]}: unknown key {unknown}; allowed: {allowed}")
 
 
-def trainer_keys() -> list[str]:
-  """The keys of the trainer config's `model` section: every field, `kda` spelled flat."""
-  return [name for f in dataclasses.fields(ModelConfig)
-          for name in (TRAINER_KDA_KEYS if f.name == "kda" else (f.name,))]
-
-
-def _kda_from_flat(d: dict) -> KdaSpec:
-  """Pops the flat KDA keys of `d` and returns the KdaSpec they describe (or `d["kda"]`).
-
-  Keys left out take `DEFAULT_KDA`'s fields; g_min is read for the bounded gate only.
-  """
-  flat = {key: d.pop(key) for key in TRAINER_KDA_KEYS if key in d}
-  kda = d.get("kda")
-  if kda is not None and flat:
-    raise ValueError(f"ModelConfig: pass either kda or its flat keys {sorted(flat)}, not both")
-  if isinstance(kda, KdaSpec):
-    return kda
-  if kda is not None:
-    return KdaSpec(**kda)
-  gate = flat.pop("gate", "bounded")
-  if gate not in GATES:
-    raise ValueError(f"ModelConfig.gate={gate!r}; allowed: {GATES}")
-  fields = dict(dataclasses.asdict(DEFAULT_KDA),
-                **{TRAINER_KDA_KEYS[key]: value for key, value in flat.items()})
-  if gate == "softplus":
-    fields["lower_bound"] = None
+def _build(cls, d: dict, where: str):
+  """`cls(**d)`, its errors led by the section's path `where` ("kda.")."""
+  _reject_unknown(d, cls, where)
   try:
-    return KdaSpec(**fields)
+    return cls(**d)
   except ValueError as e:
-    # Named as the trainer spells them, the field to change first.
-    shown = {key: fields[field] for key, field in TRAINER_KDA_KEYS.items() if field}
-    lead = "g_min" if gate == "bounded" else "kda_diagonal"
-    rest = ", ".join(f"{key}={value!r}" for key, value in shown.items() if key != lead)
-    if gate == "softplus":
-      rest = f"gate='softplus' (no bound), {rest.replace('g_min=None, ', '')}"
-    raise ValueError(f"ModelConfig.{lead}={shown[lead]!r} with {rest}: {e}") from None
+    raise ValueError(f"{where}{e}") from None

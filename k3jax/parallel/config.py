@@ -24,11 +24,11 @@ The nested form (library use):
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Mapping
 
 from jax.sharding import Mesh
 
+from k3jax.configdict import did_you_mean
 from k3jax.configdict import to_plain as _to_plain
 from k3jax.layers.moe_path import ExpertParallel
 from k3jax.sharding import mesh as mesh_lib
@@ -116,7 +116,7 @@ class ParallelConfig:
     allowed = (*TRAINER_AXIS_KEYS, "microbatches", "dispatch_slot_factor", "rules")
     for key in d:
       if key not in allowed:
-        raise ValueError(f"unknown parallel config key {key!r}{_did_you_mean(key, allowed)} "
+        raise ValueError(f"unknown parallel config key {key!r}{did_you_mean(key, allowed)} "
                          f"Allowed: {list(allowed)}")
     sizes = {}
     for key, axis in TRAINER_AXIS_KEYS.items():
@@ -161,11 +161,6 @@ def _check_renamed(d: Mapping[str, Any]) -> None:
       raise ValueError(renamed_message(old))
 
 
-def _did_you_mean(word: str, choices) -> str:
-  close = difflib.get_close_matches(word, list(choices), n=1)
-  return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def _parse_target(name: str, target: Any):
   """A rule's mesh axes from config: "a" / "a,b" / "" (replicated) / a list / None."""
   if target is None:
@@ -180,7 +175,7 @@ def _parse_target(name: str, target: Any):
   for axis in axes:
     if axis not in mesh_lib.AXES:
       raise ValueError(f"parallel.rules.{name}={target!r}: unknown mesh axis {axis!r}"
-                       f"{_did_you_mean(str(axis), mesh_lib.AXES)} Mesh axes: "
+                       f"{did_you_mean(str(axis), mesh_lib.AXES)} Mesh axes: "
                        f"{list(mesh_lib.AXES)}")
   if len(set(axes)) != len(axes):
     raise ValueError(f"parallel.rules.{name}={target!r} repeats a mesh axis")
@@ -205,7 +200,7 @@ def parse_rule_overrides(overrides: Mapping[str, Any] | None,
   for name, target in overrides.items():
     if name not in table:
       raise ValueError(f"parallel.rules.{name}: unknown logical axis {name!r}"
-                       f"{_did_you_mean(name, table)} Known: {sorted(table)}")
+                       f"{did_you_mean(name, table)} Known: {sorted(table)}")
     table[name] = _parse_target(name, target)
   return rules_lib.make_rules(tuple(table.items()))
 

@@ -17,6 +17,8 @@ STATEFUL_ROUTERS = ("quantile_lagged", "bias_sign")
 class RouterConfig:
   """Which router to run and its knobs.
 
+  Each check's message starts with the field it names (`name='x'; allowed ...`).
+
   Attributes:
     name: one of ROUTER_NAMES. "topk" is plain top-k with no balancing.
     capacity_factor: each expert keeps at most
@@ -44,31 +46,31 @@ class RouterConfig:
 
   def __post_init__(self):
     if self.name not in ROUTER_NAMES:
-      raise ValueError(f"RouterConfig.name={self.name!r}; allowed: {ROUTER_NAMES}")
+      raise ValueError(f"name={self.name!r}; allowed: {ROUTER_NAMES}")
     if self.capacity_factor is not None and not self.capacity_factor > 0:
       raise ValueError(
-          f"RouterConfig.capacity_factor={self.capacity_factor!r}; must be > 0 "
+          f"capacity_factor={self.capacity_factor!r}; must be > 0 "
           "or None (dropless)")
     if self.name == "expert_choice" and self.capacity_factor is None:
       raise ValueError(
-          "RouterConfig(name='expert_choice') needs a capacity_factor > 0, "
-          "got None")
+          "capacity_factor=None (dropless) does not serve name='expert_choice', "
+          "which needs a capacity_factor > 0")
     if self.quantile_impl not in QUANTILE_IMPLS:
       raise ValueError(
-          f"RouterConfig.quantile_impl={self.quantile_impl!r}; allowed: "
+          f"quantile_impl={self.quantile_impl!r}; allowed: "
           f"{QUANTILE_IMPLS}")
     if not (isinstance(self.num_bins, int) and self.num_bins >= 2):
-      raise ValueError(f"RouterConfig.num_bins={self.num_bins!r}; must be an int >= 2")
+      raise ValueError(f"num_bins={self.num_bins!r}; must be an int >= 2")
     if not self.bias_update_rate >= 0:
       raise ValueError(
-          f"RouterConfig.bias_update_rate={self.bias_update_rate!r}; must be >= 0")
+          f"bias_update_rate={self.bias_update_rate!r}; must be >= 0")
     if not self.aux_loss_coef >= 0:
       raise ValueError(
-          f"RouterConfig.aux_loss_coef={self.aux_loss_coef!r}; must be >= 0")
+          f"aux_loss_coef={self.aux_loss_coef!r}; must be >= 0")
     if self.overflow_choices is not None and not (
         isinstance(self.overflow_choices, int) and self.overflow_choices >= 0):
       raise ValueError(
-          f"RouterConfig.overflow_choices={self.overflow_choices!r}; must be an "
+          f"overflow_choices={self.overflow_choices!r}; must be an "
           "int >= 0 or None")
 
   @property

@@ -14,7 +14,9 @@ A state is saved in its own layout. A pipelined model stores its layers
 stacked per stage (`k3jax.parallel.stage_storage`); restoring such a
 checkpoint under another stage count, or into the plain model (and the
 reverse), reads it into host memory, moves the layers to the template's
-layout there, and places each array on the template's sharding.
+layout there, and places each array on the template's sharding. Top-level
+entries a saved state holds and the template does not (the step RNG that
+earlier versions saved) are read on the host and dropped.
 """
 from __future__ import annotations
 
@@ -161,6 +163,11 @@ def verify_checksums(step_dir: str) -> bool:
   if extra:
     raise _Rejected(f"file {extra[0]} was not part of the save")
   return True
+
+
+def _on_host(metadata: Any) -> Any:
+  """A restore target of host arrays for a saved tree's metadata."""
+  return jax.tree.map(lambda m: np.empty(m.shape, m.dtype), metadata)
 
 
 def _place(host: dict, abstract: dict) -> dict:
@@ -313,10 +320,11 @@ class Checkpointer:
       stages = stage_storage.stage_count(abstract)
       moved = stage_storage.stage_count(saved) != stages
       # Another layer layout: read on the host, move the layers there, then place.
-      target = jax.tree.map(lambda m: np.empty(m.shape, m.dtype), saved) if moved else abstract
+      target = _on_host(saved) if moved else dict(abstract, **{
+          name: _on_host(tree) for name, tree in saved.items() if name not in abstract})
       restored = self.manager.restore(step, args=ocp.args.Composite(
           **{_STATE: ocp.args.StandardRestore(target), _DATA: ocp.args.JsonRestore()}))
-      nested = restored[_STATE]
+      nested = {name: tree for name, tree in restored[_STATE].items() if name in abstract}
       if moved:
         nested = _place(stage_storage.convert_layout(nested, stages), abstract)
       state = from_nested_dict(template, nested)

@@ -30,7 +30,7 @@ EXIT_PREEMPTED = 75   # stopped by SIGTERM/SIGINT (after saving a checkpoint, or
 
 TRACEBACK_FLAG = "--traceback"
 TRACEBACK_ENV = "K3JAX_TRACEBACK"
-# "config model.g_min=-50.0 ..." names the field that a fix sentence points at.
+# "config model.kda.lower_bound=-50.0 ..." names the field that a fix sentence points at.
 _FIELD = re.compile(r"^config ([A-Za-z_][\w.]*)=")
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 

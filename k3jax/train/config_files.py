@@ -1,12 +1,13 @@
 """Loading `configs/*.py` files (each defines `get_config(arg=None)`) outside of absl flags."""
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import inspect
 import os
 
 import ml_collections
+
+from k3jax.configdict import did_you_mean
 
 
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
@@ -34,12 +35,10 @@ def missing_file_message(path: str) -> str:
   """`config file X does not exist`, with the closest file of its directory or the files there."""
   folder = os.path.dirname(path) or "."
   names = sorted(n for n in os.listdir(folder) if n.endswith(".py")) if os.path.isdir(folder) else []
-  close = difflib.get_close_matches(os.path.basename(path), names, n=1)
-  if close:
-    hint = f"; did you mean {os.path.join(os.path.dirname(path), close[0])!r}?"
-  elif names:
+  hint = did_you_mean(os.path.basename(path), names, os.path.join(os.path.dirname(path), ""))
+  if not hint and names:
     hint = f"; config files in {folder}: {', '.join(names)}"
-  else:
+  elif not hint:
     hint = f"; {folder} holds no config files (the presets are configs/*.py in the repository root)"
   return f"config file {path!r} does not exist{hint}"
 

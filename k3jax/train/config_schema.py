@@ -1,9 +1,11 @@
 """Typed validation of the whole training ConfigDict, run before any compute.
 
 `validate(config)` raises `ConfigError` (a ValueError) naming the key, the
-value and what is allowed for: unknown keys (with a did-you-mean, or the level
-where a misplaced field lives), missing keys, wrong types, out-of-range values
-and unsafe combinations. It returns the `ModelConfig`.
+value and what is allowed for: unknown keys (with a did-you-mean, the level
+where a misplaced field lives, or the nested key that a flat model key of
+earlier versions became), missing keys, wrong types, out-of-range values and
+unsafe combinations. It returns the `ModelConfig`; the model's own checks come
+back as `config model.<path>...`, their messages led by the field's path.
 `parallel_config(config, num_devices)` runs the same checks, the mesh's also
 with the device count known (an axis of -1 resolved), and returns the
 `ParallelConfig`.
@@ -13,11 +15,11 @@ no field.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 from typing import Any, Mapping
 
+from k3jax.configdict import did_you_mean
 from k3jax.configdict import to_plain as _to_plain
 from k3jax.data import DATA_KINDS, DOCUMENT_KINDS, PACKINGS
 from k3jax.data.corpus import BYTE_VOCAB_SIZE
@@ -28,7 +30,9 @@ from k3jax.parallel import config as pconfig_lib
 from k3jax.parallel import pipeline_layout
 from k3jax.routing.config import RouterConfig
 from k3jax.sharding import mesh as mesh_lib
+from k3jax.train import defaults
 from k3jax.train.cli_errors import InputError
+from pallas_kernels.kda.spec import KdaSpec
 
 _NUM = (int, float)
 _SEQ = (list, tuple)
@@ -64,8 +68,7 @@ class ConfigError(InputError):
 
 
 def _as_config_error(fn):
-  """Re-raises the ValueErrors of a check (the data and model modules' own included) as ConfigError,
-  with the model's own field names (`ModelConfig.g_min`) spelled as config fields (`model.g_min`)."""
+  """Re-raises the ValueErrors of a check (the data modules' own included) as ConfigError."""
   @functools.wraps(fn)
   def checked(*args, **kwargs):
     try:
@@ -73,16 +76,20 @@ def _as_config_error(fn):
     except ConfigError:
       raise
     except ValueError as e:
-      text = str(e).replace("ModelConfig.", "config model.").replace("RouterConfig.", "config model.router.")
+      text = str(e)
       raise ConfigError(text if text.startswith("config") else f"config: {text}") from e
   return checked
+
+
+def _fields(cls) -> list[str]:
+  return [f.name for f in dataclasses.fields(cls)]
 
 
 def _section_fields() -> dict[str, list[str]]:
   """{section ("" = top level): its field names}, for every section a dotted config key can name."""
   return {"": [*TOP_LEVEL, "parallel"], "data": list(DATA), "optim": list(OPTIM), "parallel": list(PARALLEL),
-          "model": model_config_lib.trainer_keys(),
-          "model.router": [f.name for f in dataclasses.fields(RouterConfig)]}
+          "model": _fields(model_config_lib.ModelConfig), "model.kda": _fields(KdaSpec),
+          "model.router": _fields(RouterConfig)}
 
 
 def _homes(name: str, sections: Mapping[str, list[str]]) -> list[str]:
@@ -102,14 +109,24 @@ def _unknown_key(where: str, key: str, allowed, sections: Mapping[str, list[str]
   dotted = where + key
   if where == "parallel." and key in pconfig_lib.RENAMED:
     return pconfig_lib.renamed_message(key)
+  if where == "model." and key in defaults.MOVED_MODEL_KEYS:
+    return moved_message(key)
   homes = [h for h in _homes(key, sections) if h != dotted]
   if homes:
     levels = " and ".join(f"{h!r}" + (" (top level)" if "." not in h else "") for h in homes)
     return (f"config {dotted + rest!r} names no field: {key} lives at {levels}, not {_level(where)}. "
             f"Use --config.{homes[0] + rest}=VALUE (or set it there in the config file).")
-  close = difflib.get_close_matches(key, list(allowed), n=1)
-  hint = f"; did you mean {where + close[0]!r}?" if close else "."
+  hint = did_you_mean(key, allowed, where) or "."
   return f"unknown config key {dotted!r}{hint} Allowed {_level(where)}: {sorted(allowed)}"
+
+
+def moved_message(old: str) -> str:
+  """Why `model.<old>`, a flat key of the model section before it was nested, is refused."""
+  new = "model." + defaults.MOVED_MODEL_KEYS[old]
+  note = (" (0: no bound, the softplus gate, which needs model.kda.diagonal='pairwise')"
+          if new == "model.kda.lower_bound" else "")
+  return (f"config 'model.{old}' is now '{new}'{note}: use --config.{new}=VALUE or set it in the "
+          "config file.")
 
 
 def unknown_field_message(dotted: str) -> str | None:
@@ -163,23 +180,27 @@ def _require(cond: bool, msg: str) -> None:
 
 
 def model_config_from(model_section: Mapping[str, Any]):
-  """Builds the `ModelConfig` from the `config.model` section (router sentinels mapped to None)."""
+  """Builds the `ModelConfig` from the `config.model` section (the numbers of `defaults.NONE_AS`
+  read as None). Raises ConfigError naming the key (`config model.kda.lower_bound=...`)."""
   d = _to_plain(model_section)
-  router = dict(d.get("router", {}))
-  if router.get("capacity_factor", None) == 0:
-    router["capacity_factor"] = None  # 0 in the ConfigDict means dropless
-  if router.get("overflow_choices", None) == -1:
-    router["overflow_choices"] = None  # -1 means the router default (k)
-  d["router"] = router
-  return model_config_lib.ModelConfig.from_dict(d)
+  _check_model_keys(d)
+  for dotted, number in defaults.NONE_AS.items():
+    section, name = dotted.split(".")
+    if isinstance(d.get(section), Mapping) and d[section].get(name) == number:
+      d[section] = dict(d[section], **{name: None})
+  try:
+    return model_config_lib.ModelConfig.from_dict(d)
+  except ValueError as e:  # its messages start with the field's path below `model`
+    raise ConfigError(f"config model.{e}") from None
 
 
 def _check_model_keys(model_section: Mapping[str, Any]) -> None:
   # Model fields left out take ModelConfig's defaults; unknown ones are errors.
-  _check_keys(model_section, model_config_lib.trainer_keys(), "model.", require_all=False)
-  if isinstance(model_section.get("router"), Mapping):
-    _check_keys(model_section["router"], [f.name for f in dataclasses.fields(RouterConfig)],
-                "model.router.", require_all=False)
+  sections = _section_fields()
+  _check_keys(model_section, sections["model"], "model.", require_all=False)
+  for name in ("kda", "router"):
+    if isinstance(model_section.get(name), Mapping):
+      _check_keys(model_section[name], sections["model." + name], f"model.{name}.", require_all=False)
 
 
 @_as_config_error
@@ -223,7 +244,7 @@ def _check_fields(c: Mapping[str, Any]):
 
   d = c["data"]
   _require(d["kind"] in DATA_KINDS, f"config data.kind={d['kind']!r}; allowed: {DATA_KINDS}")
-  model_cfg = model_config_from(c["model"])  # ModelConfig's own checks: tiles vs g_min, heads, ...
+  model_cfg = model_config_from(c["model"])  # ModelConfig's own checks: tiles vs the bound, heads, ...
   _require(model_cfg.param_dtype == "float32",
            f"config model.param_dtype={model_cfg.param_dtype!r}: AdamW needs float32 master weights; "
            "set model.dtype='bfloat16' for bf16 compute instead")
@@ -343,7 +364,7 @@ def _check_sizes(c: Mapping[str, Any], model_cfg, pconf, sizes: dict) -> None:
       span = n_ctx * model_cfg.kda.chunk_size
       _require(c["seq_len"] % span == 0,
                f"config seq_len={c['seq_len']} must be divisible by parallel.context={n_ctx} x "
-               f"model.kda_chunk_size={model_cfg.kda.chunk_size} = {span}: each device's part of a "
+               f"model.kda.chunk_size={model_cfg.kda.chunk_size} = {span}: each device's part of a "
                "sequence must be whole KDA chunks")
   n_exp = sizes[mesh_lib.EXPERT]
   if n_exp > 1 and model_cfg.num_experts:

@@ -1,54 +1,58 @@
-"""The complete default config: every field the trainer reads, each with its meaning.
+"""The complete default config: every field the trainer reads, each with its meaning (the
+model's in its dataclasses, from which the `model` section is built).
 
 Config files in `configs/` start from `base_config()` and override what they need;
 `config_schema.validate` rejects any key not listed here.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import ml_collections
+
+from k3jax.models.config import ModelConfig
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
-  """A `k3jax.models.config.ModelConfig` as a ConfigDict (same field names, router nested)."""
-  c = ml_collections.ConfigDict()
-  c.vocab_size = 256            # token ids and logits; >= the data's vocabulary (256 for bytes)
-  c.d_model = 256               # residual stream width
-  c.num_layers = 4              # decoder layers (each: token mixer + FFN)
-  c.layer_pattern = "KKKA"      # mixer kinds, K = KDA, A = softmax attention, repeated to num_layers
-  c.num_heads = 4               # mixer heads (query heads for attention)
-  c.head_dim = 64               # per-head width
-  c.num_kv_heads = 4            # attention key/value heads (GQA), divides num_heads
-  c.conv_size = 4               # KDA short causal depthwise conv width
-  c.gate = "bounded"            # KDA decay gate: "bounded" (g_min * sigmoid) or "softplus"
-  c.g_min = -5.0                # lower bound of the bounded gate; |g_min| * (kda_sub_chunk - 1) must stay < ~85
-  c.kda_chunk_size = 64         # chunk length of the chunked KDA scan
-  c.kda_sub_chunk = 16          # diagonal tile the bound protects; divides kda_chunk_size
-  c.kda_diagonal = "dense"      # "dense" (bounded gate only) or "pairwise" diagonal tiles
-  c.kda_implementation = "xla"  # chunk_kda path: "xla" (any backend), "pallas" (GPU kernel), "naive"
-  c.kda_decode = "auto"         # decode step: "auto" (GPU: "pallas" for steps of >= 2 tokens; else "fused"), "pallas", "fused", "naive"
-  c.kda_fuse_gate = False       # bounded gate + pallas: sigmoid inside the gate-cumsum kernels
-  c.num_experts = 8             # routed experts per MoE FFN; 0 = dense FFNs
-  c.top_k = 2                   # experts per token
-  c.expert_hidden = 256         # hidden width of each routed / shared expert
-  c.num_shared_experts = 1      # always-on experts per MoE FFN
-  c.moe_impl = "ragged"         # routed experts: "ragged" (grouped matmul), "buffered" (capacity buffers), "dense"
-  c.moe_grouped_backend = "auto"  # ragged mode's grouped matmul: "auto" ("pallas" on NVIDIA GPUs, else "xla": XLA's ragged_dot), "xla", "tokamax" (opt-in kernel) or "pallas" (ours; also serves buffered)
-  c.first_layer_dense = True    # layer 0 uses a dense FFN
-  c.dense_hidden = 1024         # hidden width of dense FFNs
-  c.residual = "prenorm"        # "prenorm", "block_attnres" or "full_attnres"
-  c.attnres_block_size = 4      # sublayers per block of block_attnres
-  c.tie_embeddings = True       # share embedding and output projection
-  c.dtype = "float32"           # compute dtype: "float32" or "bfloat16" (gates, states, logits stay f32)
-  c.param_dtype = "float32"     # parameter dtype; float32 master weights (the schema requires it)
-  c.router = ml_collections.ConfigDict()
-  c.router.name = "quantile"        # quantile | quantile_lagged | bias_sign | aux_loss | expert_choice | topk
-  c.router.capacity_factor = 1.25   # expert capacity = ceil(cf * tokens * k / E); 0 = dropless
-  c.router.quantile_impl = "radix"  # "radix" or "exact" (top_k; the same thresholds), or "histogram"
-  c.router.num_bins = 1000          # histogram bins per expert
-  c.router.bias_update_rate = 1e-3  # bias_sign step u
-  c.router.aux_loss_coef = 1e-2     # aux_loss alpha
-  c.router.overflow_choices = -1    # fallback choices past the k-th when experts are full; -1 = k
+  """`ModelConfig()` as a ConfigDict, built from the dataclasses: `model.kda` and `model.router`
+  are sections of their fields, a None is written as its number in `NONE_AS`.
+
+  What each field means is said once, beside its default, in `k3jax.models.config.ModelConfig`,
+  `pallas_kernels.kda.spec.KdaSpec` and `k3jax.routing.config.RouterConfig`.
+  """
+  c = config_dict(ModelConfig())
   c.update(overrides)
+  return c
+
+
+# Fields whose None the ConfigDict writes as a number, because a field holding None
+# cannot be overridden on the command line; `config_schema.model_config_from` reads it back.
+NONE_AS = {
+    "kda.lower_bound": 0.0,         # no bound: the unbounded softplus gate (needs kda.diagonal="pairwise")
+    "router.capacity_factor": 0.0,  # dropless
+    "router.overflow_choices": -1,  # the router's default, k
+}
+
+# The model section's flat keys of config files and run directories from before it was nested,
+# each with its key now; `gate` became the bound's presence (0: the softplus gate).
+MOVED_MODEL_KEYS = {"g_min": "kda.lower_bound", "gate": "kda.lower_bound",
+                    "kda_chunk_size": "kda.chunk_size", "kda_sub_chunk": "kda.sub_chunk",
+                    "kda_diagonal": "kda.diagonal", "kda_implementation": "kda.implementation"}
+
+
+def config_dict(obj, where: str = "") -> ml_collections.ConfigDict:
+  """A frozen dataclass as a ConfigDict of its fields (nested dataclasses as sections)."""
+  c = ml_collections.ConfigDict()
+  for field in dataclasses.fields(obj):
+    value, key = getattr(obj, field.name), where + field.name
+    if dataclasses.is_dataclass(value):
+      value = config_dict(value, key + ".")
+    elif value is None:
+      if key not in NONE_AS:
+        raise ValueError(f"model.{key} defaults to None, which a ConfigDict field cannot be "
+                         "overridden from; give it a number in defaults.NONE_AS")
+      value = NONE_AS[key]
+    c[field.name] = value
   return c
 
 
@@ -63,7 +67,7 @@ def parallel_config(**overrides) -> ml_collections.ConfigDict:
   c.data = -1                   # data-parallel axis size; -1 = the devices the other axes leave
   c.fsdp = 1                    # parameter/optimizer-state sharding axis (ZeRO-3 over "embed"); also shards the batch
   c.expert = 1                  # expert-parallel axis: routed experts split over it (divides model.num_experts); shards the batch elsewhere
-  c.context = 1                 # context-parallel axis: each sequence split over it (seq_len divisible by context * model.kda_chunk_size)
+  c.context = 1                 # context-parallel axis: each sequence split over it (seq_len divisible by context * model.kda.chunk_size)
   c.stages = 1                  # pipeline stages (the mesh's stage axis): layers split into this many equal stages (divides model.num_layers; with block_attnres on block boundaries)
   c.microbatches = 1            # pipeline microbatches per step: batch_size divisible by microbatches x the axes of rules.batch; GPipe bubble (stages - 1) / (microbatches + stages - 1)
   c.dispatch_slot_factor = 0.0  # expert-parallel send slots per device pair relative to an even split; 0 = lossless (worst-case buffers)
@@ -84,7 +88,7 @@ def parallel_config(**overrides) -> ml_collections.ConfigDict:
 def base_config() -> ml_collections.ConfigDict:
   """Every trainer field with its default (a small byte-level CPU run)."""
   c = ml_collections.ConfigDict()
-  c.seed = 0                    # seeds the model init, the data order and the step RNG
+  c.seed = 0                    # seeds the model init and the data order
   c.num_steps = 200             # optimizer updates in the whole run (the schedule's length)
   c.batch_size = 16             # global batch (sequences per step), split over processes and devices
   c.num_devices = 0             # devices the mesh spans: the first N of one process (0 = all devices of all processes)

@@ -14,6 +14,7 @@ from typing import Any
 
 import ml_collections
 
+from k3jax.train import defaults
 from k3jax.train.cli_errors import InputError
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ RESUMABLE = (
     "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "async_checkpoints",
     "progress_bar", "peak_tflops_per_device",
     "num_devices", "parallel",  # the mesh: checkpoints restore onto any mesh
-    "model.kda_implementation",  # the same chunked KDA math on another backend's kernels
+    "model.kda.implementation",  # the same chunked KDA math on another backend's kernels
     "model.kda_decode",          # the same decode recurrence, another implementation
     "model.kda_fuse_gate",       # the same gate values, formed inside the kernels
     "optim.learning_rate", "optim.end_lr_fraction", "optim.warmup_steps",  # the schedule
@@ -75,7 +76,8 @@ def diff_configs(saved: dict, new: dict) -> tuple[list[tuple[str, Any, Any]], li
 
 
 def read_saved_config(workdir: str) -> dict | None:
-  """The run's saved config as plain JSON, or None when `workdir` has no config.json.
+  """The run's saved config as plain JSON in today's shape (`nest_model_section`), or None when
+  `workdir` has no config.json.
 
   Raises:
     ConfigMismatchError: the file exists but is not a JSON object.
@@ -91,7 +93,24 @@ def read_saved_config(workdir: str) -> dict | None:
                               "checkpoints next to it. Restore it, or give a new run directory.") from None
   if not isinstance(saved, dict):
     raise ConfigMismatchError(f"{path} holds a {type(saved).__name__}, not a config object")
+  if isinstance(saved.get("model"), dict):
+    saved["model"] = nest_model_section(saved["model"])
   return saved
+
+
+def nest_model_section(model: dict) -> dict:
+  """A saved `model` section in today's nested shape; one saved with the flat KDA keys of
+  `defaults.MOVED_MODEL_KEYS` (g_min, kda_chunk_size, ...) is rewritten, the others kept."""
+  flat = {key: model[key] for key in defaults.MOVED_MODEL_KEYS if key in model}
+  if not flat:
+    return model
+  out = {key: value for key, value in model.items() if key not in flat}
+  kda = {defaults.MOVED_MODEL_KEYS[key].split(".")[1]: value for key, value in flat.items()
+         if key != "gate"}
+  if flat.get("gate") == "softplus":  # the unbounded gate: no bound, whatever g_min said
+    kda["lower_bound"] = defaults.NONE_AS["kda.lower_bound"]
+  out["kda"] = {**out.get("kda", {}), **kda}
+  return out
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:

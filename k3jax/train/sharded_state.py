@@ -46,7 +46,7 @@ def create_sharded_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module],
   def init() -> TrainState:
     graphdef, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
     graphdefs.append(graphdef)  # static: the same at every trace
-    return initial_state(params, model_state, tx, seed)
+    return initial_state(params, model_state, tx)
 
   if shardings is None:
     shardings = rules_lib.tree_shardings(jax.eval_shape(init), mesh, rules)

@@ -20,28 +20,24 @@ class TrainState:
     params: nnx.State of the model's `nnx.Param` variables (float32 master weights).
     model_state: nnx.State of every other model variable (router biases/statistics, RNG counters).
     opt_state: the optax state over `params`.
-    rng: uint32 [2] key for stochastic parts of the step; split once per step.
   """
   step: jax.Array
   params: Any
   model_state: Any
   opt_state: Any
-  rng: jax.Array
 
 
-def initial_state(params: Any, model_state: Any, tx: optax.GradientTransformation,
-                  seed: int) -> TrainState:
+def initial_state(params: Any, model_state: Any, tx: optax.GradientTransformation) -> TrainState:
   """The TrainState at step 0 of a model split into (params, model_state)."""
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                    opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
+                    opt_state=tx.init(params))
 
 
-def abstract_train_state(abstract_model: nnx.Module, tx: optax.GradientTransformation,
-                         seed: int) -> TrainState:
+def abstract_train_state(abstract_model: nnx.Module, tx: optax.GradientTransformation) -> TrainState:
   """The shapes and dtypes of the initial TrainState of `abstract_model` (from
   `nnx.eval_shape`), without building the model again."""
   _, params, model_state = nnx.split(abstract_model, nnx.Param, ...)
-  return jax.eval_shape(lambda p, m: initial_state(p, m, tx, seed), params, model_state)
+  return jax.eval_shape(lambda p, m: initial_state(p, m, tx), params, model_state)
 
 
 def create_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.GradientTransformation,
@@ -53,7 +49,7 @@ def create_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.Gra
   runs in one process, where one jitted init program would recompile each time.
   """
   graphdef, params, model_state = nnx.split(model_fn(nnx.Rngs(seed)), nnx.Param, ...)
-  state = initial_state(params, model_state, tx, seed)
+  state = initial_state(params, model_state, tx)
   if sharding is not None:
     state = place(state, sharding)
   return graphdef, state

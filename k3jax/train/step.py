@@ -78,7 +78,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
     if isinstance(aux, dict):
       metrics.update({k: v for k, v in flatten_scalars(aux).items() if k != "aux_loss"})
     new_state = state.replace(step=state.step + 1, params=params, model_state=model_state,
-                              opt_state=opt_state, rng=jax.random.split(state.rng)[0])
+                              opt_state=opt_state)
     return new_state, metrics
 
   return _layout_preserving_jit(train_step)

@@ -81,8 +81,8 @@ def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int, max_segme
 
 
 def _default_model(model_cfg, seq_len: int, expert_parallel, layout: ModelLayout
-                   ) -> tuple[Callable[[nnx.Rngs], nnx.Module], float | None]:
-  fpt = lm.flops_per_token(model_cfg, seq_len) if hasattr(lm, "flops_per_token") else None
+                   ) -> tuple[Callable[[nnx.Rngs], nnx.Module], float]:
+  fpt = lm.flops_per_token(model_cfg, seq_len)
   return (lambda rngs: layout.build_lm(model_cfg, rngs=rngs, expert_parallel=expert_parallel)), fpt
 
 
@@ -314,8 +314,8 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   else:
     model_fn = _given_model(model_fn, layout)
   if kda.interprets(model_cfg.kda.implementation):
-    log.warning("model.kda_implementation='pallas' on CPU runs the kernel interpreted (slow); "
-                "use --config.model.kda_implementation=xla for CPU runs")
+    log.warning("model.kda.implementation='pallas' on CPU runs the kernel interpreted (slow); "
+                "use --config.model.kda.implementation=xla for CPU runs")
   ckpt_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
   dataset, tokenizer = _open_data(config, model_cfg)
   config = _with_tokenizer_digest(config, tokenizer)
@@ -347,7 +347,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
   tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
                                         config.num_steps, model_segments(config.data, config.seq_len))
-  abstract_state = abstract_train_state(abstract, tx, config.seed)
+  abstract_state = abstract_train_state(abstract, tx)
   return _Build(config=config, workdir=workdir, nproc=nproc, ndev=len(devices), pconf=pconf,
                 sizes=sizes, model_fn=model_fn, flops_per_token=flops_per_token, ckpt_dir=ckpt_dir,
                 resuming=resuming, dataset=dataset, tokenizer=tokenizer, data_it=data_it, eval_set=eval_set, mesh=mesh,

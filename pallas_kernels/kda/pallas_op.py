@@ -342,7 +342,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
                      chunk_size=64, diagonal="dense", sub_chunk=16,
                      interpret=False, backend=None, block_v=None, config_overrides=None,
-                     gate_activation=None, gate_bias=None, clamp_gates=False, **bound):
+                     gate_activation=None, gate_bias=None, clamp_gates=False, lower_bound=None):
   """Chunked KDA with Pallas kernels; differentiable (custom VJP).
 
   Args:
@@ -358,9 +358,9 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     spec: the tiling and the gate's bound (`KdaSpec`, validated when built;
       `chunk_kda` passes it), or None to take chunk_size (C), sub_chunk (L,
       the diagonal tile) and diagonal ("dense" or "pairwise") as given.
-      With spec, these keyword values and `bound` are not read.
-    bound: `lower_bound=` (a KdaSpec field: the fused gate's and the clamp's
-      bound) without a spec; with it the keyword choices become a KdaSpec
+      With spec, these keyword values and lower_bound are not read.
+    lower_bound: the fused gate's and the clamp's bound (a KdaSpec field), or
+      None; without a spec, a bound makes the keyword choices a KdaSpec
       (`spec.kernel_spec`, validated as `chunk_kda` validates them: a bound
       unsafe for the dense diagonal's tiles raises). A call without a bound
       runs without a spec.
@@ -385,7 +385,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
   """
   spec = spec_lib.kernel_spec(spec, chunk_size=chunk_size, sub_chunk=sub_chunk,
-                              diagonal=diagonal, **bound)
+                              diagonal=diagonal, lower_bound=lower_bound)
   if spec is not None:
     chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
   elif diagonal not in spec_lib.DIAGONALS:

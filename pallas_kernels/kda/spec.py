@@ -41,13 +41,13 @@ def check_lower_bound(lower_bound: float | None, tile_len: int) -> None:
   """Raises ValueError unless `|lower_bound| * (tile_len - 1) <= MAX_EXP_ARG`.
 
   A dense diagonal tile of length L anchored at its first row multiplies a
-  column operand by up to exp(|g_min| * (L - 1)); above ~88.7 that is inf in
+  column operand by up to exp(|lower_bound| * (L - 1)); above ~88.7 that is inf in
   float32 and bfloat16.
   """
   if lower_bound is None:
     raise ValueError(
-        "diagonal='dense' needs lower_bound (g_min of the gate "
-        "g = g_min * sigmoid(.)); pass it, or use diagonal='pairwise' for an "
+        "diagonal='dense' needs lower_bound (the bound of the gate "
+        "g = lower_bound * sigmoid(.)); pass it, or use diagonal='pairwise' for an "
         "unbounded gate.")
   lower_bound = float(lower_bound)
   if not lower_bound < 0:
@@ -85,7 +85,7 @@ class KdaSpec:
     sub_chunk: L, the diagonal tile length; divides chunk_size. Default 16.
     diagonal: one of DIAGONALS. "dense" needs lower_bound with
       |lower_bound| * (sub_chunk - 1) <= MAX_EXP_ARG. Default "dense".
-    lower_bound: g_min of the gate (negative), or None for an unbounded gate
+    lower_bound: the gate's lower bound (negative), or None for an unbounded gate
       (then diagonal must be "pairwise"). Default None.
     implementation: one of IMPLEMENTATIONS ("naive" ignores the tiling, and
       needs no lower bound). Default "xla".
@@ -188,13 +188,13 @@ def resolve(spec: KdaSpec | None, *, implementation: str | None = None, **choice
 
 
 def kernel_spec(spec: KdaSpec | None, *, chunk_size: int, sub_chunk: int, diagonal: str,
-                **bound) -> KdaSpec | None:
+                lower_bound: float | None = None) -> KdaSpec | None:
   """The spec a direct Pallas call runs under (`pallas_op.chunk_kda_pallas`).
 
   Args:
     spec: a KdaSpec, returned as is (the other choices are then not read), or None.
-    chunk_size, sub_chunk, diagonal, bound: the call's keyword choices; `bound` is
-      empty or holds the lower bound (`lower_bound=`, a KdaSpec field).
+    chunk_size, sub_chunk, diagonal, lower_bound: the call's keyword choices (KdaSpec
+      fields); lower_bound may be None.
 
   Returns:
     `spec`; else, for choices with a bound, the KdaSpec of `implementation="pallas"`
@@ -205,14 +205,10 @@ def kernel_spec(spec: KdaSpec | None, *, chunk_size: int, sub_chunk: int, diagon
     if not isinstance(spec, KdaSpec):
       raise TypeError(f"spec must be a KdaSpec, got {type(spec).__name__}")
     return spec
-  unknown = sorted(set(bound) - (set(FIELDS) - {"chunk_size", "sub_chunk", "diagonal",
-                                                  "implementation"}))
-  if unknown:
-    raise TypeError(f"unexpected keyword arguments {unknown}")
-  if all(value is None for value in bound.values()):
+  if lower_bound is None:
     return None
   return resolve(None, implementation="pallas", chunk_size=chunk_size, sub_chunk=sub_chunk,
-                 diagonal=diagonal, **bound)
+                 diagonal=diagonal, lower_bound=lower_bound)
 
 
 def check_clamp(spec: KdaSpec | None, gate_activation) -> None:
