@@ -16,7 +16,8 @@ With `fuse_gate` the layer passes the pre-activation x W_fa W_fb and b_f to
 apply the sigmoid and its derivative, so the [B, T, H, K] float32 g is never
 written (off by default until timed on the GPU: `experiments/bench/bench_gate_fusion.py`).
 With `segments` (documents packed in a row) the convolutions stop at document
-boundaries and the state restarts at each document (`chunk_kda_rows`).
+boundaries and the state restarts at each document (`chunk_kda_rows`: masks
+inside the chunks on the xla path, per-row packed sequences on the Pallas path).
 Decoding carries the conv windows and the [B, H, K, V] float32 state and
 steps it with `pallas_kernels.kda.decode.kda_decode_step`
 (`decode_implementation`).
@@ -64,16 +65,26 @@ def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array,
   return y
 
 
+def run_ids(offsets_bm: jax.Array, length: int) -> jax.Array:
+  """[B, T] int32 run index of each position from the run starts offsets_bm
+  [B, M + 1] (`Segments.offsets_bm`; unused entries T)."""
+  t = jnp.arange(length, dtype=jnp.int32)
+  return jnp.sum(offsets_bm[:, 1:-1, None] <= t, axis=1, dtype=jnp.int32)
+
+
 def chunk_kda_rows(q, k, v, g, beta, offsets_bm: jax.Array, **kernel_kwargs):
   """`chunk_kda` with the state restarting at every document start of every row.
 
-  Row b runs as one packed sequence (B == 1, `cu_seqlens=offsets_bm[b]`, M
+  On the naive and xla paths the restarts are masks inside the chunks of the
+  plain grid (`chunk_kda(segment_ids=...)`, with the run index of each
+  position as its id). The Pallas kernels do not take those masks yet: there
+  row b runs as one packed sequence (B == 1, `cu_seqlens=offsets_bm[b]`, M
   sequences, empty trailing ones allowed), mapped over the rows by `jax.vmap`:
   the rows stay parallel (one flattened [1, B T] sequence would make the
-  state recurrence B times longer). Cost: each row's chunk grid grows from
-  ceil(T / C) to ceil(T / C) + M chunks (every document starts a chunk), plus
-  the pack and unpack gathers of q, k, v, g, beta and o (and of their
-  gradients).
+  state recurrence B times longer). Its cost: each row's chunk grid grows
+  from ceil(T / C) to ceil(T / C) + M chunks (every document starts a
+  chunk), plus the pack and unpack gathers of q, k, v, g, beta and o (and of
+  their gradients).
 
   Args:
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] or [B, T, H] (the
@@ -85,6 +96,13 @@ def chunk_kda_rows(q, k, v, g, beta, offsets_bm: jax.Array, **kernel_kwargs):
   Returns:
     o [B, T, H, V] in q's dtype.
   """
+  spec = kernel_kwargs.get("spec")
+  impl = spec.implementation if spec is not None else kernel_kwargs.get("implementation")
+  if impl != "pallas":
+    o, _ = kda_api.chunk_kda(q, k, v, g, beta, segment_ids=run_ids(offsets_bm, q.shape[1]),
+                             **kernel_kwargs)
+    return o
+
   def row(q_thk, k_thk, v_thv, g_th, beta_th, cu_m):
     o, _ = kda_api.chunk_kda(q_thk[None], k_thk[None], v_thv[None], g_th[None], beta_th[None],
                              cu_seqlens=cu_m, **kernel_kwargs)
