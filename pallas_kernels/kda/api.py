@@ -62,7 +62,8 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
       initial_state[b] (zeros without one), and the final state is that of
       the row's last run. The chunk grid stays that of the plain call: the
       restarts are masks inside the chunk computations
-      (`tiling.RunMasks`). Implementations "naive" and "xla".
+      (`tiling.RunMasks`). On "pallas" forward only so far, on the GPU
+      kernels (a gradient raises NotImplementedError; see `pallas_op`).
     interpret: run Pallas kernels in interpret mode (CPU tests).
     config_overrides: dict of `kernel_config.KernelConfig` fields forced on
       the pallas path (e.g. {"intra_bwd": "tiles"}) for A/B runs.
@@ -108,10 +109,6 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     cu_seqlens = inputs.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
   if segment_ids is not None:
     inputs.check_segment_ids(segment_ids, q.shape[:2], cu_seqlens)
-    if spec.implementation == "pallas":
-      raise NotImplementedError(
-          "segment_ids is not yet in the Pallas kernels; use implementation='xla', or run each "
-          "row as one packed sequence (cu_seqlens = the row's run starts)")
   kwargs = dict(scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens)
   if segment_ids is not None:

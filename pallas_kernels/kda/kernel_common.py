@@ -37,6 +37,43 @@ class IntraBwdOut(NamedTuple):
   dbeta: jax.Array
 
 
+def run_codes(run_bt, carry_bt, last_bt):
+  """The kernels' run inputs (`segment_ids`): per position code = 4 run +
+  2 carry + last as [B, Tp, 1] int32, and the run as [B, 1, Tp] int32, from
+  [B, Tp] run indices and the carry / last flags of `tiling.RunMasks`."""
+  code = run_bt * 4 + carry_bt.astype(jnp.int32) * 2 + last_bt.astype(jnp.int32)
+  return code[..., None].astype(jnp.int32), run_bt[:, None, :].astype(jnp.int32)
+
+
+class RunFlags(NamedTuple):
+  """One chunk's run masks inside a kernel (`tiling.RunMasks`), for R of its rows.
+
+  same [R, C] bool (run_i == run_j; None without the run row); carry, last
+  [R, 1] bool (the row reads the incoming state; the row is in the chunk's
+  last run); carry_last [1, 1] bool (the chunk's last row carries: the
+  state leaving it keeps e^{G_last} S)."""
+  same: jax.Array | None
+  carry: jax.Array
+  last: jax.Array
+  carry_last: jax.Array
+
+
+def run_flags(code_ref, run_ref=None, rows=None) -> RunFlags:
+  """The masks of rows `rows` (all when None) of a chunk from its code ref
+  [C, 1] and run ref [1, C] (`run_codes`' blocks)."""
+  code = code_ref[...] if rows is None else code_ref[rows, :]
+  code_last = code_ref[pl.ds(code_ref.shape[0] - 1, 1), :]
+  same = None if run_ref is None else jnp.right_shift(code, 2) == run_ref[...]
+  return RunFlags(same=same, carry=jnp.bitwise_and(code, 2) != 0,
+                  last=jnp.bitwise_and(code, 1) != 0,
+                  carry_last=jnp.bitwise_and(code_last, 2) != 0)
+
+
+def keep_rows(x, rows):
+  """x with the rows where `rows` ([R, 1] bool) is False zeroed; x itself when rows is None."""
+  return x if rows is None else jnp.where(rows, x, 0.0)
+
+
 def dot(a, b, cfg: KernelConfig, *, ta: bool = False, tb: bool = False, dtype=None):
   """a @ b (a^T if ta, b^T if tb) with f32 accumulation; operands cast to `dtype`.
 
@@ -460,19 +497,22 @@ def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict
               scratch_shapes=[pltpu.VMEM((grid.dk, grid.block_v), _F32)])
 
 
-def state_decay_grad(ds, s, g_last):
+def state_decay_grad(ds, s, g_last, carried=None):
   """Gradient of dG's last row from the state decay S_next = e^{G_last} S + ...
 
   Args:
     ds: [K', V'] gradient of the state leaving the chunk; s: [K', V'] state
       entering it (either may be stored in bf16; the product and sum are f32).
     g_last: [1, K'] the chunk's last row of G.
+    carried: None, or [1, 1] bool: whether the decay term exists (runs:
+      `RunFlags.carry_last`); zero where False.
 
   Returns:
     [1, K'] f32: (sum_v dS * S)^T e^{G_last}.
   """
   prod = ds.astype(_F32) * s.astype(_F32)
-  return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * exp(g_last)
+  grad = jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * exp(g_last)
+  return grad if carried is None else jnp.where(carried, grad, 0.0)
 
 
 def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig,

@@ -16,7 +16,11 @@ backward (`kernel_intra_bwd_split` or `kernel_intra_bwd`, by
   clamp of traced gates folded into the same passes (`clamp_gates`), or, with
   `gate_activation="bounded_sigmoid"`, the gate itself from its
   pre-activation in the same pass (`kernel_gate_cumsum`);
-* joins the forward and backward kernels with `jax.custom_vjp`.
+* joins the forward and backward kernels with `jax.custom_vjp`;
+* with `segment_ids` (fixed length, GPU kernels), hands the intra and
+  recurrence kernels the run codes of `kernel_common.run_codes`, which
+  restart the state inside chunks by masks. Forward only so far: the backward
+  kernels do not take the masks, and differentiating such a call raises.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import head_pad
 from pallas_kernels.kda import inputs
+from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_gate_cumsum
@@ -64,6 +69,8 @@ class _Static:
   # The call's KdaSpec (None for a call without a bound); the "clamp" and
   # "fused" modes' cumsum kernels read its bound.
   spec: KdaSpec | None = None
+  # The state restarts inside chunks (`segment_ids`): the kernels take run codes.
+  runs: bool = False
 
   @property
   def fused(self) -> bool:
@@ -105,7 +112,7 @@ def _output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg, out_dtype):
                                        chunk_size=chunk_size, cfg=cfg, out_dtype=out_dtype)
 
 
-def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
+def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False, runs=None):
   """Kernel forward on the chunk grid. Shapes as in `_core`."""
   b, tp, h, dk = q.shape
   dv = v.shape[-1]
@@ -119,9 +126,12 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
   # straight in cfg.saved_state_dtype (bf16 by default on the GPU with bf16
   # intra-backward operands).
   res_dtype = cfg.saved_state_dtype
+  if runs is not None and not split:
+    raise NotImplementedError("segment_ids is not in the TPU's fused state kernel; use "
+                              "implementation='xla' there")
   intra = kernel_intra_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
                                      diagonal=st.diagonal, save_m=save, save_gated=split,
-                                     m_dtype=res_dtype, **kw)
+                                     m_dtype=res_dtype, runs=runs, **kw)
   if split:
     # Without the backward only the output kernel reads the entry states and
     # V', as matmul operands. The backward keeps the states in res_dtype and
@@ -129,7 +139,8 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
     hs, v_new, ht = kernel_state_split.state_recurrence(
         meta, intra.w, intra.u, intra.kg, g_cum, h0, heads=h, chunk_size=st.chunk_size,
         cfg=cfg, varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
-        v_new_dtype=cfg.intra_bwd_mm_dtype if save else cfg.mm_dtype)
+        v_new_dtype=cfg.intra_bwd_mm_dtype if save else cfg.mm_dtype,
+        run_code=None if runs is None else runs[0])
     o = _output_fwd(intra.qg, intra.a_qk, hs, v_new, heads=h, chunk_size=st.chunk_size,
                     cfg=cfg, out_dtype=q.dtype)
   else:
@@ -146,22 +157,24 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(st: _Static, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
+def _core(st: _Static, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n, runs=None):
   """Chunk-grid KDA.
 
   Args:
     q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g: [B, Tp, H, K] f32 log-decay,
       or in the fused gate mode the gate pre-activation (any float dtype);
       beta: [B, Tp, H]; gate_bias: [H, K] f32 with the fused gate, else None;
-      h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32.
+      h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32;
+      runs: None, or the run codes (code [B, Tp, 1], run [B, 1, Tp] int32;
+      `kernel_common.run_codes`) with st.runs.
 
   Returns:
     o [B, Tp, H, V] (q.dtype), ht [Nh, H, K, V] f32.
   """
-  return _forward(st, q, k, v, g, beta, gate_bias, h0, (first_n, last_n, seq_n))
+  return _forward(st, q, k, v, g, beta, gate_bias, h0, (first_n, last_n, seq_n), runs=runs)
 
 
-def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
+def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n, runs=None):
   """Forward of the custom VJP; what it keeps depends on `cfg.save_residuals`.
 
   save_residuals=True keeps the forward's intermediates so the backward need
@@ -184,6 +197,8 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
   the backward's gate derivative reads it.
   """
   meta = (first_n, last_n, seq_n)
+  if st.runs:   # no backward yet (`_core_bwd`): nothing to keep
+    return _forward(st, q, k, v, g, beta, gate_bias, h0, meta, runs=runs), None
   if not st.cfg.save_residuals:
     out = _forward(st, q, k, v, g, beta, gate_bias, h0, meta)
     return out, (q, k, v, g, beta, gate_bias, h0, meta, None)
@@ -198,6 +213,11 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
 
 
 def _core_bwd(st, res, cts):
+  if st.runs:
+    raise NotImplementedError(
+        "the Pallas backward does not take segment_ids yet; differentiate "
+        "implementation='xla', or run each row as one packed sequence (cu_seqlens = its run "
+        "starts; k3jax.layers.kda.chunk_kda_rows)")
   q, k, v, g, beta, gate_bias, h0, meta, saved = res
   first_n, _, seq_n = meta
   do, dht = cts
@@ -241,7 +261,7 @@ def _core_bwd(st, res, cts):
   return (dq.reshape(q.shape).astype(q.dtype), dk_.reshape(k.shape).astype(k.dtype),
           dv_.reshape(v.shape).astype(v.dtype), dg,
           jnp.transpose(dbeta[..., 0], (0, 2, 1)).astype(beta.dtype), dbias, dh0,
-          None, None, None)
+          None, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -339,7 +359,8 @@ def _next_pow2(n: int) -> int:
 
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
-                     output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
+                     output_final_state=False, cu_seqlens=None, segment_ids=None,
+                     spec: KdaSpec | None = None,
                      chunk_size=64, diagonal="dense", sub_chunk=16,
                      interpret=False, backend=None, block_v=None, config_overrides=None,
                      gate_activation=None, gate_bias=None, clamp_gates=False, **bound):
@@ -355,6 +376,11 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final states.
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
+    segment_ids: [B, T] int or None (not with cu_seqlens): the state
+      restarts wherever a row's id changes, as in `api.chunk_kda`; masks in
+      the GPU kernels (not the TPU's), forward only (a gradient raises
+      NotImplementedError), and not with long-sequence segments
+      (`KernelConfig.segment_chunks`).
     spec: the tiling and the gate's bound (`KdaSpec`, validated when built;
       `chunk_kda` passes it), or None to take chunk_size (C), sub_chunk (L,
       the diagonal tile) and diagonal ("dense" or "pairwise") as given.
@@ -391,7 +417,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   elif diagonal not in spec_lib.DIAGONALS:
     raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
   args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, segment_ids=segment_ids)
   inputs.check_without_gate(gate_activation, gate_bias)
   fused = gate_activation is not None
   bounded = spec is not None and spec.bounded
@@ -414,13 +440,14 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
                           gate_mode=gate_mode, spec=spec)
-  operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias)
+  operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias, segment_ids)
   if backend is None:
     return platform_lowering.per_platform(run, *operands)
   return run(backend, *operands)
 
 
-def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
+def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, segment_ids,
+                  *, scale,
                   output_final_state, chunk_size, sub_chunk, diagonal, block_v,
                   config_overrides, gate_mode, spec):
   """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] (f32
@@ -439,14 +466,15 @@ def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bia
   if gate_bias is not None and dk_run != dk:
     gate_bias = jnp.pad(gate_bias, ((0, 0), (0, dk_run - dk)))
   o, ht = _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias,
-                          scale=scale, output_final_state=output_final_state,
+                          segment_ids, scale=scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
                           gate_mode=gate_mode, spec=spec)
   return head_pad.unpad_outputs(o, ht, dk, dv)
 
 
-def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
+def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, segment_ids,
+                    *, scale,
                     output_final_state, chunk_size, sub_chunk, diagonal, block_v,
                     config_overrides, gate_mode, spec):
   """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
@@ -468,7 +496,7 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
   g_pad = -jnp.inf if fused else 0.0
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
                scale=float(scale), varlen=varlen, cfg=cfg, gate_mode=gate_mode,
-               spec=spec)
+               spec=spec, runs=segment_ids is not None)
   tensors = (q, k, v, g, beta)
 
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)
@@ -484,7 +512,17 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
             jnp.zeros((seg_chunks,), jnp.int32))
     h0 = (jnp.zeros((b, h, dk, dv), _F32) if initial_state is None
           else initial_state.astype(_F32))
-    if segments == 1:
+    if st.runs:
+      if segments > 1:
+        raise NotImplementedError(
+            f"segment_ids with long-sequence segments (T = {t_len} runs as {segments}); pass "
+            "config_overrides={'segment_chunks': None}, or implementation='xla'")
+      masks = tiling.run_masks(segment_ids, c)
+      flat = lambda x: x.reshape(b, tp)
+      runs = kernel_common.run_codes(flat(masks.run_bnc), flat(masks.carry_bnc),
+                                        flat(masks.last_bnc))
+      o, ht = _core(st, *tensors, gate_bias, h0, *meta, runs)
+    elif segments == 1:
       o, ht = _core(st, *tensors, gate_bias, h0, *meta)
     else:
       o, ht = _segmented_core(st, segments, *tensors, gate_bias, h0, *meta)

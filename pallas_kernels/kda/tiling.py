@@ -94,6 +94,7 @@ class RunMasks:
   initial state. With run_i the run of position i of a chunk:
 
   Attributes:
+    run_bnc: [B, Nc, C] int32 run index of each position in its row.
     same_bncc: [B, Nc, C, C] bool, run_i == run_j: the intra-chunk matrices
       A_kk and A_qk keep only same-run pairs (so (I + A_kk)^-1 is
       block-diagonal by run).
@@ -105,6 +106,7 @@ class RunMasks:
       e^{G_last} S survives only when the last position carries it
       (carry_bnc[..., -1]).
   """
+  run_bnc: jax.Array
   same_bncc: jax.Array
   carry_bnc: jax.Array
   last_bnc: jax.Array
@@ -134,6 +136,6 @@ def run_masks(segment_ids_bt: jax.Array, chunk_size: int) -> RunMasks:
   # The run live before each chunk: that of the previous chunk's last
   # position (run 0, the initial state's, before the first chunk).
   before_bn = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), run_bnc[:, :-1, -1]], axis=1)
-  return RunMasks(same_bncc=run_bnc[..., :, None] == run_bnc[..., None, :],
+  return RunMasks(run_bnc=run_bnc, same_bncc=run_bnc[..., :, None] == run_bnc[..., None, :],
                   carry_bnc=run_bnc == before_bn[..., None],
                   last_bnc=run_bnc == run_bnc[..., -1:])
