@@ -62,8 +62,7 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
       initial_state[b] (zeros without one), and the final state is that of
       the row's last run. The chunk grid stays that of the plain call: the
       restarts are masks inside the chunk computations
-      (`tiling.RunMasks`). On "pallas" forward only so far, on the GPU
-      kernels (a gradient raises NotImplementedError; see `pallas_op`).
+      (`tiling.RunMasks`); on "pallas" the GPU kernels only (not the TPU's).
     interpret: run Pallas kernels in interpret mode (CPU tests).
     config_overrides: dict of `kernel_config.KernelConfig` fields forced on
       the pallas path (e.g. {"intra_bwd": "tiles"}) for A/B runs.

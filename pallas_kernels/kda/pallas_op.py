@@ -17,10 +17,10 @@ backward (`kernel_intra_bwd_split` or `kernel_intra_bwd`, by
   `gate_activation="bounded_sigmoid"`, the gate itself from its
   pre-activation in the same pass (`kernel_gate_cumsum`);
 * joins the forward and backward kernels with `jax.custom_vjp`;
-* with `segment_ids` (fixed length, GPU kernels), hands the intra and
-  recurrence kernels the run codes of `kernel_common.run_codes`, which
-  restart the state inside chunks by masks. Forward only so far: the backward
-  kernels do not take the masks, and differentiating such a call raises.
+* with `segment_ids` (fixed length, GPU kernels), hands every intra and
+  state kernel, forward and backward, the run codes of
+  `kernel_common.run_codes`, which restart the state inside chunks by masks
+  (docs/design.md, "Documents in the chunks").
 """
 from __future__ import annotations
 
@@ -197,28 +197,21 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n, runs=
   the backward's gate derivative reads it.
   """
   meta = (first_n, last_n, seq_n)
-  if st.runs:   # no backward yet (`_core_bwd`): nothing to keep
-    return _forward(st, q, k, v, g, beta, gate_bias, h0, meta, runs=runs), None
   if not st.cfg.save_residuals:
-    out = _forward(st, q, k, v, g, beta, gate_bias, h0, meta)
-    return out, (q, k, v, g, beta, gate_bias, h0, meta, None)
-  o, ht, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True)
+    out = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, runs=runs)
+    return out, (q, k, v, g, beta, gate_bias, h0, meta, runs, None)
+  o, ht, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True, runs=runs)
   saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "qg", "kg",
                                       "clamp_record")}
   for name in ("m", "hs", "v_new"):
     saved[name] = saved[name].astype(st.cfg.saved_state_dtype)
   # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
   keep_g = g if st.fused else None
-  return (o, ht), (q, k, v, keep_g, beta, gate_bias, h0, meta, saved)
+  return (o, ht), (q, k, v, keep_g, beta, gate_bias, h0, meta, runs, saved)
 
 
 def _core_bwd(st, res, cts):
-  if st.runs:
-    raise NotImplementedError(
-        "the Pallas backward does not take segment_ids yet; differentiate "
-        "implementation='xla', or run each row as one packed sequence (cu_seqlens = its run "
-        "starts; k3jax.layers.kda.chunk_kda_rows)")
-  q, k, v, g, beta, gate_bias, h0, meta, saved = res
+  q, k, v, g, beta, gate_bias, h0, meta, runs, saved = res
   first_n, _, seq_n = meta
   do, dht = cts
   b, tp, h, dk = q.shape
@@ -226,7 +219,7 @@ def _core_bwd(st, res, cts):
   cfg = st.cfg
   if saved is None:
     # Recompute the forward's intermediates (M, entry states, V').
-    _, _, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True)
+    _, _, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True, runs=runs)
   else:
     r = dict(saved, **_kernel_layout(q, k, v, beta))  # what _forward(save=True) returns
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
@@ -235,7 +228,8 @@ def _core_bwd(st, res, cts):
   q_state, k_state = (r["qg"], r["kg"]) if gated else (r["q2"], r["k2"])
   dv_new, dhs, dh0 = kernel_state_bwd.state_bwd(meta, q_state, k_state, r["g_cum"], r["w"],
                                                 r["a_qk"], do2, dht.astype(_F32),
-                                                varlen=st.varlen, gated=gated, **kw)
+                                                varlen=st.varlen, gated=gated,
+                                                run_code=None if runs is None else runs[0], **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
   intra_bwd = (kernel_intra_bwd_split.intra_bwd_split if cfg.intra_bwd == "split"
@@ -243,7 +237,7 @@ def _core_bwd(st, res, cts):
   dq, dk_, dv_, dg_cum, dbeta = intra_bwd(
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
-      grad_dtype=q.dtype if same else _F32, **kw)
+      grad_dtype=q.dtype if same else _F32, runs=runs, **kw)
   if not st.fused:
     if st.gate_mode == "log_decay":
       dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
@@ -378,8 +372,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
     segment_ids: [B, T] int or None (not with cu_seqlens): the state
       restarts wherever a row's id changes, as in `api.chunk_kda`; masks in
-      the GPU kernels (not the TPU's), forward only (a gradient raises
-      NotImplementedError), and not with long-sequence segments
+      the GPU kernels (not the TPU's), not with long-sequence segments
       (`KernelConfig.segment_chunks`).
     spec: the tiling and the gate's bound (`KdaSpec`, validated when built;
       `chunk_kda` passes it), or None to take chunk_size (C), sub_chunk (L,
