@@ -1,13 +1,17 @@
 """`chunk_kda(segment_ids=...)`: the state restarts at every run of equal ids, by masks
-inside the chunks of the plain grid (`tiling.RunMasks`).
+inside the chunks of the plain grid (`tiling.RunMasks`), on every implementation.
 
-Rows of T = 45 on chunks of 16 (sub-tiles of 8): runs start in the middle
-of a chunk, at its last position, at a chunk start, runs of one token (one
-at T - 1), an id reused by a later run, and a row of one run. Checked against
-the naive recurrence in float64 (forward, final states, gradients, the fused
-gate's pre-activation and bias), against each run alone and the per-row
-packed sequences (`cu_seqlens`), and by perturbation: changing one run's
-inputs changes no other run's outputs or gradients.
+Rows of T = 45 on chunks of 16: runs start in the middle of a chunk, at its
+last position, at a chunk start, runs of one token (one at T - 1), an id
+reused by a later run, and a row of one run. Checked against the naive
+recurrence in float64 (forward, final states, gradients, the fused gate's
+pre-activation and bias), against each run alone and the packed sequences
+(`cu_seqlens`), and by perturbation: changing one run's inputs changes no
+other run's outputs or gradients. The Pallas cases run interpreted, each
+kernel body with the masks: sub-tiles of 8 (substitution inverse, one-program
+backward), of 16 (blocked inverse, split backward; the pairwise diagonal's
+own kernels), the TPU's bodies (`tpu_interpret`: fused state pass) and the
+recomputing backward (`save_residuals=False`). `test_gpu_*` run bf16 on the GPU.
 """
 from __future__ import annotations
 
@@ -18,11 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.layers.kda import run_ids
-from k3jax.layers.segments import Segments
 from pallas_kernels.kda import api
+from pallas_kernels.kda import pallas_op
 from pallas_kernels.kda import tiling
-from tests.kda_inputs import make_inputs, rel_max
+from tests.kda_inputs import make_inputs, rel_err, rel_max
 
 LOWER_BOUND = -5.0
 T, C, L = 45, 16, 8
@@ -51,19 +54,36 @@ def _inputs(seed, gate="mixed", dtype=jnp.float32):
                      dtype=dtype)
 
 
+# Pallas variants: (sub_chunk, backend, config_overrides).
+PALLAS = {"pallas_l8": (8, "interpret", None),
+          "pallas_l16": (16, "interpret", {"diag_kernels": True}),
+          "pallas_tpu": (8, "tpu_interpret", None),
+          "pallas_recompute": (16, "interpret", {"save_residuals": False})}
+
+
+def _kda(implementation, diagonal="dense", fused=False, sub_chunk=L):
+  """chunk_kda(q, k, v, g, beta, **kw) of one implementation (a PALLAS key runs
+  the Pallas kernels interpreted)."""
+  kw = dict(lower_bound=LOWER_BOUND, diagonal=diagonal, chunk_size=C, sub_chunk=sub_chunk)
+  if fused:
+    kw["gate_activation"] = "bounded_sigmoid"
+  if implementation not in PALLAS:
+    return functools.partial(api.chunk_kda, implementation=implementation, **kw)
+  sub_chunk, backend, overrides = PALLAS[implementation]
+  kw.update(sub_chunk=sub_chunk, backend=backend, config_overrides=overrides)
+  return functools.partial(pallas_op.chunk_kda_pallas, **kw)
+
+
 @functools.cache
 def _fn(implementation, diagonal="dense", fused=False):
   """jit of (q, k, v, g, beta, h0, ids, do, dht[, bias]) -> ((o, ht), grads)."""
-  kw = dict(implementation=implementation, lower_bound=LOWER_BOUND, diagonal=diagonal,
-            chunk_size=C, sub_chunk=L)
-  if fused:
-    kw["gate_activation"] = "bounded_sigmoid"
+  kda = _kda(implementation, diagonal, fused)
 
   def run(q, k, v, g, beta, h0, ids, do, dht, *bias):
     def f(q, k, v, g, beta, h0, *bias):
       extra = dict(gate_bias=bias[0]) if bias else {}
-      return api.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                           segment_ids=ids, **kw, **extra)
+      return kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                 segment_ids=ids, **extra)
     out, vjp = jax.vjp(f, q, k, v, g, beta, h0, *bias)
     return out, vjp((do.astype(out[0].dtype), dht))
   return jax.jit(run)
@@ -94,7 +114,9 @@ def test_run_masks_of_a_chunk():
 
 
 @pytest.mark.parametrize("implementation,diagonal,gate", [
-    ("xla", "dense", "at"), ("xla", "dense", "mixed"), ("xla", "pairwise", "mixed")])
+    ("xla", "dense", "at"), ("xla", "dense", "mixed"), ("xla", "pairwise", "mixed"),
+    ("pallas_l8", "dense", "at"), ("pallas_l16", "pairwise", "mixed"),
+    ("pallas_tpu", "dense", "mixed"), ("pallas_recompute", "dense", "at")])
 def test_outputs_and_gradients_match_the_naive_recurrence(implementation, diagonal, gate):
   """float32 chunked against float64 naive: o, final states, dq, dk, dv, dg, dbeta, dh0."""
   x = _inputs(1, gate=gate)
@@ -112,45 +134,39 @@ def test_outputs_and_gradients_match_the_naive_recurrence(implementation, diagon
   assert rel_max(plain, ref[0][0]) > 100 * F32_TOL
 
 
-def test_fused_gate_gradients_match_the_naive_recurrence():
-  """The bounded gate's pre-activation and bias: their gradients through the masks."""
+@pytest.mark.parametrize("implementation", ["xla", "pallas_l16"])
+def test_fused_gate_gradients_match_the_naive_recurrence(implementation):
+  """The bounded gate's pre-activation and bias (on the Pallas path formed in the
+  gate-cumsum kernels): their gradients through the masks."""
   x = _inputs(2)
   pre = jax.random.normal(jax.random.key(3), x.g.shape)
   bias = 0.5 * jax.random.normal(jax.random.key(4), (2, 16))
   ids = _ids()
   do, dht = _cotangents(x)
   x.g = pre
-  got = _fn("xla", fused=True)(*x.args(), x.h0, ids, do, dht, bias)
+  got = _fn(implementation, fused=True)(*x.args(), x.h0, ids, do, dht, bias)
   ref = _naive64(x, ids, do, dht, bias)
   for i, (a, r) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(ref))):
     assert rel_max(a, r) < F32_TOL, i
 
 
-def test_runs_equal_runs_alone_and_packed_rows():
+@pytest.mark.parametrize("implementation", ["xla", "pallas_l16"])
+def test_runs_equal_runs_alone_and_packed_rows(implementation):
   """The rows laid end to end as one packed sequence (`cu_seqlens` = every run
-  start) give every output; two runs alone (from zeros) give theirs."""
+  start, each starting a chunk of its own) give every output; two runs alone
+  (from zeros) give theirs."""
   x = _inputs(5)
   ids = _ids()
-  kw = dict(implementation="xla", lower_bound=LOWER_BOUND, chunk_size=C, sub_chunk=L)
-  o = jax.jit(lambda *a: api.chunk_kda(*a, segment_ids=ids, **kw)[0])(*x.args())
+  kda = _kda(implementation)
+  o = jax.jit(lambda *a: kda(*a, segment_ids=ids)[0])(*x.args())
   cu = [b * T + s for b in range(len(STARTS)) for s, _ in _runs(ids[b])] + [len(STARTS) * T]
   flat = lambda a: a.reshape((1, -1) + a.shape[2:])
-  run = jax.jit(lambda *a, cu=None: api.chunk_kda(*a, cu_seqlens=cu, **kw)[0])
+  run = jax.jit(lambda *a, cu=None: kda(*a, cu_seqlens=cu)[0])
   packed = run(*(flat(a) for a in x.args()), cu=jnp.asarray(cu))
   assert rel_max(flat(o), packed) < F32_TOL
   for b, start, end in ((0, 17, 31), (1, 44, 45)):
     alone = run(*(a[b:b + 1, start:end] for a in x.args()))
     assert rel_max(o[b, start:end], alone[0]) < F32_TOL, (b, start)
-
-
-def test_run_ids_from_offsets():
-  """The layer's run index from `Segments.offsets_bm`, overflow merged as Segments merges it."""
-  ids = _ids()
-  seg = Segments.from_ids(jnp.asarray(ids), 8)
-  np.testing.assert_array_equal(run_ids(seg.offsets_bm, T), seg.run_bt)
-  np.testing.assert_array_equal(run_ids(seg.offsets_bm, T), tiling.run_index(ids))
-  small = Segments.from_ids(jnp.asarray(ids), 3)
-  np.testing.assert_array_equal(run_ids(small.offsets_bm, T), small.run_bt)
 
 
 def _assert_isolated(new, old, span, touched):
@@ -163,7 +179,7 @@ def _assert_isolated(new, old, span, touched):
   assert np.max(np.abs(new[near] - old[near])) <= 1e-6 * scale
 
 
-@pytest.mark.parametrize("implementation", ["xla"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas_l16"])
 def test_changing_one_run_changes_no_other(implementation):
   """New q, k, v, g, beta on run [17, 31) of row 0 (chunk 1 holds it and the runs
   [16, 17) and [31, 32)): every other position's output and input gradient is
@@ -201,3 +217,53 @@ def test_bad_segment_ids():
     api.chunk_kda(*x.args(), segment_ids=_ids()[:, :-1], **kw)
   with pytest.raises(ValueError, match=r"segment_ids must be an int array \[B, T\]"):
     api.chunk_kda(*x.args(), segment_ids=_ids().astype(np.float32), **kw)
+
+
+def _gpu_inputs(seed, b=2, t=1000, h=4, d=128):
+  x = make_inputs(seed, batch=b, seq_len=t, heads=h, dk=d, dv=d, gate="mixed",
+                  dtype=jnp.bfloat16)
+  rng = np.random.default_rng(seed)
+  starts = [tuple(sorted(rng.choice(np.arange(1, t), 6, replace=False))) for _ in range(b)]
+  starts[0] = starts[0] + (64, 127, 128, 129)   # at, before and after a chunk edge
+  return x, _ids([tuple(sorted(set(r))) for r in starts], t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
+def test_gpu_segment_ids_match_the_packed_rows(diagonal):
+  """bf16, C = 64: outputs and all six gradients of the masks against each row
+  run as one packed sequence (cu_seqlens, the per-row path), and against the
+  f32 naive recurrence (bf16 tolerance)."""
+  x, ids = _gpu_inputs(11)
+  do, dht = (a.astype(jnp.float32) for a in _cotangents(x))
+  kw = dict(lower_bound=LOWER_BOUND, diagonal=diagonal, implementation="pallas")
+
+  def masks(*a):
+    return api.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True,
+                         segment_ids=ids, **kw)
+
+  def rows(*a):
+    outs = []
+    for b in range(ids.shape[0]):
+      cu = jnp.asarray([s for s, _ in _runs(ids[b])] + [ids.shape[1]], jnp.int32)
+      init = jnp.concatenate([a[5][b:b + 1], jnp.zeros((len(cu) - 2,) + a[5].shape[1:])])
+      o, ht = api.chunk_kda(*(t[b:b + 1] for t in a[:5]), initial_state=init,
+                            output_final_state=True, cu_seqlens=cu, **kw)
+      outs.append((o, ht[-1:]))
+    return (jnp.concatenate([o for o, _ in outs]), jnp.concatenate([h for _, h in outs]))
+
+  def with_vjp(fn):
+    def run(*a):
+      out, vjp = jax.vjp(fn, *a)
+      return out, vjp((do.astype(out[0].dtype), dht))
+    return jax.jit(run)(*x.args(), x.h0)
+
+  got, ref = with_vjp(masks), with_vjp(rows)
+  for i, (a, r) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(ref))):
+    assert rel_err(a, r, jnp.bfloat16) < 1e-2, i
+  with jax.default_matmul_precision("highest"):
+    naive = jax.jit(lambda *a: api.chunk_kda(
+        *(t.astype(jnp.float32) for t in a[:5]), initial_state=a[5], output_final_state=True,
+        segment_ids=ids, implementation="naive"))(*x.args(), x.h0)
+  for a, r in zip(got[0], naive):
+    assert rel_err(a, r, jnp.bfloat16) < 1e-2

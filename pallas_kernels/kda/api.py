@@ -25,8 +25,7 @@ __all__ = ["IMPLEMENTATIONS", "KdaSpec", "chunk_kda"]
 
 def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, initial_state=None,
               output_final_state=False, cu_seqlens=None, segment_ids=None, implementation=None,
-              interpret=False,
-              config_overrides=None, gate_activation=None, gate_bias=None,
+              interpret=False, config_overrides=None, gate_activation=None, gate_bias=None,
               qk_l2norm=False, checked=False, **spec_fields):
   """Chunked KDA: o_t = S_t^T (scale q_t) with the gated delta-rule state.
 
@@ -62,7 +61,7 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
       initial_state[b] (zeros without one), and the final state is that of
       the row's last run. The chunk grid stays that of the plain call: the
       restarts are masks inside the chunk computations
-      (`tiling.RunMasks`); on "pallas" the GPU kernels only (not the TPU's).
+      (`tiling.RunMasks`), on every implementation.
     interpret: run Pallas kernels in interpret mode (CPU tests).
     config_overrides: dict of `kernel_config.KernelConfig` fields forced on
       the pallas path (e.g. {"intra_bwd": "tiles"}) for A/B runs.
@@ -106,12 +105,9 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
   else:
     inputs.check_not_nan("g (the gate's pre-activation)", g, checked=checked)
     cu_seqlens = inputs.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
-  if segment_ids is not None:
-    inputs.check_segment_ids(segment_ids, q.shape[:2], cu_seqlens)
   kwargs = dict(scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-  if segment_ids is not None:
-    kwargs["segment_ids"] = segment_ids
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                segment_ids=segment_ids)
   if qk_l2norm:
     q, k = inputs.l2_normalize(q), inputs.l2_normalize(k)
   q = inputs.expand_value_groups(q, groups)

@@ -37,12 +37,16 @@ class IntraBwdOut(NamedTuple):
   dbeta: jax.Array
 
 
-def run_codes(run_bt, carry_bt, last_bt):
-  """The kernels' run inputs (`segment_ids`): per position code = 4 run +
-  2 carry + last as [B, Tp, 1] int32, and the run as [B, 1, Tp] int32, from
-  [B, Tp] run indices and the carry / last flags of `tiling.RunMasks`."""
-  code = run_bt * 4 + carry_bt.astype(jnp.int32) * 2 + last_bt.astype(jnp.int32)
-  return code[..., None].astype(jnp.int32), run_bt[:, None, :].astype(jnp.int32)
+def run_codes(run_bnc, carry_bnc, last_bnc):
+  """The kernels' run inputs (`segment_ids`), from the [B, NC, C] run indices
+  and carry / last flags of `tiling.RunMasks`: per position code = 4 run +
+  2 carry + last as a column [B, Tp, 1] int32, and the runs as one [1, C]
+  row per chunk, [B, NC, 1, C] int32 (a chunk's row block is then whole in
+  its last two dims, as TPU blocks must be)."""
+  b, nc, c = run_bnc.shape
+  code = run_bnc * 4 + carry_bnc.astype(jnp.int32) * 2 + last_bnc.astype(jnp.int32)
+  return (code.reshape(b, nc * c, 1).astype(jnp.int32),
+          run_bnc[:, :, None, :].astype(jnp.int32))
 
 
 class RunFlags(NamedTuple):
@@ -355,6 +359,7 @@ class StateGrid:
   chunk_states: pl.BlockSpec  # [B, H, NC*K, V] per-chunk states
   dk: int
   block_v: int
+  code: pl.BlockSpec | None = None  # [B, Tp, 1] int32 run codes (`run_codes`)
 
 
 def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: KernelConfig,
@@ -384,7 +389,8 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
                            lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv)),
         chunk_states=pl.BlockSpec((None, None, dk, bv),
                                   lambda ib, ih, iv, ic: (ib, ih, at(ic), iv)),
-        dk=dk, block_v=bv)
+        dk=dk, block_v=bv,
+        code=pl.BlockSpec((None, c, 1), lambda ib, ih, iv, ic: (ib, at(ic), 0)))
   return StateGrid(
       grid=(nv, b, h), meta=meta,
       k=pl.BlockSpec((None, tp, dk), lambda iv, ib, ih: (ib, 0, ih)),
@@ -393,7 +399,7 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
       state=pl.BlockSpec((n_blk, None, dk, bv),
                          lambda iv, ib, ih: (0 if varlen else ib, ih, 0, iv)),
       chunk_states=pl.BlockSpec((None, None, nc * dk, bv), lambda iv, ib, ih: (ib, ih, 0, iv)),
-      dk=dk, block_v=bv)
+      dk=dk, block_v=bv, code=pl.BlockSpec((None, tp, 1), lambda iv, ib, ih: (ib, 0, 0)))
 
 
 def store_state_rows(ref, i, slices, s) -> None:

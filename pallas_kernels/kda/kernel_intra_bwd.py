@@ -117,7 +117,7 @@ def intra_bwd_tiles(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
 
     grad_dtype: storage dtype of dq, dk, dv (the inputs' dtype saves a
       separate cast pass over f32 copies; the rounding is the same).
-    runs: None, or the (code [B, Tp, 1], run [B, 1, Tp]) int32 run codes
+    runs: None, or the (code [B, Tp, 1], run [B, NC, 1, C]) int32 run codes
       (`kernel_common.run_codes`).
 
   Returns:
@@ -132,7 +132,7 @@ def intra_bwd_tiles(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   kernel = functools.partial(_intra_bwd_kernel, scale=scale, ell=sub_chunk, diagonal=diagonal,
                              cfg=cfg, runs=runs is not None)
   run_specs = ([pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
-                pl.BlockSpec((None, 1, c), lambda ib, ih, ic: (ib, 0, ic))] if runs else [])
+                pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))] if runs else [])
   return IntraBwdOut(*pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec, vspec, sspec, sspec, vspec, vspec, cspec]

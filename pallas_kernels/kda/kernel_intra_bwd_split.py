@@ -240,7 +240,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     gradient of the exit state, f32 or bf16); m: [B, H, Tp, C] f32 or bf16.
 
     grad_dtype: storage dtype of dq, dk, dv.
-    runs: None, or the (code [B, Tp, 1], run [B, 1, Tp]) int32 run codes
+    runs: None, or the (code [B, Tp, 1], run [B, NC, 1, C]) int32 run codes
       (`kernel_common.run_codes`; the masks of the module docstring).
 
   Returns:
@@ -287,7 +287,7 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
   kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state
   cc_shape = jax.ShapeDtypeStruct((b, h, tp, c), sdt)
   run_specs = ([pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
-                pl.BlockSpec((None, 1, c), lambda ib, ih, ic: (ib, 0, ic))] if runs else [])
+                pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))] if runs else [])
   return pl.pallas_call(
       functools.partial(_intra_bwd_cc_kernel, cfg=cfg, runs=runs is not None), grid=(b, h, nc),
       in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec] + run_specs,

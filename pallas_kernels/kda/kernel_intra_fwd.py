@@ -401,7 +401,7 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
     save_gated: also return the decayed keys kg = k e^{G_last - G} (G_last
       the chunk's last row) and the gated queries qg = (scale q) e^G, the
       operands of `kernel_state_split` and of the gated reverse state kernel.
-    runs: None, or the (code [B, Tp, 1], run [B, 1, Tp]) int32 pair of
+    runs: None, or the (code [B, Tp, 1], run [B, NC, 1, C]) int32 pair of
       `kernel_common.run_codes`: the state restarts inside chunks (the masks of the module
       docstring).
 
@@ -440,7 +440,7 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
   if runs is not None:
     args += list(runs)
     in_specs += [pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
-                 pl.BlockSpec((None, 1, c), lambda ib, ih, ic: (ib, 0, ic))]
+                 pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))]
   w, u, a_qk, *rest = pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=in_specs,

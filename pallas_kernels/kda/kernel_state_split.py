@@ -139,7 +139,7 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
   kernel = functools.partial(_recurrence_kernel, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
                              runs=runs)
   extra = [run_code] if runs else []
-  extra_specs = [pl.BlockSpec((None, tp, 1), lambda iv, ib, ih: (ib, 0, 0))] if runs else []
+  extra_specs = [grid.code] if runs else []
   return StateRecOut(*pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k, grid.v, grid.k, grid.k, grid.state] + extra_specs,

@@ -17,7 +17,7 @@ backward (`kernel_intra_bwd_split` or `kernel_intra_bwd`, by
   `gate_activation="bounded_sigmoid"`, the gate itself from its
   pre-activation in the same pass (`kernel_gate_cumsum`);
 * joins the forward and backward kernels with `jax.custom_vjp`;
-* with `segment_ids` (fixed length, GPU kernels), hands every intra and
+* with `segment_ids` (fixed length), hands every intra and
   state kernel, forward and backward, the run codes of
   `kernel_common.run_codes`, which restart the state inside chunks by masks
   (docs/design.md, "Documents in the chunks").
@@ -126,9 +126,6 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False, 
   # straight in cfg.saved_state_dtype (bf16 by default on the GPU with bf16
   # intra-backward operands).
   res_dtype = cfg.saved_state_dtype
-  if runs is not None and not split:
-    raise NotImplementedError("segment_ids is not in the TPU's fused state kernel; use "
-                              "implementation='xla' there")
   intra = kernel_intra_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
                                      diagonal=st.diagonal, save_m=save, save_gated=split,
                                      m_dtype=res_dtype, runs=runs, **kw)
@@ -146,7 +143,7 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False, 
   else:
     o, ht, hs, v_new = kernel_state_fwd.state_fwd(
         meta, q2, k2, g_cum, intra.w, intra.u, intra.a_qk, h0, varlen=st.varlen, save=save,
-        out_dtype=q.dtype, **kw)
+        out_dtype=q.dtype, run_code=None if runs is None else runs[0], **kw)
   o = o.reshape(b, tp, h, dv)
   if not save:
     return o, ht
@@ -165,7 +162,7 @@ def _core(st: _Static, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n, 
       or in the fused gate mode the gate pre-activation (any float dtype);
       beta: [B, Tp, H]; gate_bias: [H, K] f32 with the fused gate, else None;
       h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32;
-      runs: None, or the run codes (code [B, Tp, 1], run [B, 1, Tp] int32;
+      runs: None, or the run codes (code [B, Tp, 1], run [B, NC, 1, C] int32;
       `kernel_common.run_codes`) with st.runs.
 
   Returns:
@@ -371,8 +368,8 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     output_final_state: also return the final states.
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
     segment_ids: [B, T] int or None (not with cu_seqlens): the state
-      restarts wherever a row's id changes, as in `api.chunk_kda`; masks in
-      the GPU kernels (not the TPU's), not with long-sequence segments
+      restarts wherever a row's id changes, as in `api.chunk_kda`, by masks
+      in the kernels; not with long-sequence segments
       (`KernelConfig.segment_chunks`).
     spec: the tiling and the gate's bound (`KdaSpec`, validated when built;
       `chunk_kda` passes it), or None to take chunk_size (C), sub_chunk (L,
@@ -511,9 +508,7 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
             f"segment_ids with long-sequence segments (T = {t_len} runs as {segments}); pass "
             "config_overrides={'segment_chunks': None}, or implementation='xla'")
       masks = tiling.run_masks(segment_ids, c)
-      flat = lambda x: x.reshape(b, tp)
-      runs = kernel_common.run_codes(flat(masks.run_bnc), flat(masks.carry_bnc),
-                                        flat(masks.last_bnc))
+      runs = kernel_common.run_codes(masks.run_bnc, masks.carry_bnc, masks.last_bnc)
       o, ht = _core(st, *tensors, gate_bias, h0, *meta, runs)
     elif segments == 1:
       o, ht = _core(st, *tensors, gate_bias, h0, *meta)
