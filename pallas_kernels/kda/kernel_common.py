@@ -324,6 +324,8 @@ class ChunkSpecs:
   cc: pl.BlockSpec     # [C, C] of a [B, H, Tp, C] array
   beta: pl.BlockSpec   # [C, 1] of a [B, H, Tp, 1] array
   state: pl.BlockSpec  # [K, V] of a [B, H, NC*K, V] array: the chunk's row of states
+  # [C, 1] of the [B, Tp, 1] run codes, and [1, C] of the [B, NC, 1, C] runs (`run_codes`).
+  runs: tuple[pl.BlockSpec, pl.BlockSpec]
 
 
 def chunk_specs(chunk_size: int, dk: int, dv: int) -> ChunkSpecs:
@@ -334,7 +336,9 @@ def chunk_specs(chunk_size: int, dk: int, dv: int) -> ChunkSpecs:
       v=pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih)),
       cc=pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0)),
       beta=pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0)),
-      state=pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0)))
+      state=pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0)),
+      runs=(pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
+            pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))))
 
 
 @dataclasses.dataclass(frozen=True)

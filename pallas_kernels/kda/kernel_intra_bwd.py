@@ -131,12 +131,10 @@ def intra_bwd_tiles(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state
   kernel = functools.partial(_intra_bwd_kernel, scale=scale, ell=sub_chunk, diagonal=diagonal,
                              cfg=cfg, runs=runs is not None)
-  run_specs = ([pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
-                pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))] if runs else [])
   return IntraBwdOut(*pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=[kspec, kspec, vspec, kspec, bspec, vspec, sspec, sspec, vspec, vspec, cspec]
-      + run_specs,
+      + list(spec.runs if runs else ()),
       out_specs=[kspec, kspec, vspec, kspec, bspec],
       out_shape=[jax.ShapeDtypeStruct((b, tp, hk), grad_dtype),
                  jax.ShapeDtypeStruct((b, tp, hk), grad_dtype),

@@ -286,11 +286,10 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
   spec = chunk_specs(c, dk_, dv_)
   kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state
   cc_shape = jax.ShapeDtypeStruct((b, h, tp, c), sdt)
-  run_specs = ([pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
-                pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))] if runs else [])
   return pl.pallas_call(
       functools.partial(_intra_bwd_cc_kernel, cfg=cfg, runs=runs is not None), grid=(b, h, nc),
-      in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec] + run_specs,
+      in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec]
+      + list(spec.runs if runs else ()),
       out_specs=[vspec, bspec, vspec] + [cspec] * 4,
       out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv_), dv_dtype),
                  jax.ShapeDtypeStruct((b, h, tp, 1), _F32),

@@ -20,12 +20,13 @@ the same anchored products as dense.
 Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u as
 [B, Tp, H*V]; beta as [B, H, Tp, 1]; A_qk and M as [B, H, Tp, C]. Tp = NC * C.
 
-With runs (`segment_ids`: the state restarts inside chunks) two int32 inputs
-describe them (`kernel_common.run_codes`): per position, code = 4 run + 2 carry + last
-([B, Tp, 1], a column) and the run alone ([B, 1, Tp], a row). Both scores
-keep only same-run pairs, so M is block-diagonal by run; W and the gated
-queries keep only the rows that carry the incoming state, the gated keys
-only the rows of the chunk's last run (`tiling.RunMasks`).
+With runs (`segment_ids`: the state restarts inside chunks) two int32
+inputs describe them (`kernel_common.run_codes`): per position code =
+4 run + 2 carry + last ([B, Tp, 1], a column) and each chunk's runs as a
+[1, C] row ([B, NC, 1, C]). Both scores keep only same-run pairs, so M is
+block-diagonal by run; W and the gated queries keep only the rows that carry
+the incoming state, the gated keys only the rows of the chunk's last run
+(`tiling.RunMasks`).
 """
 from __future__ import annotations
 
@@ -439,8 +440,7 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
     kernel = functools.partial(_intra_fwd_kernel, **kw)
   if runs is not None:
     args += list(runs)
-    in_specs += [pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
-                 pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))]
+    in_specs += list(spec.runs)
   w, u, a_qk, *rest = pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=in_specs,

@@ -153,7 +153,7 @@ def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
   return StateFwdOut(*pl.pallas_call(
       kernel, grid=grid.grid,
       in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.v, grid.a, grid.state]
-      + [grid.code] * runs,
+      + ([grid.code] if runs else []),
       out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
       name="kda_state_fwd", **state_launch_options(cfg, "state_fwd", grid),
   )(*meta, q, k, g_cum, w, u, a_qk, h0, *([run_code] if runs else [])))
