@@ -229,14 +229,19 @@ def _gpu_inputs(seed, b=2, t=1000, h=4, d=128):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("diagonal", ["dense", "pairwise"])
-def test_gpu_segment_ids_match_the_packed_rows(diagonal):
+@pytest.mark.parametrize("diagonal,overrides", [
+    ("dense", None), ("pairwise", {"diag_kernels": True}),
+    ("dense", {"inverse": "substitution", "intra_bwd": "tiles"})])
+def test_gpu_segment_ids_match_the_packed_rows(diagonal, overrides):
   """bf16, C = 64: outputs and all six gradients of the masks against each row
   run as one packed sequence (cu_seqlens, the per-row path), and against the
-  f32 naive recurrence (bf16 tolerance)."""
+  f32 naive recurrence (bf16 tolerance); the GPU's default bodies, the
+  pairwise diagonal's own kernels, and the substitution inverse with the
+  one-program backward."""
   x, ids = _gpu_inputs(11)
   do, dht = (a.astype(jnp.float32) for a in _cotangents(x))
-  kw = dict(lower_bound=LOWER_BOUND, diagonal=diagonal, implementation="pallas")
+  kw = dict(lower_bound=LOWER_BOUND, diagonal=diagonal, implementation="pallas",
+            config_overrides=overrides)
 
   def masks(*a):
     return api.chunk_kda(*a[:5], initial_state=a[5], output_final_state=True,
