@@ -28,10 +28,10 @@ _H200 = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=Abstrac
     device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
 
 
-def _fwd_bwd(dk, dv, varlen=False, heads=1):
+def _fwd_bwd(dk, dv, varlen=False, heads=1, segment_ids=None):
   """A jitted forward and VJP of the op (one program: both in one export) and its bf16 inputs."""
   fn = functools.partial(api.chunk_kda, implementation="pallas", chunk_size=64,
-                         lower_bound=-5.0, output_final_state=True,
+                         lower_bound=-5.0, output_final_state=True, segment_ids=segment_ids,
                          cu_seqlens=jnp.asarray([0, 50, 128], jnp.int32) if varlen else None)
 
   def run(q, k, v, g, beta):
@@ -83,6 +83,23 @@ def test_exports_for_cuda(dk, dv):
   # T is a multiple of C, and widths that are multiples of 16 run in the
   # kernels as they are: no pad copy at all.
   assert "stablehlo.pad" not in text
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_exports_with_segment_ids(platform):
+  """Runs restarting inside chunks (`segment_ids`): every kernel that takes the
+  run codes lowers, forward and backward, the kernels as many as without them."""
+  ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), jnp.asarray([10, 54, 1, 63]),
+                   total_repeat_length=128)[None]
+  fn, args = _fwd_bwd(128, 128, segment_ids=ids)
+  if platform == "tpu":
+    assert _tpu_module(128, 128).count("tpu_custom_call") == jax.export.export(
+        fn, platforms=["tpu"])(*args).mlir_module().count("tpu_custom_call")
+    return
+  with jax.sharding.use_abstract_mesh(_H200):
+    text = jax.export.export(fn, platforms=["cuda"], disabled_checks=[_TRITON])(
+        *args).mlir_module()
+  assert text.count("@__gpu$xla.gpu.triton") == 8
 
 
 def test_cpu_run_raises_clear_error():

@@ -124,7 +124,8 @@ def _rel_max(got, ref) -> float:
 def test_packed_documents_equal_documents_alone(impl):
   """Logits and the parameter gradient of each document's loss, packed with segment ids
   against alone; the documents alone equal the plain model (no segment ids), whose packed
-  rows differ; changing one document's tokens or the padding changes no other document."""
+  rows differ; changing one document's tokens or the padding changes no other document
+  (beyond rounding)."""
   tokens, ids, docs = _batch()
   program = _program(impl)
   logits, aux, _ = program(tokens, ids, _doc_mask(0, 0, 1))
@@ -151,7 +152,10 @@ def test_packed_documents_equal_documents_alone(impl):
   changed[0, 5:28] = (changed[0, 5:28] + 7) % (VOCAB - 1) + 1
   changed[0, 45:] = (changed[0, 45:] + 3) % VOCAB
   logits2, _, _ = program(changed, ids, _doc_mask(0, 0, 1))
-  np.testing.assert_array_equal(np.asarray(logits2[0, 28:45]), np.asarray(logits[0, 28:45]))
+  # Document 2 shares chunk 1 with document 1: its masked chunk products read
+  # document 1's cumulative gates, so it is equal to rounding only
+  # (`test_kda_segment_ids.test_changing_one_run_changes_no_other`).
+  assert _rel_max(logits2[0, 28:45], logits[0, 28:45]) < TOL
   np.testing.assert_array_equal(np.asarray(logits2[0, :5]), np.asarray(logits[0, :5]))
   np.testing.assert_array_equal(np.asarray(logits2[1:]), np.asarray(logits[1:]))
   assert _rel_max(logits2[0, 5:28], logits[0, 5:28]) > 1e-3
@@ -284,7 +288,7 @@ def test_attention_with_heads_over_the_context_axis():
 
 def test_batch_split_pallas_kda_carries_segments(monkeypatch):
   """Context 1, batch over 2 devices: the Pallas calls run in shard_map on each device's
-  rows with their offsets; the layer (fused gate) equals the one-device layer (XLA)."""
+  rows with their run indices; the layer (fused gate) equals the one-device layer (XLA)."""
   calls = count_calls(monkeypatch, ((context_parallel, "_batch_sharded", "sharded"),))
   spec = KdaSpec(chunk_size=16, sub_chunk=8, lower_bound=-5.0, implementation="pallas")
   split = parallel_layers.ContextParallelKDA(32, 2, 16, spec=spec, fuse_gate=True,

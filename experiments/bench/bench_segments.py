@@ -8,10 +8,14 @@ GPU (one H200 or H100; bf16, H16, K = V = 128):
 
 Rows, each forward and forward+backward (pipelined timer, ms per call):
 * `kda`: `chunk_kda` on the Pallas path, no segments;
-* `kda rows, 1 doc`: `k3jax.layers.kda.chunk_kda_rows` with one document per row
-  (M = 1), the cost of the per-row packed layout alone;
-* `kda rows, D docs`: D documents of random lengths per row in a grid of M =
-  `--max_segments` runs (the trainer's bound: data.max_documents_per_row + 1);
+* `kda, segment masks, 1 doc`: `chunk_kda(segment_ids=...)` with one document
+  per row, the cost of the masks alone;
+* `kda, segment masks, D docs`: D documents of random lengths per row (what
+  the layers run);
+* `kda rows, D docs`: the former per-row packed layout, for comparison: each
+  row one packed sequence (`cu_seqlens` = its run starts, M = `--max_segments`
+  of them, the trainer's bound data.max_documents_per_row + 1) under
+  `jax.vmap`, a grid of ceil(T / C) + M chunks;
 * `attention causal`: `jax.nn.dot_product_attention(is_causal=True)` (cuDNN on
   the GPU);
 * `attention by document (mask)`: the same with the [B, 1, T, T] document mask
@@ -29,7 +33,6 @@ import numpy as np
 from absl import app, flags
 
 from k3jax.layers import packed_attention
-from k3jax.layers.kda import chunk_kda_rows
 from k3jax.layers.segments import Segments
 from pallas_kernels.kda import api
 from pallas_kernels.tools import bench
@@ -68,16 +71,27 @@ def _timed(fn, args, backward: bool) -> float:
   return bench.pipelined_ms(call, *args, iters=_ITERS.value, rounds=3, warmup=2)
 
 
+def packed_rows(q, k, v, g, beta, offsets_bm, **kw):
+  """Each row as one packed sequence (cu_seqlens = its run starts), vmapped over the rows."""
+  def row(q, k, v, g, beta, cu):
+    return api.chunk_kda(q[None], k[None], v[None], g[None], beta[None], cu_seqlens=cu,
+                         **kw)[0][0]
+  return jax.vmap(row)(q, k, v, g, beta, offsets_bm)
+
+
 def kda_rows(b, t, h, d, interpret):
   """(name, function of (q, k, v, g, beta)) of the KDA rows."""
   kw = dict(lower_bound=_LOWER, implementation="pallas", interpret=interpret)
-  one = jnp.asarray(np.tile([[0, t]], (b, 1)), jnp.int32)
-  docs = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)), _MAX_SEGMENTS.value).offsets_bm
+  docs = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)), _MAX_SEGMENTS.value)
+  one = jnp.zeros((b, t), jnp.int32)
+  masks = lambda ids: lambda q, k, v, g, beta: api.chunk_kda(q, k, v, g, beta, segment_ids=ids,
+                                                             **kw)[0]
   return [
       ("kda", lambda q, k, v, g, beta: api.chunk_kda(q, k, v, g, beta, **kw)[0]),
-      ("kda rows, 1 doc", lambda q, k, v, g, beta: chunk_kda_rows(q, k, v, g, beta, one, **kw)),
+      ("kda, segment masks, 1 doc", masks(one)),
+      (f"kda, segment masks, {_DOCS.value} docs", masks(docs.run_bt)),
       (f"kda rows, {_DOCS.value} docs (M {_MAX_SEGMENTS.value})",
-       lambda q, k, v, g, beta: chunk_kda_rows(q, k, v, g, beta, docs, **kw)),
+       lambda q, k, v, g, beta: packed_rows(q, k, v, g, beta, docs.offsets_bm, **kw)),
   ]
 
 

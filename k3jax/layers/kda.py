@@ -16,7 +16,8 @@ With `fuse_gate` the layer passes the pre-activation x W_fa W_fb and b_f to
 apply the sigmoid and its derivative, so the [B, T, H, K] float32 g is never
 written (off by default until timed on the GPU: `experiments/bench/bench_gate_fusion.py`).
 With `segments` (documents packed in a row) the convolutions stop at document
-boundaries and the state restarts at each document (`chunk_kda_rows`).
+boundaries and the state restarts at each document: `chunk_kda(segment_ids=...)`
+with the run index of each token, masks inside the chunks of the plain grid.
 Decoding carries the conv windows and the [B, H, K, V] float32 state and
 steps it with `pallas_kernels.kda.decode.kda_decode_step`
 (`decode_implementation`).
@@ -62,34 +63,6 @@ def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array,
       tap = jnp.where(tap_mask_btw[:, :, j, None, None], tap, jnp.zeros((), tap.dtype))
     y = y + tap * w_whk[j].astype(x_bthk.dtype)
   return y
-
-
-def chunk_kda_rows(q, k, v, g, beta, offsets_bm: jax.Array, **kernel_kwargs):
-  """`chunk_kda` with the state restarting at every document start of every row.
-
-  Row b runs as one packed sequence (B == 1, `cu_seqlens=offsets_bm[b]`, M
-  sequences, empty trailing ones allowed), mapped over the rows by `jax.vmap`:
-  the rows stay parallel (one flattened [1, B T] sequence would make the
-  state recurrence B times longer). Cost: each row's chunk grid grows from
-  ceil(T / C) to ceil(T / C) + M chunks (every document starts a chunk), plus
-  the pack and unpack gathers of q, k, v, g, beta and o (and of their
-  gradients).
-
-  Args:
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] or [B, T, H] (the
-      log-decay, or the fused gate's pre-activation); beta: [B, T, H].
-    offsets_bm: [B, M + 1] int32 run starts per row, then T (`Segments.offsets_bm`).
-    kernel_kwargs: `chunk_kda`'s keywords (spec, interpret, the fused gate's
-      gate_activation and gate_bias); no initial or final state.
-
-  Returns:
-    o [B, T, H, V] in q's dtype.
-  """
-  def row(q_thk, k_thk, v_thv, g_th, beta_th, cu_m):
-    o, _ = kda_api.chunk_kda(q_thk[None], k_thk[None], v_thv[None], g_th[None], beta_th[None],
-                             cu_seqlens=cu_m, **kernel_kwargs)
-    return o[0]
-  return jax.vmap(row)(q, k, v, g, beta, offsets_bm)
 
 
 def _conv_tail(x_bthk: jax.Array, width: int) -> jax.Array:
@@ -218,18 +191,16 @@ class KDA(nnx.Module):
     return interprets(self.spec.implementation)
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
-              gate_bias=None, offsets_bm=None):
+              gate_bias=None, segment_ids=None):
     """chunk_kda on the layer's spec; with gate_bias [H, K], g is the fused gate's
-    pre-activation; with offsets_bm [B, M + 1] the state restarts at every document
-    start (`chunk_kda_rows`; no states in or out)."""
+    pre-activation; with segment_ids [B, T] (`Segments.run_bt`) the state restarts
+    at every run."""
     fused = {} if gate_bias is None else dict(gate_activation="bounded_sigmoid",
                                               gate_bias=gate_bias)
-    if offsets_bm is not None:
-      return chunk_kda_rows(q, k, v, g, beta, offsets_bm, spec=self.spec,
-                            interpret=self.interpret, **fused), None
     return kda_api.chunk_kda(
         q, k, v, g, beta, spec=self.spec, initial_state=initial_state,
-        output_final_state=output_final_state, interpret=self.interpret, **fused)
+        output_final_state=output_final_state, segment_ids=segment_ids,
+        interpret=self.interpret, **fused)
 
   @staticmethod
   def _stats(g):
@@ -261,7 +232,7 @@ class KDA(nnx.Module):
 
     With `segments` (the rows' documents, `k3jax.layers.segments`) no conv
     tap reaches across a document boundary and the state restarts at every
-    document start (`chunk_kda_rows`, whose docstring gives the cost).
+    document start (`chunk_kda`'s segment_ids, masks inside the chunks).
     """
     y, stats, _ = self._forward(x_btd, with_cache=False, segments=segments)
     return y, stats
@@ -285,12 +256,13 @@ class KDA(nnx.Module):
     with k = v = 0 the delta rule leaves the zero state untouched, so each row's
     tokens see exactly what they would alone."""
     self._check(x_btd)
-    tap_mask, offsets = None, None
+    tap_mask, runs = None, None
     if segments is not None:
       if segments.ids_bt.shape != x_btd.shape[:2]:
         raise ValueError(f"segments of shape {segments.ids_bt.shape} for KDA input "
                          f"{x_btd.shape}: they must cover [B, T]")
-      tap_mask, offsets = segments.conv_mask_btw(self.conv_size), segments.offsets_bm
+      # Run indices, not ids: a row's runs past its M-th merge as Segments merges them.
+      tap_mask, runs = segments.conv_mask_btw(self.conv_size), segments.run_bt
     qp, kp, vp = self._project(x_btd)
     if valid_bt is not None:
       keep = valid_bt[:, :, None, None]
@@ -301,7 +273,7 @@ class KDA(nnx.Module):
     q, k, v = self._activate(q, k, v)
     g_in, gate_bias, beta, stats = self._kernel_gates(x_btd)
     o, state = self._kernel(q, k, v, g_in, beta, output_final_state=with_cache,
-                            gate_bias=gate_bias, offsets_bm=offsets)
+                            gate_bias=gate_bias, segment_ids=runs)
     y = self._output(x_btd, o)
     cache = None
     if with_cache:

@@ -9,7 +9,7 @@ rest into the last one (its documents then see each other), and is counted
 in `overflow_b` so the caller can report it.
 
     segments = Segments.from_ids(segment_ids_bt, max_segments)
-    KDA:       conv_mask_btw(width) per conv tap, offsets_bm as per-row cu_seqlens
+    KDA:       conv_mask_btw(width) per conv tap, run_bt as chunk_kda's segment_ids
     attention: attention_mask_b1tt(), or offsets_bm as cuDNN's packed layout (packed_attention)
     MoE:       token_mask_bt() (padding takes no expert)
 """

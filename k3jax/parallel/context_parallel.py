@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.layers import kda as kda_lib
 from k3jax.sharding import mesh as mesh_lib
 from pallas_kernels.kda import api as kda_api
 from pallas_kernels.kda import inputs
@@ -74,7 +73,7 @@ def _local_summary(q, k, v, g, beta, kernel_kwargs):
 
 
 def _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes, kernel_kwargs,
-                   gate_activation=None, gate_bias=None, offsets_bm=None):
+                   gate_activation=None, gate_bias=None, segment_ids=None):
   """`chunk_kda` on each device's own sequences (batch over `b_axes`, whole time axis).
 
   The compiler cannot split a Pallas kernel call by itself: left to it, every
@@ -82,8 +81,8 @@ def _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes, kerne
   each device runs only its B / n sequences. h0: [B, H, K, V] float32.
   A fused gate's bias travels as one copy per sequence ([B, ...], sharded
   like the batch; each device reads its first row), so its gradient is the
-  plain sum over B of the broadcast, outside the shard_map. offsets_bm
-  [B, M + 1] (documents in a row) is split like the batch.
+  plain sum over B of the broadcast, outside the shard_map. segment_ids
+  [B, T] (documents in a row) is split like the batch.
   """
   spec = P(b_axes)
   if gate_activation is None:
@@ -91,30 +90,25 @@ def _batch_sharded(q, k, v, g, beta, h0, output_final_state, mesh, b_axes, kerne
   else:
     bias_b = jnp.broadcast_to(gate_bias[None], (q.shape[0],) + gate_bias.shape)
 
-  def local(q, k, v, g, beta, h0, bias_b, offsets_bm):
+  def local(q, k, v, g, beta, h0, bias_b, segment_ids):
     gate = ({} if gate_activation is None
             else dict(gate_activation=gate_activation, gate_bias=bias_b[0]))
-    if offsets_bm is not None:  # no state in or out: h0 stands in for the final state
-      return kda_lib.chunk_kda_rows(q, k, v, g, beta, offsets_bm, **kernel_kwargs, **gate), h0
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                             **kernel_kwargs, **gate)
+                             segment_ids=segment_ids, **kernel_kwargs, **gate)
 
   o, final = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 8, out_specs=(spec, spec),
-                           check_vma=False)(q, k, v, g, beta, h0, bias_b, offsets_bm)
+                           check_vma=False)(q, k, v, g, beta, h0, bias_b, segment_ids)
   return o, (final if output_final_state else None)
 
 
-def _check_documents(offsets_bm, n_ctx, context_axis, initial_state, output_final_state):
-  """Documents in a row (offsets_bm) run with a context axis of 1 and without states."""
-  if offsets_bm is None:
+def _check_documents(segment_ids, n_ctx, context_axis):
+  """Documents in a row (segment_ids) run with a context axis of 1."""
+  if segment_ids is None:
     return
   if n_ctx > 1:
     raise ValueError(f"the context axis {context_axis!r} is {n_ctx}, and context parallelism "
                      "does not carry document segments; use parallel.context=1, or train "
                      "without segment ids (data.reset_at_boundaries=False)")
-  if initial_state is not None or output_final_state:
-    raise ValueError("offsets_bm (documents in a row) restarts the state at every document: "
-                     "pass no initial_state and output_final_state=False")
 
 
 def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
@@ -124,7 +118,7 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                                scale=None, initial_state=None, output_final_state=False,
                                spec: KdaSpec | None = None, implementation=None,
                                interpret=False, gate_activation=None, gate_bias=None,
-                               offsets_bm=None, **spec_fields):
+                               segment_ids=None, **spec_fields):
   """`chunk_kda` with the time axis sharded over `context_axis` of `mesh`.
 
   Same arguments and results as `pallas_kernels.kda.chunk_kda` (the spec, or
@@ -139,10 +133,9 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
   plain `chunk_kda`, except that the Pallas kernels run inside `shard_map` on
   each device's own sequences.
 
-  offsets_bm [B, M + 1] (the run starts of documents packed in each row,
-  `Segments.offsets_bm`) restarts the state at every document
-  (`k3jax.layers.kda.chunk_kda_rows`); it needs a context axis of 1 (a
-  ValueError names the fix otherwise) and no states.
+  segment_ids [B, T] (documents packed in each row; the layers pass
+  `Segments.run_bt`) restarts the state at every run, as in `chunk_kda`; it
+  needs a context axis of 1 (a ValueError names the fix otherwise).
 
   Requirements: T divisible by the context size (each device's T / n need
   not be a multiple of chunk_size: the local call pads), B divisible by the
@@ -152,7 +145,7 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
     (o [B, T, H, V] in q.dtype, final_state [B, H, K, V] float32 or None).
   """
   n_ctx = mesh_lib.axis_size(mesh, context_axis)
-  _check_documents(offsets_bm, n_ctx, context_axis, initial_state, output_final_state)
+  _check_documents(segment_ids, n_ctx, context_axis)
   b_axes = _batch_axes(mesh, batch_axes, context_axis)
   spec = kda_spec.resolve(spec, implementation=implementation, **spec_fields)
   kernel_kwargs = dict(scale=scale, spec=spec, interpret=interpret)
@@ -181,13 +174,10 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
                             kernel_kwargs, gate_activation,
                             inputs.gate_bias_or_zeros(gate_activation, g, gate_bias,
                                                       spec.bounded)
-                            if gate_activation else None, offsets_bm)
-    if offsets_bm is not None:
-      return kda_lib.chunk_kda_rows(q, k, v, g, beta, offsets_bm, gate_activation=gate_activation,
-                                    gate_bias=gate_bias, **kernel_kwargs), None
+                            if gate_activation else None, segment_ids)
     return kda_api.chunk_kda(q, k, v, g, beta, initial_state=initial_state,
                              output_final_state=output_final_state, gate_activation=gate_activation,
-                             gate_bias=gate_bias, **kernel_kwargs)
+                             gate_bias=gate_bias, segment_ids=segment_ids, **kernel_kwargs)
   if gate_activation is not None:
     g = inputs.apply_gate(gate_activation, g, gate_bias, spec)
   bspec = b_axes if b_axes else None

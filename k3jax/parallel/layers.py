@@ -35,21 +35,21 @@ class ContextParallelKDA(KDA):
   (the compiler would otherwise run a kernel call on the whole batch on every
   device); a batch the devices do not divide runs unsplit. Documents packed
   in a row (`segments`) run on either path with a context axis of 1 (their
-  offsets split like the batch); a context axis > 1 raises.
+  run indices split like the batch); a context axis > 1 raises.
   """
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
-              gate_bias=None, offsets_bm=None):
+              gate_bias=None, segment_ids=None):
     n_batch = _batch_devices()
     batch_split = (self.spec.implementation == "pallas" and n_batch > 1
                    and q.shape[0] % n_batch == 0)
     if _axis(mesh_lib.CONTEXT) == 1 and not batch_split:
       return super()._kernel(q, k, v, g, beta, initial_state, output_final_state, gate_bias,
-                             offsets_bm)
+                             segment_ids)
     fused = {} if gate_bias is None else dict(gate_activation="bounded_sigmoid",
                                               gate_bias=gate_bias)
-    # Documents (offsets_bm) travel with the batch split; a context axis > 1 refuses them.
+    # Documents (segment_ids) travel with the batch split; a context axis > 1 refuses them.
     return context_parallel.chunk_kda_context_parallel(
         q, k, v, g, beta, mesh=mesh_lib.current_mesh(), initial_state=initial_state,
         output_final_state=output_final_state, spec=self.spec, interpret=self.interpret,
-        offsets_bm=offsets_bm, **fused)
+        segment_ids=segment_ids, **fused)

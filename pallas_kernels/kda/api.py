@@ -6,7 +6,8 @@
 
 Arguments and layouts follow fla's `chunk_kda`: q, k [B,T,H,K]; v [B,T,HV,V];
 g [B,T,HV,K] (KDA) or [B,T,HV] (GDN), float32 log-decays; beta [B,T,HV];
-initial_state [N,HV,K,V]; cu_seqlens [N+1] for packed sequences (B == 1).
+initial_state [N,HV,K,V]; cu_seqlens [N+1] for packed sequences (B == 1), or
+segment_ids [B,T] for documents packed in the rows.
 HV = H unless value heads are grouped. The tiling and implementation choices
 travel as one `KdaSpec`; the optional fused gate, q/k L2 norm and grouped
 value heads are described in `inputs`.
@@ -23,8 +24,8 @@ __all__ = ["IMPLEMENTATIONS", "KdaSpec", "chunk_kda"]
 
 
 def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, initial_state=None,
-              output_final_state=False, cu_seqlens=None, implementation=None, interpret=False,
-              config_overrides=None, gate_activation=None, gate_bias=None,
+              output_final_state=False, cu_seqlens=None, segment_ids=None, implementation=None,
+              interpret=False, config_overrides=None, gate_activation=None, gate_bias=None,
               qk_l2norm=False, checked=False, **spec_fields):
   """Chunked KDA: o_t = S_t^T (scale q_t) with the gated delta-rule state.
 
@@ -53,6 +54,14 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
       A concrete one must rise from 0 to T (ValueError otherwise); a traced
       one is checked only with `checked`, else made valid by clipping into
       [0, T], a running maximum and ends pinned to 0 and T.
+    segment_ids: [B, T] int or None; not with cu_seqlens. The state restarts
+      from zero wherever a row's id differs from the previous position's
+      (every run of equal ids is its own document; ids need not be
+      distinct across runs). The first run of row b starts from
+      initial_state[b] (zeros without one), and the final state is that of
+      the row's last run. The chunk grid stays that of the plain call: the
+      restarts are masks inside the chunk computations
+      (`tiling.RunMasks`), on every implementation.
     interpret: run Pallas kernels in interpret mode (CPU tests).
     config_overrides: dict of `kernel_config.KernelConfig` fields forced on
       the pallas path (e.g. {"intra_bwd": "tiles"}) for A/B runs.
@@ -97,7 +106,8 @@ def chunk_kda(q, k, v, g, beta, *, spec: KdaSpec | None = None, scale=None, init
     inputs.check_not_nan("g (the gate's pre-activation)", g, checked=checked)
     cu_seqlens = inputs.check_cu_seqlens(cu_seqlens, total_len, checked=checked)
   kwargs = dict(scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                segment_ids=segment_ids)
   if qk_l2norm:
     q, k = inputs.l2_normalize(q), inputs.l2_normalize(k)
   q = inputs.expand_value_groups(q, groups)

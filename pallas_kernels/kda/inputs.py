@@ -83,11 +83,13 @@ def _check_float(name, x):
     raise TypeError(f"{name} must be a floating array (bf16/f16/f32/f64), got {x.dtype}")
 
 
-def validate(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None) -> KdaArgs:
+def validate(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=None,
+             segment_ids=None) -> KdaArgs:
   """Checks shapes and dtypes; returns normalised arguments.
 
   Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] or [B, T, H];
-  beta [B, T, H]; initial_state [N, H, K, V]; cu_seqlens [N + 1] (B == 1).
+  beta [B, T, H]; initial_state [N, H, K, V]; cu_seqlens [N + 1] (B == 1);
+  segment_ids [B, T] int (not with cu_seqlens).
   """
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
     _check_float(name, x)
@@ -107,6 +109,8 @@ def validate(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=Non
                      f"{(b, t_len, h)} (GDN), got {g.shape}")
   g = g.astype(jnp.promote_types(g.dtype, jnp.float32))
 
+  if segment_ids is not None:
+    check_segment_ids(segment_ids, (b, t_len), cu_seqlens)
   if cu_seqlens is not None:
     if b != 1:
       raise ValueError(f"cu_seqlens needs packed input with B == 1, got B = {b}")
@@ -128,6 +132,17 @@ def validate(q, k, v, g, beta, *, scale=None, initial_state=None, cu_seqlens=Non
   if scale is None:
     scale = dk ** -0.5
   return KdaArgs(scale=float(scale), g=g, num_states=num_states)
+
+
+def check_segment_ids(segment_ids, shape, cu_seqlens) -> None:
+  """segment_ids must be an int [B, T] array (q's B and T), without cu_seqlens."""
+  if cu_seqlens is not None:
+    raise ValueError("segment_ids and cu_seqlens both restart the state: pass one of them "
+                     "(segment_ids [B, T] for documents in rows, cu_seqlens for one packed row)")
+  if (jnp.shape(segment_ids) != tuple(shape)
+      or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer)):
+    raise ValueError(f"segment_ids must be an int array [B, T] = {tuple(shape)}, got "
+                     f"{jnp.result_type(segment_ids)}{tuple(jnp.shape(segment_ids))}")
 
 
 # -- values: gates and cu_seqlens --------------------------------------------------

@@ -37,6 +37,47 @@ class IntraBwdOut(NamedTuple):
   dbeta: jax.Array
 
 
+def run_codes(run_bnc, carry_bnc, last_bnc):
+  """The kernels' run inputs (`segment_ids`), from the [B, NC, C] run indices
+  and carry / last flags of `tiling.RunMasks`: per position code = 4 run +
+  2 carry + last as a column [B, Tp, 1] int32, and the runs as one [1, C]
+  row per chunk, [B, NC, 1, C] int32 (a chunk's row block is then whole in
+  its last two dims, as TPU blocks must be)."""
+  b, nc, c = run_bnc.shape
+  code = run_bnc * 4 + carry_bnc.astype(jnp.int32) * 2 + last_bnc.astype(jnp.int32)
+  return (code.reshape(b, nc * c, 1).astype(jnp.int32),
+          run_bnc[:, :, None, :].astype(jnp.int32))
+
+
+class RunFlags(NamedTuple):
+  """One chunk's run masks inside a kernel (`tiling.RunMasks`), for R of its rows.
+
+  same [R, C] bool (run_i == run_j; None without the run row); carry, last
+  [R, 1] bool (the row reads the incoming state; the row is in the chunk's
+  last run); carry_last [1, 1] bool (the chunk's last row carries: the
+  state leaving it keeps e^{G_last} S)."""
+  same: jax.Array | None
+  carry: jax.Array
+  last: jax.Array
+  carry_last: jax.Array
+
+
+def run_flags(code_ref, run_ref=None, rows=None) -> RunFlags:
+  """The masks of rows `rows` (all when None) of a chunk from its code ref
+  [C, 1] and run ref [1, C] (`run_codes`' blocks)."""
+  code = code_ref[...] if rows is None else code_ref[rows, :]
+  code_last = code_ref[pl.ds(code_ref.shape[0] - 1, 1), :]
+  same = None if run_ref is None else jnp.right_shift(code, 2) == run_ref[...]
+  return RunFlags(same=same, carry=jnp.bitwise_and(code, 2) != 0,
+                  last=jnp.bitwise_and(code, 1) != 0,
+                  carry_last=jnp.bitwise_and(code_last, 2) != 0)
+
+
+def keep_rows(x, rows):
+  """x with the rows where `rows` ([R, 1] bool) is False zeroed; x itself when rows is None."""
+  return x if rows is None else jnp.where(rows, x, 0.0)
+
+
 def dot(a, b, cfg: KernelConfig, *, ta: bool = False, tb: bool = False, dtype=None):
   """a @ b (a^T if ta, b^T if tb) with f32 accumulation; operands cast to `dtype`.
 
@@ -283,6 +324,8 @@ class ChunkSpecs:
   cc: pl.BlockSpec     # [C, C] of a [B, H, Tp, C] array
   beta: pl.BlockSpec   # [C, 1] of a [B, H, Tp, 1] array
   state: pl.BlockSpec  # [K, V] of a [B, H, NC*K, V] array: the chunk's row of states
+  # [C, 1] of the [B, Tp, 1] run codes, and [1, C] of the [B, NC, 1, C] runs (`run_codes`).
+  runs: tuple[pl.BlockSpec, pl.BlockSpec]
 
 
 def chunk_specs(chunk_size: int, dk: int, dv: int) -> ChunkSpecs:
@@ -293,7 +336,9 @@ def chunk_specs(chunk_size: int, dk: int, dv: int) -> ChunkSpecs:
       v=pl.BlockSpec((None, c, dv), lambda ib, ih, ic: (ib, ic, ih)),
       cc=pl.BlockSpec((None, None, c, c), lambda ib, ih, ic: (ib, ih, ic, 0)),
       beta=pl.BlockSpec((None, None, c, 1), lambda ib, ih, ic: (ib, ih, ic, 0)),
-      state=pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0)))
+      state=pl.BlockSpec((None, None, dk, dv), lambda ib, ih, ic: (ib, ih, ic, 0)),
+      runs=(pl.BlockSpec((None, c, 1), lambda ib, ih, ic: (ib, ic, 0)),
+            pl.BlockSpec((None, None, 1, c), lambda ib, ih, ic: (ib, ic, 0, 0))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +363,7 @@ class StateGrid:
   chunk_states: pl.BlockSpec  # [B, H, NC*K, V] per-chunk states
   dk: int
   block_v: int
+  code: pl.BlockSpec | None = None  # [B, Tp, 1] int32 run codes (`run_codes`)
 
 
 def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: KernelConfig,
@@ -347,7 +393,8 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
                            lambda ib, ih, iv, ic: (0 if varlen else ib, ih, 0, iv)),
         chunk_states=pl.BlockSpec((None, None, dk, bv),
                                   lambda ib, ih, iv, ic: (ib, ih, at(ic), iv)),
-        dk=dk, block_v=bv)
+        dk=dk, block_v=bv,
+        code=pl.BlockSpec((None, c, 1), lambda ib, ih, iv, ic: (ib, at(ic), 0)))
   return StateGrid(
       grid=(nv, b, h), meta=meta,
       k=pl.BlockSpec((None, tp, dk), lambda iv, ib, ih: (ib, 0, ih)),
@@ -356,7 +403,7 @@ def state_grid(q_shape, head_v: int, *, heads: int, chunk_size: int, cfg: Kernel
       state=pl.BlockSpec((n_blk, None, dk, bv),
                          lambda iv, ib, ih: (0 if varlen else ib, ih, 0, iv)),
       chunk_states=pl.BlockSpec((None, None, nc * dk, bv), lambda iv, ib, ih: (ib, ih, 0, iv)),
-      dk=dk, block_v=bv)
+      dk=dk, block_v=bv, code=pl.BlockSpec((None, tp, 1), lambda iv, ib, ih: (ib, 0, 0)))
 
 
 def store_state_rows(ref, i, slices, s) -> None:
@@ -460,19 +507,22 @@ def state_launch_options(cfg: KernelConfig, stage: str, grid: StateGrid) -> dict
               scratch_shapes=[pltpu.VMEM((grid.dk, grid.block_v), _F32)])
 
 
-def state_decay_grad(ds, s, g_last):
+def state_decay_grad(ds, s, g_last, carried=None):
   """Gradient of dG's last row from the state decay S_next = e^{G_last} S + ...
 
   Args:
     ds: [K', V'] gradient of the state leaving the chunk; s: [K', V'] state
       entering it (either may be stored in bf16; the product and sum are f32).
     g_last: [1, K'] the chunk's last row of G.
+    carried: None, or [1, 1] bool: whether the decay term exists (runs:
+      `RunFlags.carry_last`); zero where False.
 
   Returns:
     [1, K'] f32: (sum_v dS * S)^T e^{G_last}.
   """
   prod = ds.astype(_F32) * s.astype(_F32)
-  return jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * exp(g_last)
+  grad = jnp.transpose(jnp.sum(prod, axis=1, keepdims=True)) * exp(g_last)
+  return grad if carried is None else jnp.where(carried, grad, 0.0)
 
 
 def add_score_grads(grads, q, k, g, beta, refs, *, ell, diagonal, cfg: KernelConfig,

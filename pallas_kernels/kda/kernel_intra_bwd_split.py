@@ -26,6 +26,13 @@ t_qc = dAqk^T @ xq (xq is zero outside tile r; see `add_score_grads`).
 
 The GPU's body at sub_chunk >= 16 (`KernelConfig.intra_bwd="split"`); not
 lowered for TPU (Mosaic).
+
+With runs (`segment_ids`, `kernel_common.RunFlags`) kernel 1 masks dA and
+dAqk to same-run pairs and z's state term to the rows that carry the
+incoming state (M is block-diagonal by run, so V' = M z still); kernel 2
+masks the state terms: dO S^T and dU~ S^T to carrying rows, V' dS^T to the
+chunk's last run, and the decay's dG_last to a carrying last row. The score
+gradients then read only masked dA and dAqk.
 """
 from __future__ import annotations
 
@@ -36,8 +43,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.kernel_common import (IntraBwdOut, add_all, chunk_specs, dot, exp,
-                                              finish_intra_bwd, iota, k_slices,
-                                              width_slices, same_block, state_decay_grad)
+                                              finish_intra_bwd, iota, k_slices, keep_rows,
+                                              run_flags, width_slices, same_block,
+                                              state_decay_grad)
 from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -55,7 +63,7 @@ def cc_store_dtype(cfg: KernelConfig):
 
 
 def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: KernelConfig, *,
-                     last_row: bool = False):
+                     last_row: bool = False, flags=None):
   """Gradients through a chunk's state terms, for some of its rows and one K slice.
 
   The terms: O += (q e^G) S (entry state S), S_next = e^{G_last} S +
@@ -75,6 +83,10 @@ def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: K
     last_row: also return dG's last-row term from the state decay,
       sum_rows (k e^{G_last - G}) * (V' dS^T) + (sum_v dS * S)^T e^{G_last}
       (meaningful only when the R rows are the whole chunk).
+    flags: None, or the rows' `kernel_common.RunFlags` (runs): the state
+      terms of rows that do not carry the incoming state, the decayed keys
+      outside the chunk's last run and the decay of a last row that does not
+      carry are zero.
 
   Returns:
     dq [R, K'] (w.r.t. the scaled q), dk [R, K'], dG [R, K'], dbeta [R, 1],
@@ -87,19 +99,24 @@ def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: K
   g_last = g_ref[pl.ds(g_ref.shape[0] - 1, 1), :]
   kdec = exp(g_last - g)
   # O += (q e^G) S.
-  dqt = add_all(dot(do_ref[:, vs], s_v, cfg, tb=True) for vs, s_v in zip(vslices, s))
+  carry, last, carried = (None,) * 3 if flags is None else flags[1:]
+  dqt = keep_rows(add_all(dot(do_ref[:, vs], s_v, cfg, tb=True) for vs, s_v in zip(vslices, s)),
+                  carry)
   dq = eg * dqt
   dgc = q * eg * dqt
   # S_next = e^{G_last} S + (k e^{G_last - G})^T V'.
-  dkt = add_all(dot(vn_ref[:, vs], ds_v, cfg, tb=True) for vs, ds_v in zip(vslices, ds))
+  dkt = keep_rows(add_all(dot(vn_ref[:, vs], ds_v, cfg, tb=True)
+                          for vs, ds_v in zip(vslices, ds)), last)
   kk = k * kdec
   dk = kdec * dkt
   dgc = dgc - kk * dkt
   if last_row:
     dglast = (jnp.sum(kk * dkt, axis=0, keepdims=True)
-              + add_all(state_decay_grad(ds_v, s_v, g_last) for s_v, ds_v in zip(s, ds)))
+              + add_all(state_decay_grad(ds_v, s_v, g_last, carried)
+                        for s_v, ds_v in zip(s, ds)))
   # W = M (beta k e^G): d(beta k e^G) = M^T dW = -dU~ S^T.
-  dbkg = -add_all(dot(du_ref[:, vs], s_v, cfg, tb=True) for vs, s_v in zip(vslices, s))
+  dbkg = -keep_rows(add_all(dot(du_ref[:, vs], s_v, cfg, tb=True)
+                            for vs, s_v in zip(vslices, s)), carry)
   dbeta = jnp.sum(dbkg * k * eg, axis=1, keepdims=True)
   dk = dk + beta * eg * dbkg
   dgc = dgc + beta * k * eg * dbkg
@@ -107,16 +124,19 @@ def state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref, s, ds, cfg: K
 
 
 def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, dvn_ref,
-                         m_ref, dv_ref, dbeta_ref, du_ref, da_ref, daq_ref, dat_ref, daqt_ref,
-                         *, cfg):
+                         m_ref, *refs, cfg, runs):
   """[C, C] and [C, V] terms of one chunk (kernel 1). Block shapes:
 
   k_ref, g_ref [C, K]; v_ref, do_ref, vn_ref, dvn_ref [C, V]; beta_ref [C, 1];
   hs_ref [K, V] (entry state); m_ref [C, C]. Outputs: dv_ref [C, V] f32,
   dbeta_ref [C, 1] f32, du_ref [C, V], da_ref / daq_ref / dat_ref / daqt_ref
   [C, C]. [C, V] data is read and written in `width_slices(V)` (the whole V
-  at a power of two), and V contractions are sums over them.
+  at a power of two), and V contractions are sums over them. With `runs` the
+  first two refs are the chunk's run refs (code [C, 1], run [1, C]).
   """
+  run_refs, outs = (refs[:2], refs[2:]) if runs else (None, refs)
+  dv_ref, dbeta_ref, du_ref, da_ref, daq_ref, dat_ref, daqt_ref = outs
+  flags = None if run_refs is None else run_flags(*run_refs)
   cfg = cfg.backward()
   c, dk = k_ref.shape
   vslices = width_slices(v_ref.shape[1])
@@ -126,15 +146,20 @@ def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, 
   z = [beta * v_v for v_v in v]
   for ks in k_slices(cfg, dk):
     bkg = beta * k_ref[:, ks].astype(_F32) * exp(g_ref[:, ks])
+    if flags is not None:   # rows that start runs here see S = 0
+      bkg = keep_rows(bkg, flags.carry)
     z = [z_v - dot(bkg, hs_ref[ks, vs], cfg) for vs, z_v in zip(vslices, z)]
   m = m_ref[...]
   dvn = [dvn_ref[:, vs] for vs in vslices]
   dm = add_all(dot(dvn_v, z_v, cfg, tb=True) for dvn_v, z_v in zip(dvn, z))
   row, col = iota((c, c), 0), iota((c, c), 1)
+  kk_mask, qk_mask = row > col, row >= col
+  if flags is not None:
+    kk_mask, qk_mask = kk_mask & flags.same, qk_mask & flags.same
   # M = (I + A_kk)^-1  =>  dA = -M^T dM M^T on the strictly lower part.
-  da = jnp.where(row > col, -dot(dot(m, dm, cfg, ta=True), m, cfg, tb=True), 0.0)
-  daq = jnp.where(row >= col, add_all(dot(do_ref[:, vs], vn_ref[:, vs], cfg, tb=True)
-                                      for vs in vslices), 0.0)
+  da = jnp.where(kk_mask, -dot(dot(m, dm, cfg, ta=True), m, cfg, tb=True), 0.0)
+  daq = jnp.where(qk_mask, add_all(dot(do_ref[:, vs], vn_ref[:, vs], cfg, tb=True)
+                                   for vs in vslices), 0.0)
   # dU~ = M^T dV' = d(beta v), also feeds d(beta k e^G)
   du = [dot(m, dvn_v, cfg, ta=True) for dvn_v in dvn]
   for vs, du_v in zip(vslices, du):
@@ -153,7 +178,7 @@ def _intra_bwd_cc_kernel(k_ref, v_ref, g_ref, beta_ref, do_ref, hs_ref, vn_ref, 
 
 def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, vn_ref, du_ref,
                         da_ref, daq_ref, dat_ref, daqt_ref, *refs, scale, ell, diagonal, cfg,
-                        diag_grads):
+                        diag_grads, runs):
   """Per-channel gradients of one K slice of one chunk (kernel 2). Block shapes:
 
   q_ref, k_ref, g_ref [C, BK] (BK = cfg.bwd_block_k); beta_ref [C, 1]; do_ref,
@@ -163,9 +188,11 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   tiles' dq, dk and dG (`kernel_diag.diag_grads`), where the accumulators
   start. Outputs: dq_ref, dk_ref, dg_ref [C, BK] f32, dbeta_ref [C, 1] f32
   (this slice's part). [*, V] data is read in `width_slices(V)`
-  (`state_term_grads`).
+  (`state_term_grads`). With `runs`, then the run codes [C, 1].
   """
-  init, (dq_ref, dk_ref, dg_ref, dbeta_ref) = (refs[:3], refs[3:]) if diag_grads else (None, refs)
+  init, refs = (refs[:3], refs[3:]) if diag_grads else (None, refs)
+  code_ref, (dq_ref, dk_ref, dg_ref, dbeta_ref) = (refs[0], refs[1:]) if runs else (None, refs)
+  flags = None if code_ref is None else run_flags(code_ref)
   sdt = cfg.mm_dtype       # the score products' operands, as in the forward
   cfg = cfg.backward()
   c = q_ref.shape[0]
@@ -178,7 +205,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
   ds = tuple(dhs_ref[:, vs] for vs in vslices)   # [BK, V]: of the exit state's gradient
   row_c = iota((c, 1), 0)
   dq, dk, dgc, dbeta, dglast = state_term_grads(q, k, g, beta, g_ref, do_ref, vn_ref, du_ref,
-                                                s, ds, cfg, last_row=True)
+                                                s, ds, cfg, last_row=True, flags=flags)
   if init is not None:
     dq, dk, dgc = (acc + ref[...] for acc, ref in zip((dq, dk, dgc), init))
 
@@ -204,7 +231,7 @@ def _intra_bwd_k_kernel(q_ref, k_ref, g_ref, beta_ref, do_ref, hs_ref, dhs_ref, 
 
 
 def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, heads, chunk_size,
-                    sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32):
+                    sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32, runs=None):
   """Intra-chunk backward as two kernels; same contract as `kernel_intra_bwd.intra_bwd_tiles`.
 
   Args:
@@ -213,6 +240,8 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
     gradient of the exit state, f32 or bf16); m: [B, H, Tp, C] f32 or bf16.
 
     grad_dtype: storage dtype of dq, dk, dv.
+    runs: None, or the (code [B, Tp, 1], run [B, NC, 1, C]) int32 run codes
+      (`kernel_common.run_codes`; the masks of the module docstring).
 
   Returns:
     IntraBwdOut.
@@ -225,7 +254,7 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   if chunk_size % sub_chunk:
     raise ValueError(f"sub_chunk must divide chunk_size={chunk_size}, got {sub_chunk}")
   dv, dbeta_v, *cc = intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, heads=heads,
-                                  chunk_size=chunk_size, cfg=cfg, dv_dtype=grad_dtype)
+                                  chunk_size=chunk_size, cfg=cfg, dv_dtype=grad_dtype, runs=runs)
   diag = None
   if diagonal == "pairwise" and cfg.diag_kernels:
     *diag, dbeta_d = kernel_diag.diag_grads(q, k, g_cum, beta, *cc[1:], heads=heads,
@@ -235,12 +264,12 @@ def intra_bwd_split(q, k, v, g_cum, beta, do, hs, dhs, v_new, dv_new, m, *, head
   dq, dk, dg, dbeta_k = intra_bwd_k(
       q, k, g_cum, beta, do, hs, dhs, v_new, *cc, heads=heads, chunk_size=chunk_size,
       sub_chunk=sub_chunk, diagonal=diagonal, scale=scale, cfg=cfg, grad_dtype=grad_dtype,
-      diag=diag)
+      diag=diag, run_code=None if runs is None else runs[0])
   return IntraBwdOut(dq, dk, dv, dg, dbeta_v + jnp.sum(dbeta_k, axis=2))
 
 
 def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_size,
-                 cfg: KernelConfig, dv_dtype=_F32):
+                 cfg: KernelConfig, dv_dtype=_F32, runs=None):
   """Kernel 1 of the split backward, grid (B, H, NC). Shapes as `intra_bwd_split`.
 
   Returns:
@@ -258,26 +287,28 @@ def intra_bwd_cc(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *, heads, chunk_si
   kspec, vspec, cspec, bspec, sspec = spec.k, spec.v, spec.cc, spec.beta, spec.state
   cc_shape = jax.ShapeDtypeStruct((b, h, tp, c), sdt)
   return pl.pallas_call(
-      functools.partial(_intra_bwd_cc_kernel, cfg=cfg), grid=(b, h, nc),
-      in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec],
+      functools.partial(_intra_bwd_cc_kernel, cfg=cfg, runs=runs is not None), grid=(b, h, nc),
+      in_specs=[kspec, vspec, kspec, bspec, vspec, sspec, vspec, vspec, cspec]
+      + list(spec.runs if runs else ()),
       out_specs=[vspec, bspec, vspec] + [cspec] * 4,
       out_shape=[jax.ShapeDtypeStruct((b, tp, h * dv_), dv_dtype),
                  jax.ShapeDtypeStruct((b, h, tp, 1), _F32),
                  jax.ShapeDtypeStruct((b, tp, h * dv_), mdt)] + [cc_shape] * 4,
       compiler_params=cfg.compiler_params("intra_bwd_cc"),
       interpret=cfg.interpret, name="kda_intra_bwd_cc",
-  )(k, v, g_cum, beta, do, hs, v_new, dv_new, m)
+  )(k, v, g_cum, beta, do, hs, v_new, dv_new, m, *(runs or ()))
 
 
 def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *, heads,
                 chunk_size, sub_chunk, diagonal, scale, cfg: KernelConfig, grad_dtype=_F32,
-                diag=None):
+                diag=None, run_code=None):
   """Kernel 2 of the split backward, grid (B, H, NC, K / bwd_block_k).
 
   Args: as `intra_bwd_split`, plus kernel 1's dU~, dA, dAqk, dA^T, dAqk^T;
     diag: None, or the pairwise diagonal tiles' (dq, dk, dG) [B, Tp, H*K]
     f32 from `kernel_diag.diag_grads` (this kernel then adds only the
     off-diagonal tiles' terms to them).
+    run_code: None, or [B, Tp, 1] int32 run codes (`kernel_common.run_codes`).
 
   Returns:
     dq, dk [B, Tp, H*K] (grad_dtype), dG [B, Tp, H*K] f32, dbeta's per-slice
@@ -296,15 +327,18 @@ def intra_bwd_k(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *
   srows = pl.BlockSpec((None, None, bk, dv_), lambda ib, ih, ic, ik: (ib, ih, ic * nk + ik, 0))
   bpart = pl.BlockSpec((None, None, None, c, 1), lambda ib, ih, ic, ik: (ib, ih, ik, ic, 0))
   kernel = functools.partial(_intra_bwd_k_kernel, scale=scale, ell=sub_chunk,
-                             diagonal=diagonal, cfg=cfg, diag_grads=diag is not None)
+                             diagonal=diagonal, cfg=cfg, diag_grads=diag is not None,
+                             runs=run_code is not None)
   diag = list(diag or ())
+  runs = [] if run_code is None else [run_code]
+  code_spec = pl.BlockSpec((None, c, 1), lambda ib, ih, ic, ik: (ib, ic, 0))
   return pl.pallas_call(
       kernel, grid=(b, h, nc, nk),
       in_specs=[kslice, kslice, kslice, bfull, vfull, srows, srows, vfull, vfull] + [cfull] * 4
-      + [kslice] * len(diag),
+      + [kslice] * len(diag) + [code_spec] * len(runs),
       out_specs=[kslice] * 3 + [bpart],
       out_shape=[jax.ShapeDtypeStruct((b, tp, hk), grad_dtype)] * 2
       + [jax.ShapeDtypeStruct((b, tp, hk), _F32), jax.ShapeDtypeStruct((b, h, nk, tp, 1), _F32)],
       compiler_params=cfg.compiler_params("intra_bwd_k", grid_rank=4),
       interpret=cfg.interpret, name="kda_intra_bwd_k",
-  )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *diag)
+  )(q, k, g_cum, beta, do, hs, dhs, v_new, du, da, daq, dat, daqt, *diag, *runs)

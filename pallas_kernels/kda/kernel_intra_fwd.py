@@ -19,6 +19,14 @@ the same anchored products as dense.
 
 Layouts (prepared by `pallas_op`): q, k, g_cum, w as [B, Tp, H*K]; v, u as
 [B, Tp, H*V]; beta as [B, H, Tp, 1]; A_qk and M as [B, H, Tp, C]. Tp = NC * C.
+
+With runs (`segment_ids`: the state restarts inside chunks) two int32
+inputs describe them (`kernel_common.run_codes`): per position code =
+4 run + 2 carry + last ([B, Tp, 1], a column) and each chunk's runs as a
+[1, C] row ([B, NC, 1, C]). Both scores keep only same-run pairs, so M is
+block-diagonal by run; W and the gated queries keep only the rows that carry
+the incoming state, the gated keys only the rows of the chunk's last run
+(`tiling.RunMasks`).
 """
 from __future__ import annotations
 
@@ -30,10 +38,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (DIAG_SHIFT, chunk_specs, dot, exp, iota,
-                                              k_slices, anchor_picker, level_factors, pair_levels,
-                                              same_block, shifted_pair, tile_factors,
-                                              width_slices)
+from pallas_kernels.kda.kernel_common import (DIAG_SHIFT, RunFlags, chunk_specs, dot, exp,
+                                              iota, k_slices, keep_rows, anchor_picker,
+                                              level_factors, pair_levels, run_flags, same_block,
+                                              shifted_pair, tile_factors, width_slices)
 from pallas_kernels.kda import kernel_diag
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -113,9 +121,15 @@ def recursive_unit_lower_inverse(a_cc, ell: int, cfg: KernelConfig, dtype=None):
   return m
 
 
-def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref,
-                      *opt_refs, scale, ell, diagonal, cfg, save_m, save_gated):
+def _run_flags(run_refs, rows=None) -> RunFlags | None:
+  """`kernel_common.run_flags` of the chunk's run refs (code, run), or None without runs."""
+  return None if run_refs is None else run_flags(*run_refs, rows=rows)
+
+
+def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, ell, diagonal, cfg,
+                      save_m, save_gated, runs):
   """Row-block scores and full-tile forward substitution (`inverse="substitution"`)."""
+  run_refs, (w_ref, u_ref, aqk_ref, *opt_refs) = (refs[:2], refs[2:]) if runs else (None, refs)
   c = q_ref.shape[0]
   k = k_ref[...].astype(_F32)
   g = g_ref[...]
@@ -150,11 +164,15 @@ def _intra_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_re
     if diagonal == "pairwise":                           # A_qk[i, i] = q_i . k_i
       k_l = k_ref[rows, :].astype(_F32)
       p_qk = jnp.where(col == row_g, jnp.sum(q_l * k_l, axis=1, keepdims=True), p_qk)
-    aqk_ref[rows, :] = jnp.where(col <= row_g, p_qk, 0.0).astype(aqk_ref.dtype)
-    akk_blocks.append(jnp.where(col < row_g, p_kk, 0.0))
+    qk_mask, kk_mask = col <= row_g, col < row_g
+    if runs:
+      same = _run_flags(run_refs, rows).same
+      qk_mask, kk_mask = qk_mask & same, kk_mask & same
+    aqk_ref[rows, :] = jnp.where(qk_mask, p_qk, 0.0).astype(aqk_ref.dtype)
+    akk_blocks.append(jnp.where(kk_mask, p_kk, 0.0))
   m = unit_lower_inverse(akk_blocks)
   write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, scale=scale,
-                cfg=cfg, save_m=save_m, save_gated=save_gated)
+                cfg=cfg, save_m=save_m, save_gated=save_gated, flags=_run_flags(run_refs))
 
 
 def _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale, ell,
@@ -246,19 +264,23 @@ def _level_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks, *, scale,
 
 
 def _intra_fwd_blocked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, ell, diagonal,
-                              cfg, save_m, save_gated, diag_tiles):
+                              cfg, save_m, save_gated, diag_tiles, runs):
   """K-sliced scores and the blocked inverse (`inverse="blocked"`), then W and U:
   `blocked_scores_inverse` followed by `write_w_u` in one program. With
-  `diag_tiles` the first two refs are `kernel_diag.diag_scores`' [C, L] tiles."""
-  tiles, (w_ref, u_ref, aqk_ref, *opt_refs) = (refs[:2], refs[2:]) if diag_tiles else (None, refs)
+  `diag_tiles` the first two refs are `kernel_diag.diag_scores`' [C, L] tiles;
+  with `runs` the next two are the chunk's run refs (code [C, 1], run [1, C])."""
+  tiles, refs = (refs[:2], refs[2:]) if diag_tiles else (None, refs)
+  run_refs, (w_ref, u_ref, aqk_ref, *opt_refs) = (refs[:2], refs[2:]) if runs else (None, refs)
+  flags = _run_flags(run_refs)
   m = blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, scale=scale, ell=ell,
-                             diagonal=diagonal, cfg=cfg, diag_tiles=tiles)
+                             diagonal=diagonal, cfg=cfg, diag_tiles=tiles,
+                             same=None if flags is None else flags.same)
   write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, scale=scale,
-                cfg=cfg, save_m=save_m, save_gated=save_gated)
+                cfg=cfg, save_m=save_m, save_gated=save_gated, flags=flags)
 
 
 def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell, diagonal, cfg,
-                           diag_tiles=None):
+                           diag_tiles=None, same=None):
   """One chunk's anchored scores and M = (I + A_kk)^-1; writes A_qk.
 
   Scores, with a_r = G[r L] the first row of tile r and t(i) the tile of row i:
@@ -285,6 +307,8 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     cfg: the kernel config.
     diag_tiles: pairwise only: None (form the diagonal tiles here), or the
       [C, L] refs of their A_qk and A_kk from `kernel_diag.diag_scores`.
+    same: None, or [C, C] bool, the same-run pairs: both scores keep only
+      these (runs restarting inside the chunk).
 
   Returns:
     M [C, C] f32.
@@ -300,12 +324,15 @@ def blocked_scores_inverse(q_ref, k_ref, g_ref, beta_ref, aqk_ref, *, scale, ell
     p_qk, p_kk = _blocked_slice_scores(p_qk, p_kk, q_ref, k_ref, g_ref, beta_ref, ks,
                                        scale=scale, ell=ell, diagonal=diagonal, cfg=cfg,
                                        levels=diag_tiles is None)
-  aqk_ref[...] = jnp.where(col <= row, p_qk, 0.0).astype(aqk_ref.dtype)
-  return recursive_unit_lower_inverse(jnp.where(col < row, p_kk, 0.0), ell, cfg,
+  qk_mask, kk_mask = col <= row, col < row
+  if same is not None:
+    qk_mask, kk_mask = qk_mask & same, kk_mask & same
+  aqk_ref[...] = jnp.where(qk_mask, p_qk, 0.0).astype(aqk_ref.dtype)
+  return recursive_unit_lower_inverse(jnp.where(kk_mask, p_kk, 0.0), ell, cfg,
                                       dtype=cfg.mm_dtype)
 
 
-def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
+def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None, flags=None):
   """W = M (beta k e^G) per K slice and U = M (beta v) per V slice.
 
   The V slices are at most block_k wide when K is sliced, else the whole V
@@ -322,39 +349,45 @@ def write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated=None):
       recurrence's operand) and the gated queries qg = (scale q) e^G (the
       split output kernel's and the reverse state kernel's), sharing e^G
       with W's slice.
+    flags: None, or the chunk's `RunFlags`: W and qg keep the rows that carry
+      the incoming state, kg those of the chunk's last run.
   """
   dk, dv = k_ref.shape[1], v_ref.shape[1]
   bk = cfg.block_k
   slices = k_slices(cfg, dk)
   last = pl.ds(k_ref.shape[0] - 1, 1)
+  carry = last_run = None
+  if flags is not None:
+    carry, last_run = flags.carry, flags.last
   for ks in slices:
     k = k_ref[:, ks].astype(_F32)
     g = g_ref[:, ks]
     e_g = exp(g)
-    w_ref[:, ks] = dot(m, beta_ref[...] * k * e_g, cfg).astype(w_ref.dtype)
+    w_ref[:, ks] = keep_rows(dot(m, beta_ref[...] * k * e_g, cfg), carry).astype(w_ref.dtype)
     if gated is not None:
       q_ref, scale, kg_ref, qg_ref = gated
-      kg_ref[:, ks] = (k * exp(g_ref[last, ks] - g)).astype(kg_ref.dtype)
-      qg_ref[:, ks] = (q_ref[:, ks].astype(_F32) * scale * e_g).astype(qg_ref.dtype)
+      kg_ref[:, ks] = keep_rows(k * exp(g_ref[last, ks] - g), last_run).astype(kg_ref.dtype)
+      qg_ref[:, ks] = keep_rows(q_ref[:, ks].astype(_F32) * scale * e_g, carry).astype(qg_ref.dtype)
   for vs in width_slices(dv, bk if bk < dk else None):
     u_ref[:, vs] = dot(m, beta_ref[...] * v_ref[:, vs].astype(_F32), cfg).astype(u_ref.dtype)
 
 
 def write_outputs(m, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, opt_refs, *, scale,
-                  cfg, save_m, save_gated):
-  """The intra kernels' outputs after M: W and U (`write_w_u`), then, in the
-  order of `opt_refs`, M (save_m) and the gated keys and queries (save_gated)."""
+                  cfg, save_m, save_gated, flags=None):
+  """The intra kernels' outputs after M: W and U (`write_w_u`, masked by the
+  run `flags` if any), then, in the order of `opt_refs`, M (save_m) and the
+  gated keys and queries (save_gated)."""
   opt_refs = list(opt_refs)
   if save_m:
     m_ref = opt_refs.pop(0)
     m_ref[...] = m.astype(m_ref.dtype)
   gated = (q_ref, scale, *opt_refs) if save_gated else None
-  write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated)
+  write_w_u(m, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, cfg, gated, flags)
 
 
 def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, scale,
               cfg: KernelConfig, save_m: bool = False, save_gated: bool = False,
-              m_dtype=_F32):
+              m_dtype=_F32, runs=None):
   """Runs the intra-chunk kernel (body by `cfg.inverse`).
 
   With the pairwise diagonal and `cfg.diag_kernels`, `kernel_diag.diag_scores`
@@ -369,6 +402,9 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
     save_gated: also return the decayed keys kg = k e^{G_last - G} (G_last
       the chunk's last row) and the gated queries qg = (scale q) e^G, the
       operands of `kernel_state_split` and of the gated reverse state kernel.
+    runs: None, or the (code [B, Tp, 1], run [B, NC, 1, C]) int32 pair of
+      `kernel_common.run_codes`: the state restarts inside chunks (the masks of the module
+      docstring).
 
   Returns:
     IntraFwdOut (m only with save_m, kg and qg only with save_gated).
@@ -390,7 +426,7 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
     out_shape += [jax.ShapeDtypeStruct((b, tp, hk), cfg.mm_dtype)] * 2
     out_specs += [kspec] * 2
   kw = dict(scale=scale, ell=sub_chunk, diagonal=diagonal, cfg=cfg, save_m=save_m,
-            save_gated=save_gated)
+            save_gated=save_gated, runs=runs is not None)
   args, in_specs = [q, k, v, g_cum, beta], [kspec, kspec, vspec, kspec, bspec]
   if cfg.inverse == "blocked":
     diag_tiles = diagonal == "pairwise" and cfg.diag_kernels
@@ -402,6 +438,9 @@ def intra_fwd(q, k, v, g_cum, beta, *, heads, chunk_size, sub_chunk, diagonal, s
                                 lambda ib, ih, ic: (ib, ih, ic, 0))] * 2
   else:
     kernel = functools.partial(_intra_fwd_kernel, **kw)
+  if runs is not None:
+    args += list(runs)
+    in_specs += list(spec.runs)
   w, u, a_qk, *rest = pl.pallas_call(
       kernel, grid=(b, h, nc),
       in_specs=in_specs,

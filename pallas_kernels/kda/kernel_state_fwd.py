@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, state_grid, state_grid_step,
-                                              state_launch_options)
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, keep_rows, state_grid,
+                                              state_grid_step, state_launch_options)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
 _F32 = jnp.float32
@@ -36,7 +36,7 @@ class StateFwdOut(NamedTuple):
 
 
 def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_ref, o_ref, *,
-                    scale, cfg: KernelConfig):
+                    scale, cfg: KernelConfig, code_ref=None):
   """One chunk of the forward state recurrence and its outputs.
 
   Reads the chunk's `rows` ([C] rows; `last_row` is its last one) and writes
@@ -47,6 +47,10 @@ def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_re
   Args:
     s: tuple of K/BK f32 [BK, BV] slices of the state S [K, BV] entering the
       chunk (slice kb holds rows kb*BK ... (kb+1)*BK - 1).
+    code_ref: None, or the chunk's run codes [C, 1] (`kernel_common.run_codes`;
+      W and A_qk arrive masked): only carrying rows read S, only the last
+      run's keys write the state leaving, which keeps e^{G_last} S only
+      where the last row carries.
 
   Returns:
     (V' = U - sum_kb W_kb S_kb [C, BV] f32, the state leaving the chunk as a
@@ -59,34 +63,44 @@ def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_re
   for ks, s_kb in zip(slices, s):
     v_new = v_new - dot(w_ref[rows, ks], s_kb, cfg)
   o = dot(aqk_ref[rows, :], v_new, cfg)
+  carry = last = carried = None
+  if code_ref is not None:
+    code = code_ref[rows, :]
+    carry, last = jnp.bitwise_and(code, 2) != 0, jnp.bitwise_and(code, 1) != 0
+    carried = jnp.bitwise_and(code_ref[last_row, :], 2) != 0
   s_next = []
   for ks, s_kb in zip(slices, s):
     g = g_ref[rows, ks]
     g_last = g_ref[last_row, ks]
     q = q_ref[rows, ks].astype(_F32) * scale
-    o = o + dot(q * exp(g), s_kb, cfg)
+    o = o + dot(keep_rows(q * exp(g), carry), s_kb, cfg)
     k = k_ref[rows, ks].astype(_F32)
-    s_next.append(jnp.transpose(exp(g_last)) * s_kb
-                  + dot(k * exp(g_last - g), v_new, cfg, ta=True))
+    decay = jnp.transpose(exp(g_last))
+    if carried is not None:
+      decay = jnp.where(carried, decay, 0.0)
+    s_next.append(decay * s_kb + dot(keep_rows(k * exp(g_last - g), last), v_new, cfg, ta=True))
   o_ref[rows, :] = o.astype(o_ref.dtype)
   return v_new, tuple(s_next)
 
 
 def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_ref, u_ref,
-                          aqk_ref, h0_ref, o_ref, ht_ref, *rest, scale, cfg, save):
+                          aqk_ref, h0_ref, *rest, scale, cfg, save, runs):
   """One chunk per grid step (last grid axis, sequential); state in VMEM scratch.
 
   The scratch holds the whole [K, BV] state; it is read and written in K
-  slices (one with the TPU default block_k = K).
+  slices (one with the TPU default block_k = K). With `runs` the first of
+  `rest` holds the chunk's run codes [C, 1].
   """
-  save_refs, s_ref = rest[:-1], rest[-1]
+  code_ref, rest = (rest[0], rest[1:]) if runs else (None, rest)
+  o_ref, ht_ref, *save_refs, s_ref = rest
   i = pl.program_id(3)
   c = q_ref.shape[0]
   slices = k_slices(cfg, q_ref.shape[-1])
 
   def step(s):
     v_new, s_next = state_fwd_chunk(s, pl.ds(0, c), pl.ds(c - 1, 1), q_ref, k_ref, g_ref,
-                                    w_ref, u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg)
+                                    w_ref, u_ref, aqk_ref, o_ref, scale=scale, cfg=cfg,
+                                    code_ref=code_ref)
     if save:
       hs_ref, vn_ref = save_refs
       for ks, s_kb in zip(slices, s):
@@ -98,7 +112,8 @@ def _state_fwd_kernel_tpu(first_ref, last_ref, seq_ref, q_ref, k_ref, g_ref, w_r
 
 
 def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
-              cfg: KernelConfig, varlen: bool, save: bool = False, out_dtype=None):
+              cfg: KernelConfig, varlen: bool, save: bool = False, out_dtype=None,
+              run_code=None):
   """Runs the TPU state kernel over all chunks.
 
   Each program carries S [K, BV] as K/block_k slices of [block_k, BV] and
@@ -112,6 +127,8 @@ def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
       varlen (B == 1): all sequence rows.
     save: also return per-chunk entry states [B, H, NC*K, V] f32 and V'
       [B, Tp, H*V] f32 for the backward.
+    run_code: None, or [B, Tp, 1] int32 run codes (`kernel_common.run_codes`),
+      with W and A_qk from the intra kernel run with the same runs.
 
   Returns:
     StateFwdOut: o in out_dtype; ht's rows of sequences that end (others
@@ -131,10 +148,12 @@ def state_fwd(meta, q, k, g_cum, w, u, a_qk, h0, *, heads, chunk_size, scale,
     out_shape += [jax.ShapeDtypeStruct((b, heads, (tp // chunk_size) * grid.dk, dv), _F32),
                   jax.ShapeDtypeStruct((b, tp, heads * dv), _F32)]
     out_specs += [grid.chunk_states, grid.v]
-  kernel = functools.partial(_state_fwd_kernel_tpu, scale=scale, cfg=cfg, save=save)
+  runs = run_code is not None
+  kernel = functools.partial(_state_fwd_kernel_tpu, scale=scale, cfg=cfg, save=save, runs=runs)
   return StateFwdOut(*pl.pallas_call(
       kernel, grid=grid.grid,
-      in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.v, grid.a, grid.state],
+      in_specs=[grid.meta] * 3 + [grid.k] * 4 + [grid.v, grid.a, grid.state]
+      + ([grid.code] if runs else []),
       out_specs=out_specs, out_shape=out_shape, interpret=cfg.interpret,
       name="kda_state_fwd", **state_launch_options(cfg, "state_fwd", grid),
-  )(*meta, q, k, g_cum, w, u, a_qk, h0))
+  )(*meta, q, k, g_cum, w, u, a_qk, h0, *([run_code] if runs else [])))

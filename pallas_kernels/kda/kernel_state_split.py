@@ -79,11 +79,13 @@ def chunk_state_loop(chunk_fn, meta_refs, h0_ref, ht_ref, save_refs, *, num_chun
   run_state_loop(step, num_chunks, slices, block_v, h0_ref, ht_ref, meta_refs, varlen=varlen)
 
 
-def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref, h0_ref,
-                       hs_ref, vn_ref, ht_ref, *, chunk_size, cfg, varlen):
+def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref, h0_ref, *refs,
+                       chunk_size, cfg, varlen, runs):
   """Block shapes: w_ref, kg_ref, g_ref [Tp, K]; u_ref, vn_ref [Tp, BV];
-  h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]. The state is carried as
+  h0_ref, ht_ref [Nh', K, BV]; hs_ref [NC*K, BV]; with `runs` first the run
+  codes [Tp, 1] (`kernel_common.run_codes`). The state is carried as
   K slices of [<= block_k, BV] f32 (`kernel_common.k_slices`)."""
+  code_ref, (hs_ref, vn_ref, ht_ref) = (refs[0], refs[1:]) if runs else (None, refs)
   tp, dk = w_ref.shape
   slices = k_slices(cfg, dk)
 
@@ -91,9 +93,14 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
     v_new = u_ref[rows, :].astype(_F32)
     for ks, s_kb in zip(slices, s):
       v_new = v_new - dot(w_ref[rows, ks], s_kb, cfg)
-    s_next = tuple(jnp.transpose(exp(g_ref[last_row, ks])) * s_kb
-                   + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
-                   for ks, s_kb in zip(slices, s))
+    decay = [jnp.transpose(exp(g_ref[last_row, ks])) for ks in slices]
+    if runs:
+      # The carried state survives the chunk only if its last row still
+      # belongs to the run that entered it (W and kg are masked already).
+      carried = jnp.bitwise_and(code_ref[last_row, :], 2) != 0          # [1, 1]
+      decay = [jnp.where(carried, d, 0.0) for d in decay]
+    s_next = tuple(d * s_kb + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
+                   for ks, s_kb, d in zip(slices, s, decay))
     return v_new, s_next
 
   chunk_state_loop(chunk, (first_ref, last_ref, seq_ref), h0_ref, ht_ref, (hs_ref, vn_ref),
@@ -102,7 +109,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
 
 
 def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: KernelConfig,
-                     varlen: bool, state_dtype=_F32, v_new_dtype=None):
+                     varlen: bool, state_dtype=_F32, v_new_dtype=None, run_code=None):
   """Kernel 1: the state recurrence alone.
 
   Args:
@@ -111,6 +118,9 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
     state_dtype: storage dtype of the entry states (f32 when the backward
       keeps them; the matmul dtype when only the output reads them).
     v_new_dtype: storage dtype of V' (default state_dtype).
+    run_code: None, or [B, Tp, 1] int32 run codes (`kernel_common.run_codes`;
+      w and kg masked by `intra_fwd`): a chunk whose last row starts no run
+      after its entry keeps e^{G_last} S, any other drops it.
 
   Returns:
     StateRecOut: hs in state_dtype, v_new in v_new_dtype, ht's rows of
@@ -125,17 +135,21 @@ def state_recurrence(meta, w, u, kg, g_cum, h0, *, heads, chunk_size, cfg: Kerne
   grid = state_grid(w.shape, dv, heads=heads, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
                     num_state_rows=h0.shape[0])
   nc = tp // chunk_size
-  kernel = functools.partial(_recurrence_kernel, chunk_size=chunk_size, cfg=cfg, varlen=varlen)
+  runs = run_code is not None
+  kernel = functools.partial(_recurrence_kernel, chunk_size=chunk_size, cfg=cfg, varlen=varlen,
+                             runs=runs)
+  extra = [run_code] if runs else []
+  extra_specs = [grid.code] if runs else []
   return StateRecOut(*pl.pallas_call(
       kernel, grid=grid.grid,
-      in_specs=[grid.meta] * 3 + [grid.k, grid.v, grid.k, grid.k, grid.state],
+      in_specs=[grid.meta] * 3 + [grid.k, grid.v, grid.k, grid.k, grid.state] + extra_specs,
       out_specs=[grid.chunk_states, grid.v, grid.state],
       out_shape=[jax.ShapeDtypeStruct((b, heads, nc * grid.dk, dv), state_dtype),
                  jax.ShapeDtypeStruct((b, tp, heads * dv), v_new_dtype or state_dtype),
                  jax.ShapeDtypeStruct(h0.shape, _F32)],
       compiler_params=cfg.compiler_params("state_rec"), interpret=cfg.interpret,
       name="kda_state_rec",
-  )(*meta, w, u, kg, g_cum, h0))
+  )(*meta, w, u, kg, g_cum, h0, *extra))
 
 
 def _output_kernel(qg_ref, aqk_ref, hs_ref, vn_ref, o_ref, *, cfg):

@@ -16,7 +16,11 @@ backward (`kernel_intra_bwd_split` or `kernel_intra_bwd`, by
   clamp of traced gates folded into the same passes (`clamp_gates`), or, with
   `gate_activation="bounded_sigmoid"`, the gate itself from its
   pre-activation in the same pass (`kernel_gate_cumsum`);
-* joins the forward and backward kernels with `jax.custom_vjp`.
+* joins the forward and backward kernels with `jax.custom_vjp`;
+* with `segment_ids` (fixed length), hands every intra and
+  state kernel, forward and backward, the run codes of
+  `kernel_common.run_codes`, which restart the state inside chunks by masks
+  (docs/design.md, "Documents in the chunks").
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import head_pad
 from pallas_kernels.kda import inputs
+from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_cumsum
 from pallas_kernels.kda import kernel_gate_cumsum
@@ -64,6 +69,8 @@ class _Static:
   # The call's KdaSpec (None for a call without a bound); the "clamp" and
   # "fused" modes' cumsum kernels read its bound.
   spec: KdaSpec | None = None
+  # The state restarts inside chunks (`segment_ids`): the kernels take run codes.
+  runs: bool = False
 
   @property
   def fused(self) -> bool:
@@ -105,7 +112,7 @@ def _output_fwd(qg, a_qk, hs, v_new, *, heads, chunk_size, cfg, out_dtype):
                                        chunk_size=chunk_size, cfg=cfg, out_dtype=out_dtype)
 
 
-def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
+def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False, runs=None):
   """Kernel forward on the chunk grid. Shapes as in `_core`."""
   b, tp, h, dk = q.shape
   dv = v.shape[-1]
@@ -121,7 +128,7 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
   res_dtype = cfg.saved_state_dtype
   intra = kernel_intra_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
                                      diagonal=st.diagonal, save_m=save, save_gated=split,
-                                     m_dtype=res_dtype, **kw)
+                                     m_dtype=res_dtype, runs=runs, **kw)
   if split:
     # Without the backward only the output kernel reads the entry states and
     # V', as matmul operands. The backward keeps the states in res_dtype and
@@ -129,13 +136,14 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
     hs, v_new, ht = kernel_state_split.state_recurrence(
         meta, intra.w, intra.u, intra.kg, g_cum, h0, heads=h, chunk_size=st.chunk_size,
         cfg=cfg, varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
-        v_new_dtype=cfg.intra_bwd_mm_dtype if save else cfg.mm_dtype)
+        v_new_dtype=cfg.intra_bwd_mm_dtype if save else cfg.mm_dtype,
+        run_code=None if runs is None else runs[0])
     o = _output_fwd(intra.qg, intra.a_qk, hs, v_new, heads=h, chunk_size=st.chunk_size,
                     cfg=cfg, out_dtype=q.dtype)
   else:
     o, ht, hs, v_new = kernel_state_fwd.state_fwd(
         meta, q2, k2, g_cum, intra.w, intra.u, intra.a_qk, h0, varlen=st.varlen, save=save,
-        out_dtype=q.dtype, **kw)
+        out_dtype=q.dtype, run_code=None if runs is None else runs[0], **kw)
   o = o.reshape(b, tp, h, dv)
   if not save:
     return o, ht
@@ -146,22 +154,24 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(st: _Static, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
+def _core(st: _Static, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n, runs=None):
   """Chunk-grid KDA.
 
   Args:
     q, k: [B, Tp, H, K]; v: [B, Tp, H, V]; g: [B, Tp, H, K] f32 log-decay,
       or in the fused gate mode the gate pre-activation (any float dtype);
       beta: [B, Tp, H]; gate_bias: [H, K] f32 with the fused gate, else None;
-      h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32.
+      h0: [Nh, H, K, V] f32; first_n, last_n, seq_n: [NC] int32;
+      runs: None, or the run codes (code [B, Tp, 1], run [B, NC, 1, C] int32;
+      `kernel_common.run_codes`) with st.runs.
 
   Returns:
     o [B, Tp, H, V] (q.dtype), ht [Nh, H, K, V] f32.
   """
-  return _forward(st, q, k, v, g, beta, gate_bias, h0, (first_n, last_n, seq_n))
+  return _forward(st, q, k, v, g, beta, gate_bias, h0, (first_n, last_n, seq_n), runs=runs)
 
 
-def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
+def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n, runs=None):
   """Forward of the custom VJP; what it keeps depends on `cfg.save_residuals`.
 
   save_residuals=True keeps the forward's intermediates so the backward need
@@ -185,20 +195,20 @@ def _core_fwd(st, q, k, v, g, beta, gate_bias, h0, first_n, last_n, seq_n):
   """
   meta = (first_n, last_n, seq_n)
   if not st.cfg.save_residuals:
-    out = _forward(st, q, k, v, g, beta, gate_bias, h0, meta)
-    return out, (q, k, v, g, beta, gate_bias, h0, meta, None)
-  o, ht, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True)
+    out = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, runs=runs)
+    return out, (q, k, v, g, beta, gate_bias, h0, meta, runs, None)
+  o, ht, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True, runs=runs)
   saved = {name: r[name] for name in ("g_cum", "w", "a_qk", "m", "hs", "v_new", "qg", "kg",
                                       "clamp_record")}
   for name in ("m", "hs", "v_new"):
     saved[name] = saved[name].astype(st.cfg.saved_state_dtype)
   # g itself is not needed once G is kept (it is [B, Tp, H, K] f32, like q's shape).
   keep_g = g if st.fused else None
-  return (o, ht), (q, k, v, keep_g, beta, gate_bias, h0, meta, saved)
+  return (o, ht), (q, k, v, keep_g, beta, gate_bias, h0, meta, runs, saved)
 
 
 def _core_bwd(st, res, cts):
-  q, k, v, g, beta, gate_bias, h0, meta, saved = res
+  q, k, v, g, beta, gate_bias, h0, meta, runs, saved = res
   first_n, _, seq_n = meta
   do, dht = cts
   b, tp, h, dk = q.shape
@@ -206,7 +216,7 @@ def _core_bwd(st, res, cts):
   cfg = st.cfg
   if saved is None:
     # Recompute the forward's intermediates (M, entry states, V').
-    _, _, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True)
+    _, _, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True, runs=runs)
   else:
     r = dict(saved, **_kernel_layout(q, k, v, beta))  # what _forward(save=True) returns
   kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
@@ -215,7 +225,8 @@ def _core_bwd(st, res, cts):
   q_state, k_state = (r["qg"], r["kg"]) if gated else (r["q2"], r["k2"])
   dv_new, dhs, dh0 = kernel_state_bwd.state_bwd(meta, q_state, k_state, r["g_cum"], r["w"],
                                                 r["a_qk"], do2, dht.astype(_F32),
-                                                varlen=st.varlen, gated=gated, **kw)
+                                                varlen=st.varlen, gated=gated,
+                                                run_code=None if runs is None else runs[0], **kw)
   # dq, dk, dv leave the kernels in the inputs' dtype when they share one.
   same = q.dtype == k.dtype == v.dtype
   intra_bwd = (kernel_intra_bwd_split.intra_bwd_split if cfg.intra_bwd == "split"
@@ -223,7 +234,7 @@ def _core_bwd(st, res, cts):
   dq, dk_, dv_, dg_cum, dbeta = intra_bwd(
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
       r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
-      grad_dtype=q.dtype if same else _F32, **kw)
+      grad_dtype=q.dtype if same else _F32, runs=runs, **kw)
   if not st.fused:
     if st.gate_mode == "log_decay":
       dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
@@ -241,7 +252,7 @@ def _core_bwd(st, res, cts):
   return (dq.reshape(q.shape).astype(q.dtype), dk_.reshape(k.shape).astype(k.dtype),
           dv_.reshape(v.shape).astype(v.dtype), dg,
           jnp.transpose(dbeta[..., 0], (0, 2, 1)).astype(beta.dtype), dbias, dh0,
-          None, None, None)
+          None, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -339,7 +350,8 @@ def _next_pow2(n: int) -> int:
 
 
 def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
-                     output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
+                     output_final_state=False, cu_seqlens=None, segment_ids=None,
+                     spec: KdaSpec | None = None,
                      chunk_size=64, diagonal="dense", sub_chunk=16,
                      interpret=False, backend=None, block_v=None, config_overrides=None,
                      gate_activation=None, gate_bias=None, clamp_gates=False, lower_bound=None):
@@ -355,6 +367,10 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     initial_state: [N, H, K, V] or None.
     output_final_state: also return the final states.
     cu_seqlens: [N + 1] int cumulative lengths of packed sequences (B == 1).
+    segment_ids: [B, T] int or None (not with cu_seqlens): the state
+      restarts wherever a row's id changes, as in `api.chunk_kda`, by masks
+      in the kernels; not with long-sequence segments
+      (`KernelConfig.segment_chunks`).
     spec: the tiling and the gate's bound (`KdaSpec`, validated when built;
       `chunk_kda` passes it), or None to take chunk_size (C), sub_chunk (L,
       the diagonal tile) and diagonal ("dense" or "pairwise") as given.
@@ -391,7 +407,7 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   elif diagonal not in spec_lib.DIAGONALS:
     raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
   args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, segment_ids=segment_ids)
   inputs.check_without_gate(gate_activation, gate_bias)
   fused = gate_activation is not None
   bounded = spec is not None and spec.bounded
@@ -414,13 +430,14 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
                           gate_mode=gate_mode, spec=spec)
-  operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias)
+  operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias, segment_ids)
   if backend is None:
     return platform_lowering.per_platform(run, *operands)
   return run(backend, *operands)
 
 
-def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
+def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, segment_ids,
+                  *, scale,
                   output_final_state, chunk_size, sub_chunk, diagonal, block_v,
                   config_overrides, gate_mode, spec):
   """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] (f32
@@ -439,14 +456,15 @@ def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bia
   if gate_bias is not None and dk_run != dk:
     gate_bias = jnp.pad(gate_bias, ((0, 0), (0, dk_run - dk)))
   o, ht = _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias,
-                          scale=scale, output_final_state=output_final_state,
+                          segment_ids, scale=scale, output_final_state=output_final_state,
                           chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
                           block_v=block_v, config_overrides=config_overrides,
                           gate_mode=gate_mode, spec=spec)
   return head_pad.unpad_outputs(o, ht, dk, dv)
 
 
-def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, *, scale,
+def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, segment_ids,
+                    *, scale,
                     output_final_state, chunk_size, sub_chunk, diagonal, block_v,
                     config_overrides, gate_mode, spec):
   """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
@@ -468,7 +486,7 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
   g_pad = -jnp.inf if fused else 0.0
   st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
                scale=float(scale), varlen=varlen, cfg=cfg, gate_mode=gate_mode,
-               spec=spec)
+               spec=spec, runs=segment_ids is not None)
   tensors = (q, k, v, g, beta)
 
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)
@@ -484,7 +502,15 @@ def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_b
             jnp.zeros((seg_chunks,), jnp.int32))
     h0 = (jnp.zeros((b, h, dk, dv), _F32) if initial_state is None
           else initial_state.astype(_F32))
-    if segments == 1:
+    if st.runs:
+      if segments > 1:
+        raise NotImplementedError(
+            f"segment_ids with long-sequence segments (T = {t_len} runs as {segments}); pass "
+            "config_overrides={'segment_chunks': None}, or implementation='xla'")
+      masks = tiling.run_masks(segment_ids, c)
+      runs = kernel_common.run_codes(masks.run_bnc, masks.carry_bnc, masks.last_bnc)
+      o, ht = _core(st, *tensors, gate_bias, h0, *meta, runs)
+    elif segments == 1:
       o, ht = _core(st, *tensors, gate_bias, h0, *meta)
     else:
       o, ht = _segmented_core(st, segments, *tensors, gate_bias, h0, *meta)

@@ -40,7 +40,7 @@ def _compute_dtype(x: jax.Array):
 
 
 def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
-                        output_final_state=False, cu_seqlens=None):
+                        output_final_state=False, cu_seqlens=None, segment_ids=None):
   """Token-by-token KDA recurrence.
 
   Per token, with state S [K, V]:
@@ -59,12 +59,16 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     output_final_state: also return the state after each sequence.
     cu_seqlens: [N + 1] cumulative lengths of packed sequences (needs B == 1);
       the state restarts at every sequence start.
+    segment_ids: [B, T] int or None (not with cu_seqlens): the state restarts
+      from zero wherever a row's id differs from the previous position's; the
+      row's first run starts from initial_state, and the final state is
+      that of its last run.
 
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] float32/64 or None).
   """
   args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, segment_ids=segment_ids)
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
   acc = _compute_dtype(q)
@@ -88,10 +92,16 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     start_t = pos == cu[seq_t]
     last_t = pos == cu[seq_t + 1] - 1
     state0 = jnp.zeros((1, h, dk, dv), acc)
+  # [T, B]: where a run starts (never at position 0, the initial state's run).
+  run_tb = (jnp.zeros((t_len, b), jnp.int32) if segment_ids is None
+            else jnp.moveaxis(tiling.run_index(segment_ids), 1, 0))
+  restart_tb = jnp.concatenate([jnp.zeros_like(run_tb[:1], bool), run_tb[1:] != run_tb[:-1]])
 
   def step(carry, xs):
     state, final = carry
-    q_t, k_t, v_t, g_t, b_t, start, last, seq = xs
+    q_t, k_t, v_t, g_t, b_t, start, last, seq, restart = xs
+    if segment_ids is not None:
+      state = jnp.where(restart[:, None, None, None], 0.0, state)
     if cu_seqlens is not None:
       state = jnp.where(start, h0[seq][None], state)
     state = state * jnp.exp(g_t)[..., None]
@@ -103,7 +113,8 @@ def naive_recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None,
     return (state, final), o_t
 
   xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qs, ks, vs, gs, bs))
-  (state, final), o = jax.lax.scan(step, (state0, h0), xs + (start_t, last_t, seq_t))
+  (state, final), o = jax.lax.scan(step, (state0, h0),
+                                  xs + (start_t, last_t, seq_t, restart_tb))
   o = jnp.moveaxis(o, 0, 1).astype(q.dtype)
   if not output_final_state:
     return o, None
@@ -176,10 +187,12 @@ def _anchored_scores(x_ck, y_ck, g_cum_ck, *, sub_chunk, diagonal, strict):
   return jnp.where(causal, scores, 0.0)
 
 
-def _intra_chunk(q_ck, k_ck, v_cv, g_cum_ck, beta_c, *, sub_chunk, diagonal):
+def _intra_chunk(q_ck, k_ck, v_cv, g_cum_ck, beta_c, *, sub_chunk, diagonal, same_cc=None):
   """Per-chunk WY quantities: W, U, A_qk and the decayed q / k.
 
-  All inputs carry leading batch dims [..., C, *].
+  All inputs carry leading batch dims [..., C, *]. same_cc [..., C, C] bool
+  (or None): the same-run pairs (`tiling.RunMasks`); A_kk and A_qk keep only
+  these, so M is block-diagonal by run.
 
   Returns:
     w_ck = M (beta k e^G), u_cv = M (beta v), a_qk [C, C], q e^G,
@@ -190,6 +203,8 @@ def _intra_chunk(q_ck, k_ck, v_cv, g_cum_ck, beta_c, *, sub_chunk, diagonal):
                           sub_chunk=sub_chunk, diagonal=diagonal, strict=True)
   a_qk = _anchored_scores(q_ck, k_ck, g_cum_ck, sub_chunk=sub_chunk,
                           diagonal=diagonal, strict=False)
+  if same_cc is not None:
+    a_kk, a_qk = jnp.where(same_cc, a_kk, 0.0), jnp.where(same_cc, a_qk, 0.0)
   eye = jnp.eye(c, dtype=a_kk.dtype)
   lower = eye + a_kk
   rhs = jnp.concatenate([beta_c[..., None] * k_ck * jnp.exp(g_cum_ck),
@@ -204,8 +219,8 @@ def _intra_chunk(q_ck, k_ck, v_cv, g_cum_ck, beta_c, *, sub_chunk, diagonal):
 
 
 def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
-                  output_final_state=False, cu_seqlens=None, spec: KdaSpec | None = None,
-                  **spec_fields):
+                  output_final_state=False, cu_seqlens=None, segment_ids=None,
+                  spec: KdaSpec | None = None, **spec_fields):
   """Chunked KDA in plain JAX (the `xla` implementation).
 
   Same arguments and results as `naive_recurrent_kda`, plus the tiling: a
@@ -221,11 +236,19 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
 
   T need not be a multiple of C: the tail is zero-padded (g = 0, beta = 0),
   which leaves outputs and states unchanged.
+
+  segment_ids restarts the state inside the chunks, by masks
+  (`tiling.RunMasks`; docs/design.md, "Documents in the chunks"): the
+  within-chunk cumsum G runs across run starts, as only differences of G
+  within one run and masked terms are used. Every factor of the dense
+  diagonal is bounded as without runs (the gates are unchanged), and the
+  masks are applied to finished products, so no masked entry is ever
+  inf or NaN.
   """
   spec = spec_lib.resolve(spec, **spec_fields)
   chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
   args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, segment_ids=segment_ids)
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
   c = chunk_size
@@ -256,8 +279,21 @@ def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None,
 
   qc, kc, vc, gc, bc = [to_chunks(x) for x in tensors]
   g_cum = jnp.cumsum(gc, axis=-2)
+  same = None
+  if segment_ids is not None:
+    runs = tiling.run_masks(segment_ids, c)
+    # [B, Nc, C(, C)] -> [Nc, B, 1, C(, C)], broadcast over the heads.
+    same, carry, last = (jnp.moveaxis(m, 1, 0)[:, :, None] for m in
+                         (runs.same_bncc, runs.carry_bnc, runs.last_bnc))
   w, u, a_qk, q_dec, k_dec, g_last_exp = _intra_chunk(
-      qc, kc, vc, g_cum, bc, sub_chunk=sub_chunk, diagonal=diagonal)
+      qc, kc, vc, g_cum, bc, sub_chunk=sub_chunk, diagonal=diagonal, same_cc=same)
+  if segment_ids is not None:
+    # Rows of runs started inside the chunk see S = 0; only the last run
+    # writes the leaving state, which keeps e^{G_last} S only if it carries S.
+    w = jnp.where(carry[..., None], w, 0.0)
+    q_dec = jnp.where(carry[..., None], q_dec, 0.0)
+    k_dec = jnp.where(last[..., None], k_dec, 0.0)
+    g_last_exp = jnp.where(carry[..., -1:], g_last_exp, 0.0)
 
   def step(state, xs):
     w_c, u_c, aqk_c, qd_c, kd_c, glast_c, first, seq = xs

@@ -83,3 +83,59 @@ def pack_varlen(cu_seqlens: jax.Array, total_len: int, chunk_size: int) -> Varle
   last_chunk_s = jnp.where(empty_s, chunk_start_s, chunk_end_s - 1)
   return VarlenLayout(src_index_n, dst_index_t, chunk_seq_n, chunk_first_n,
                       jnp.minimum(last_chunk_s, num_chunks - 1), empty_s, num_chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMasks:
+  """Where the state restarts inside the chunks of a fixed-length grid (`segment_ids`).
+
+  A run is a maximal stretch of equal segment ids in a row; the state starts
+  each run from zero, except the row's first run, which starts from the
+  initial state. With run_i the run of position i of a chunk:
+
+  Attributes:
+    run_bnc: [B, Nc, C] int32 run index of each position in its row.
+    same_bncc: [B, Nc, C, C] bool, run_i == run_j: the intra-chunk matrices
+      A_kk and A_qk keep only same-run pairs (so (I + A_kk)^-1 is
+      block-diagonal by run).
+    carry_bnc: [B, Nc, C] bool, position i still belongs to the run live
+      before the chunk (no run starts in [chunk start, i]): only these rows
+      read the incoming state (the w_i S and q_i e^{G_i} S terms).
+    last_bnc: [B, Nc, C] bool, run_i == run of the chunk's last position:
+      only these rows write the state leaving the chunk, whose carried part
+      e^{G_last} S survives only when the last position carries it
+      (carry_bnc[..., -1]).
+  """
+  run_bnc: jax.Array
+  same_bncc: jax.Array
+  carry_bnc: jax.Array
+  last_bnc: jax.Array
+
+
+def run_index(segment_ids_bt: jax.Array) -> jax.Array:
+  """[B, T] int32 run index of each position in its row (0 for the first
+  run; +1 wherever the id differs from the previous position's)."""
+  ids = jnp.asarray(segment_ids_bt)
+  start_bt = jnp.concatenate([jnp.zeros_like(ids[:, :1], bool), ids[:, 1:] != ids[:, :-1]],
+                             axis=1)
+  return jnp.cumsum(start_bt, axis=1, dtype=jnp.int32)
+
+
+def run_masks(segment_ids_bt: jax.Array, chunk_size: int) -> RunMasks:
+  """The masks of `segment_ids_bt` [B, T] on the grid of ceil(T / C) chunks.
+
+  Padding positions past T continue the row's last run: they carry zero
+  gates and zero writes, so they leave its final state as it is.
+  """
+  run_bt = run_index(segment_ids_bt)
+  b, t_len = run_bt.shape
+  c = chunk_size
+  pad = (-t_len) % c
+  run_bt = jnp.pad(run_bt, ((0, 0), (0, pad)), mode="edge")
+  run_bnc = run_bt.reshape(b, -1, c)
+  # The run live before each chunk: that of the previous chunk's last
+  # position (run 0, the initial state's, before the first chunk).
+  before_bn = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), run_bnc[:, :-1, -1]], axis=1)
+  return RunMasks(run_bnc=run_bnc, same_bncc=run_bnc[..., :, None] == run_bnc[..., None, :],
+                  carry_bnc=run_bnc == before_bn[..., None],
+                  last_bnc=run_bnc == run_bnc[..., -1:])
