@@ -5,8 +5,7 @@ steps and shapes; only the number of steps, the run directory or a fault differ)
 2-core CPU compiling is most of such a run: its CPU time falls from ~18 s to ~7 s when the
 programs come from the cache. The cache lives in a directory of this test process, removed when
 it exits, so no run of the suite reads another's entries. The test process itself does not use
-it: its programs are compiled once per process anyway (and interpreted Pallas kernels, whose
-programs hold callbacks, could not be stored).
+it: within one process JAX already compiles each program once.
 
 A test whose subject is the compilation itself (a signal that arrives while it runs) starts its
 process without `env()`'s entries.
