@@ -13,6 +13,7 @@ import pytest
 from k3jax.train import cli_errors
 from k3jax.train import workdir_lock
 from k3jax.train.defaults import base_config
+from tests import compile_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "experiments", "train.py")
@@ -27,8 +28,11 @@ SHRUNK = ["--config.batch_size=8", "--config.seq_len=32", "--config.num_devices=
           "--config.model.first_layer_dense=False"]
 
 
-def _env(**extra):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+def _env(shared_cache: bool = True, **extra):
+  """The trainer's environment: the CPU, this checkout, no traceback, and (unless turned off) the
+  tests' shared compilation cache (tests/compile_cache.py)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+         **(compile_cache.env() if shared_cache else {})}
   env.pop(cli_errors.TRACEBACK_ENV, None)
   env.update(extra)
   return env

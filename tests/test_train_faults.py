@@ -172,9 +172,10 @@ def test_sigterm_while_compiling_exits_at_once(tmp_path):
   compile) ends the process within moments with EXIT_PREEMPTED, saving nothing and releasing the
   lock; it does not wait for the compilation to finish."""
   workdir = tmp_path / "run"
+  # Without the tests' compilation cache: the signal must arrive while the programs compile.
   proc = subprocess.Popen([sys.executable, TRAIN, _CONFIG, f"--workdir={workdir}", *SHRUNK,
                            "--config.num_steps=5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=_env(), cwd=ROOT)
+                          text=True, env=_env(shared_cache=False), cwd=ROOT)
   try:
     seen = []
     for line in proc.stderr:  # "model: ..." comes right before the compilations start
