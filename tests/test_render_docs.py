@@ -7,7 +7,8 @@ text a pixel apart, the decoded pixels must agree within a small tolerance
 (which cannot see a change below a pixel). Rendering is byte-reproducible
 within one installation, checked by rendering one figure twice. The pages reference
 every figure and every figure they reference exists. Each data file holds
-numbers that stand on its page (docs/benchmarks.md unless it names another).
+numbers that stand on its page (docs/benchmarks.md unless it names another), and a
+page's `<!-- data:NAME -->` tables are what docs/data/NAME.json renders to.
 """
 import json
 import os
@@ -112,6 +113,21 @@ def test_benchmark_data_holds_the_page_numbers(name):
   assert data["command"] if "command" in data else all(data[k]["command"] for k in ("layer", "profile"))
   missing = [x for x in _numbers(data) if not re.search(rf"(?<![\d.]){re.escape(repr(x))}0*(?!\d)", page)]
   assert missing == [], f"{name}: numbers not on the page: {missing}"
+
+
+def test_page_tables_are_rendered_from_the_data():
+  """Every `<!-- data:NAME -->` table is what docs/data/NAME.json renders to, and each registered
+  table stands on a page."""
+  shown = set()
+  for page in render_docs.PAGES:
+    text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+    assert render_docs.render_page_tables(text) == text, f"run `python experiments/render_docs.py`: {page}"
+    shown |= set(re.findall(r"<!-- data:([a-z0-9_]+) -->", text))
+  assert shown == set(render_docs.PAGE_TABLES)
+  edited = render_docs.render_page_tables("<!-- data:kda_decode -->\n| stale |\n<!-- /data -->")
+  assert "| stale |" not in edited and "| 8 | 4 | 66.1 | 37.0 | 45.9 | **28.7** |" in edited
+  with pytest.raises(ValueError, match="no page table 'nope'"):
+    render_docs.render_page_tables("<!-- data:nope -->\n<!-- /data -->")
 
 
 @pytest.mark.parametrize("name", render_docs.NOTEBOOKS)
