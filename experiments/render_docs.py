@@ -2,7 +2,8 @@
 
   python experiments/render_docs.py                    # docs/figures/*.png and the pages' data tables
   python experiments/render_docs.py --out=/tmp/figs    # the figures elsewhere (the CI test compares the two)
-  python experiments/render_docs.py --notebooks=docs/notebooks   # also the executed ablation notebooks
+  python experiments/render_docs.py --notebooks=docs/notebooks   # also the executed ablation notebooks + HTML
+  python experiments/render_docs.py --html=docs/notebooks         # the HTML copies of the executed ones only
 
 Inputs, all in the repository: the ablation summaries under docs/results/
 (their per-step curves from docs/results/ablation_runs.tar.gz) and the
@@ -15,6 +16,7 @@ PNG's only metadata names that version).
 import argparse
 import base64
 import contextlib
+import glob
 import io
 import json
 import os
@@ -643,8 +645,51 @@ def _portable(book):
   return book
 
 
+# The HTML copies' own style (nbconvert's "basic" template writes no CSS; its "lab" one adds 290 KB).
+_HTML_CSS = """
+body { font-family: sans-serif; max-width: 1000px; margin: 2em auto; padding: 0 1em; line-height: 1.4; }
+.input_area { background: #f7f7f7; border: 1px solid #ddd; padding: 0.3em 0.6em; overflow-x: auto; }
+.prompt, .anchor-link { display: none; }
+pre { margin: 0; white-space: pre-wrap; }
+.output_area { margin: 0.4em 0 1.2em; }
+table { border-collapse: collapse; font-size: 90%; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; }
+img { max-width: 100%; }
+"""
+
+
+def html_generator() -> str:
+  """The versions the HTML depends on, written into each copy (the test compares bytes when they match)."""
+  import mistune  # pylint: disable=import-outside-toplevel  (nbconvert's dependencies)
+  import nbconvert  # pylint: disable=import-outside-toplevel
+  import pygments  # pylint: disable=import-outside-toplevel
+  return f"nbconvert {nbconvert.__version__}, mistune {mistune.__version__}, pygments {pygments.__version__}"
+
+
+def notebook_html(book, title: str) -> str:
+  """A standalone HTML page of an executed notebook: its cells and outputs (PNGs inline), small CSS."""
+  import nbconvert  # optional: the `notebooks` and `test` extras
+  from pygments.formatters import HtmlFormatter  # pylint: disable=import-outside-toplevel
+  body, _ = nbconvert.HTMLExporter(template_name="basic").from_notebook_node(book)
+  css = HtmlFormatter().get_style_defs(".highlight") + _HTML_CSS
+  return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+          f'<meta name="generator" content="{html_generator()}">\n<title>{title}</title>\n'
+          f"<style>\n{css}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
+
+
+def write_html(ipynb_path: str) -> str:
+  """Writes the HTML copy of an executed notebook beside it; returns its path."""
+  import nbformat  # optional: the `notebooks` extra
+  path = os.path.splitext(ipynb_path)[0] + ".html"
+  name = os.path.basename(os.path.splitext(ipynb_path)[0])
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(notebook_html(nbformat.read(ipynb_path, as_version=4), f"{name} (executed on docs/results)"))
+  return path
+
+
 def render_notebooks(out_dir: str) -> list[str]:
-  """Executed copies of the ablation notebooks (GitHub shows their tables and figures) in `out_dir`."""
+  """Executed copies of the ablation notebooks (GitHub shows their tables and figures) in `out_dir`,
+  each with an HTML copy beside it."""
   import nbformat  # optional: the `notebooks` extra
   os.makedirs(out_dir, exist_ok=True)
   paths = []
@@ -654,7 +699,7 @@ def render_notebooks(out_dir: str) -> list[str]:
     for name in NOTEBOOKS:
       path = os.path.join(out_dir, f"{name}.ipynb")
       nbformat.write(execute_notebook(name, runs_dir), path)
-      paths.append(path)
+      paths += [path, write_html(path)]
   return paths
 
 
@@ -664,13 +709,17 @@ def main(argv=None) -> None:
   parser.add_argument("--only", default="", help="comma-separated figure file names (default: all)")
   parser.add_argument("--notebooks", default="", metavar="DIR",
                       help="also write the ablation notebooks, executed on the committed results, into DIR "
-                           "(docs/notebooks; needs the `notebooks` extra)")
+                           "(docs/notebooks; needs the `notebooks` extra), each with an HTML copy")
+  parser.add_argument("--html", default="", metavar="DIR",
+                      help="only write the HTML copies of the executed notebooks already in DIR")
   args = parser.parse_args(argv)
   paths = render(args.out, [n for n in args.only.split(",") if n] or None)
   if not args.only and args.out == parser.get_default("out"):
     paths += render_pages()
   if args.notebooks:
     paths += render_notebooks(args.notebooks)
+  elif args.html:
+    paths += [write_html(p) for p in sorted(glob.glob(os.path.join(args.html, "*.ipynb")))]
   for path in paths:
     print(f"{path}  {os.path.getsize(path) / 1024:.0f} KB")
 

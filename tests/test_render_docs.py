@@ -150,3 +150,24 @@ def test_executed_notebooks_are_the_committed_ones_run_on_the_results(name):
   assert ROOT not in text and os.path.getsize(path) < 150_000
   readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
   assert f"docs/notebooks/{name}.ipynb" in readme
+
+
+@pytest.mark.parametrize("name", render_docs.NOTEBOOKS)
+def test_html_copies_are_the_executed_notebooks(name):
+  """docs/notebooks/NAME.html is the HTML of the committed executed notebook: byte for byte under the
+  nbconvert, mistune and pygments versions it names, else it holds every figure of the notebook."""
+  nbformat = pytest.importorskip("nbformat")
+  pytest.importorskip("nbconvert")
+  base = os.path.join(ROOT, "docs", "notebooks", name)
+  html = open(f"{base}.html", encoding="utf-8").read()
+  book = nbformat.read(f"{base}.ipynb", as_version=4)
+  named = re.search(r'<meta name="generator" content="([^"]+)">', html).group(1)
+  if named == render_docs.html_generator():
+    assert html == render_docs.notebook_html(book, f"{name} (executed on docs/results)"), \
+        "run `python experiments/render_docs.py --html=docs/notebooks`"
+  images = [o.data["image/png"] for c in book.cells if c.cell_type == "code" for o in c.outputs
+            if "image/png" in o.get("data", {})]
+  assert images and all(f"data:image/png;base64,{png}" in html for png in images)
+  assert ROOT not in html and "<script" not in html and len(html) < 150_000
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  assert f"docs/notebooks/{name}.html" in readme
