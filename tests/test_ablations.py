@@ -342,3 +342,5 @@ def test_committed_results_page_matches_its_summary():
     page = f.read()
   assert summary.render_tables(page, data) == page
   assert not data.get("missing") and len(data["runs"]) == 54
+  documents = summary.read_summary(os.path.join(root, "docs", "results", "documents_summary.json"))
+  assert summary.documents_table(summary.records_of(documents, "documents")) in page
