@@ -348,8 +348,8 @@ def head_widths_figure():
   bars = _grouped_bars(ax, ratios)
   for label, prefix in (("96 without padding (now)", ""), ("96 padded to 128 (before)", "before_")):
     ax.bar_label(bars[label], [f"{q:.2f}x" for q in ratios[label]], fontsize=7)
-    ax.bar_label(bars[label], [f"{narrow[prefix + p]:.3f} ms\nagainst\n{base[prefix + p]:.3f}" for p, _ in parts],
-                 label_type="center", fontsize=7, color="w")
+    ax.bar_label(bars[label], [f"{narrow[prefix + p]:.3f} ms\nagainst\n{base[prefix + p]:.3f}"
+                               for p, _ in parts], label_type="center", fontsize=7, color="w")
   ax.axhline(1, color="k", lw=1, label="K = V = 128 (same call)")
   ax.axhline(0.85, color="k", lw=1, ls="--", label="target: 0.85x")
   ax.set_xticks(range(len(parts)), [label for _, label in parts])
@@ -405,12 +405,13 @@ def decode_figure():
     t_new = [r["T_new"] for r in mine]
     for key, label in data["impls"].items():
       ax.plot(t_new, _column(mine, key), marker="o", label=label)
-    ax.plot([4], [data["roofline_4_tokens_us"][str(b)]], "k_", ms=14, mew=2, label="state roofline (4 tokens)")
+    ax.plot([4], [data["roofline_4_tokens_us"][str(b)]], "k_", ms=14, mew=2,
+            label="state roofline (4 tokens)")
     for r in mine:
       for i, key in enumerate(data["impls"]):
         if r[key] is None:
-          ax.annotate(f"{data['impls'][key]}: timed out", (r["T_new"], r["fused"]), textcoords="offset points",
-                      xytext=(-4, -14), ha="right", fontsize=7, color=f"C{i}")
+          ax.annotate(f"{data['impls'][key]}: timed out", (r["T_new"], r["fused"]),
+                      textcoords="offset points", xytext=(-4, -14), ha="right", fontsize=7, color=f"C{i}")
     ax.set(xscale="log", yscale="log", title=f"B = {b}", xlabel="tokens decoded per step (T_new)")
     ax.set_xticks(t_new, [str(t) for t in t_new])
   axes[0].set_ylabel("time per step (us, log scale)")
@@ -433,8 +434,8 @@ def trainer_figure():
       ax.plot([i, i], r["ktokens_per_s"], "k.", ms=5, label="steps 11-20, 21-30" if i == 0 else None)
     ax.bar_label(bars, [" / ".join(f"{x:.1f}k" for x in r["ktokens_per_s"]) + "\nMFU "
                         + " / ".join(f"{x:.1f}%" for x in r["mfu_pct"]) for r in mine], fontsize=7)
-    ax.set_xticks(range(len(mine)), [{"buffered": "buffered\n(capacity 1.25)",
-                                      "dropless": "dropless\n(our grouped matmuls)"}[r["path"]] for r in mine])
+    names = {"buffered": "buffered\n(capacity 1.25)", "dropless": "dropless\n(our grouped matmuls)"}
+    ax.set_xticks(range(len(mine)), [names[r["path"]] for r in mine])
     ax.set(title=f"{config} ({mine[0]['params']})", ylabel="training tokens/s (thousands)",
            ylim=(0, max(means) * 1.25))
     ax.legend(loc="lower right")
@@ -517,7 +518,8 @@ def head_widths_table(data: dict) -> str:
     if r is base:
       rows.append([str(r["K"]), now, "1", before])
     else:
-      ratio = lambda prefix: " / ".join(f"{r[prefix + p] / base[prefix + p]:.2f}x" for p in ("fwd_ms", "fwdbwd_ms"))
+      ratio = lambda prefix: " / ".join(f"{r[prefix + p] / base[prefix + p]:.2f}x"
+                                        for p in ("fwd_ms", "fwdbwd_ms"))
       rows.append([str(r["K"]), now, ratio(""), f"{before} ({ratio('before_')})"])
   return _table(["K = V", "fwd / fwd+bwd ms", "against 128", "before (pad to 128)"], rows)
 

@@ -20,8 +20,9 @@ Then, in the checkout: copy the summary to docs/results/ablations_summary.json a
   python experiments/run_ablations.py --render_only --summary=docs/results/ablations_summary.json \
       --results_page=docs/results.md
 
-(the page shows the findings' tables; `--render_only --summary=...` without `--results_page` prints every
-table of the summary, every column and task; extract the archive into runs/ablations_full for the notebooks' curves in the "full" setting).
+(the page shows the findings' tables; `--render_only --summary=...` without `--results_page`
+prints every table of the summary, every column and task; extract the archive into
+runs/ablations_full for the notebooks' curves in the "full" setting).
 If a call was cut off (the summary lists `missing` runs), a second call on a fresh machine with
 `--merge_summary=<first summary>` runs only the missing ones and writes one combined summary.
 """

@@ -5,7 +5,8 @@ executed copy holding the tables and figures. The `full` setting then runs on a 
 those quick runs, in the same kernel as the quick pass where that pass was not the README's
 command (a kernel start and the imports saved); every `full` run in a kernel of its own is
 `test_notebook_renders_the_committed_gpu_results`. The quick runs are tiny, so their time is
-XLA's compile time: the kernels compile with JAX_DISABLE_MOST_OPTIMIZATIONS (a third less CPU).
+XLA's compile time: the kernels compile with JAX_DISABLE_MOST_OPTIMIZATIONS (a third less CPU
+for the runs).
 """
 import glob
 import json

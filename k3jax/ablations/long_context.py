@@ -473,7 +473,8 @@ def length_table(records: list[dict]) -> str:
                         for t in lengths]
     rows.append([variant, str(len(rs))]
                 + [summary_lib.fmt(e["loss"] for e in evals if e["seq_len"] == t) for t in lengths]
-                + [str(sum(e["nonfinite_logits"] for e in evals)), f"{max(e['max_abs_logit'] for e in evals):.1f}"])
+                + [str(sum(e["nonfinite_logits"] for e in evals)),
+                   f"{max(e['max_abs_logit'] for e in evals):.1f}"])
   return summary_lib.table(["variant", "seeds"] + header + ["non-finite logits", "max abs logit"], rows)
 
 

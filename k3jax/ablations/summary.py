@@ -160,7 +160,8 @@ def decay_arm_table(records: list[dict]) -> str:
     text = [r for r in rs if r["task"] != "mqar"]
     mults = sorted({int(m) for r in rs for m in (r.get("lengths") or {})})
     rows.append([variant, str(len(text) or len(mqar)),
-                 fmt(get(r, "lengths.1.accuracy") for r in mqar), fmt(get(r, "lengths.16.accuracy") for r in mqar),
+                 fmt(get(r, "lengths.1.accuracy") for r in mqar),
+                 fmt(get(r, "lengths.16.accuracy") for r in mqar),
                  fmt(get(r, "lengths.1.bpb") for r in text), fmt(get(r, "lengths.16.bpb") for r in text),
                  "yes" if all(get(r, f"lengths.{m}.finite") == 1.0 for r in rs for m in mults) else "**no**",
                  f"{max(get(r, f'lengths.{max(mults)}.max_abs_logit') for r in rs):.1f}" if mults else "n/a"])
