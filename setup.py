@@ -41,12 +41,14 @@ setup(
     ],
     extras_require={
         # nbclient/ipykernel/matplotlib: tests/test_notebooks.py executes the ablation notebooks;
+        # nbconvert: tests/test_render_docs.py checks their HTML copies;
         # sentencepiece/pyarrow: the tokenizer and prepared-data tests cover the optional inputs;
         # lm_eval: tests/test_evaluate.py runs the bundled tasks.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "nbclient>=0.10",
-                 "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8", "sentencepiece", "pyarrow",
-                 _LM_EVAL],
-        "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.10", "ipykernel", "matplotlib>=3.8"],
+                 "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8", "nbconvert>=7.16",
+                 "sentencepiece", "pyarrow", _LM_EVAL],
+        "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.10", "nbconvert>=7.16", "ipykernel",
+                      "matplotlib>=3.8"],
         # Optional inputs of experiments/prepare_data.py: sentencepiece .model tokenizers, parquet files.
         "data": ["sentencepiece", "pyarrow"],
         # experiments/evaluate.py. lm-eval's model backends (torch, transformers) are its own

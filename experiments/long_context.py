@@ -69,7 +69,8 @@ flags.DEFINE_integer("decode_prefill_x", 0, "--runs: prefill this many training 
 flags.DEFINE_integer("decode_new", 256, "--runs: tokens decoded after the prefill.")
 flags.DEFINE_string("summary", None, "Summary JSON to write (default: <out>/long_context_summary.json).")
 flags.DEFINE_string("results_page", None, "Markdown page whose `<!-- long:NAME -->` tables are rendered.")
-flags.DEFINE_bool("render_only", False, "Only render --results_page from --summary.")
+flags.DEFINE_bool("render_only", False, "Only print the tables of --summary (every one, every column) "
+                  "and render --results_page if given.")
 flags.DEFINE_list("combine", [], "Summaries of earlier calls (e.g. one per arm, each evaluated with "
                   "--runs in the call that trained it) to combine into --summary (later files win per "
                   "run); then print the tables and render --results_page.")
@@ -133,8 +134,8 @@ def main(argv):
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # no per-step trainer lines unless asked for
   if FLAGS.render_only:
-    if not FLAGS.summary or not FLAGS.results_page:
-      raise app.UsageError("--render_only needs --summary and --results_page")
+    if not FLAGS.summary:
+      raise app.UsageError("--render_only needs --summary")
     summary = summary_lib.read_summary(FLAGS.summary)
   elif FLAGS.combine:
     if not FLAGS.summary or FLAGS.runs or FLAGS.out:

@@ -1,21 +1,26 @@
 """Renders the figures of the results and benchmark pages from the committed data.
 
-  python experiments/render_docs.py                    # writes docs/figures/*.png
-  python experiments/render_docs.py --out=/tmp/figs    # elsewhere (the CI test compares the two)
-  python experiments/render_docs.py --notebooks=docs/notebooks   # also the executed ablation notebooks
+  python experiments/render_docs.py                    # docs/figures/*.png and the pages' data tables
+  python experiments/render_docs.py --out=/tmp/figs    # the figures elsewhere (the CI test compares the two)
+  python experiments/render_docs.py --notebooks=docs/notebooks   # also the executed ablation notebooks + HTML
+  python experiments/render_docs.py --html=docs/notebooks         # the HTML copies of the executed ones only
 
 Inputs, all in the repository: the ablation summaries under docs/results/
 (their per-step curves from docs/results/ablation_runs.tar.gz) and the
-benchmark tables transcribed into docs/data/*.json. Nothing is measured here.
+benchmark tables in docs/data/*.json. Nothing is measured here. A page's
+`<!-- data:NAME -->` block is the table of docs/data/NAME.json (PAGE_TABLES),
+rewritten when the figures go to docs/figures.
 The output is byte-reproducible for one matplotlib version (fixed style; the
 PNG's only metadata names that version).
 """
 import argparse
 import base64
 import contextlib
+import glob
 import io
 import json
 import os
+import re
 import sys
 import tarfile
 import tempfile
@@ -331,6 +336,113 @@ def _layer_by_shape(ax, rows: list[dict]):
   ax.legend(loc="upper left")
 
 
+@figure("kda_head_widths.png")
+def head_widths_figure():
+  """K = V = 96 against 128 in the same call, unpadded now and padded to 128 before."""
+  data = _read_json("kda_head_widths.json")
+  narrow, base = (next(r for r in data["rows"] if r["K"] == k) for k in (96, 128))
+  parts = [("fwd_ms", "forward"), ("fwdbwd_ms", "forward + backward")]
+  ratios = {"96 without padding (now)": [narrow[p] / base[p] for p, _ in parts],
+            "96 padded to 128 (before)": [narrow[f"before_{p}"] / base[f"before_{p}"] for p, _ in parts]}
+  fig, ax = plt.subplots(figsize=(6, 3.2))
+  bars = _grouped_bars(ax, ratios)
+  for label, prefix in (("96 without padding (now)", ""), ("96 padded to 128 (before)", "before_")):
+    ax.bar_label(bars[label], [f"{q:.2f}x" for q in ratios[label]], fontsize=7)
+    ax.bar_label(bars[label], [f"{narrow[prefix + p]:.3f} ms\nagainst\n{base[prefix + p]:.3f}"
+                               for p, _ in parts], label_type="center", fontsize=7, color="w")
+  ax.axhline(1, color="k", lw=1, label="K = V = 128 (same call)")
+  ax.axhline(0.85, color="k", lw=1, ls="--", label="target: 0.85x")
+  ax.set_xticks(range(len(parts)), [label for _, label in parts])
+  ax.set(title=f"K = V = 96 against 128 ({data['shape'].split(',')[0]}, bf16)",
+         ylabel="time relative to K = V = 128", ylim=(0, 1.75))
+  ax.legend(loc="upper center", ncols=2)
+  fig.tight_layout()
+  return fig
+
+
+@figure("kda_long_sequences.png")
+def long_sequences_figure():
+  """Forward+backward time and compiled memory against T, segmented (default) and as one call."""
+  rows = _read_json("kda_long_sequences.json")["rows"]
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+  t = np.array([r["T"] for r in rows], float)
+  for key, label, marker in (("default", "default (segments above 8 GiB of residuals)", "o"),
+                             ("whole", "whole sequence as one call", "s")):
+    ms = [r[key]["ms"] if r[key] and "ms" in r[key] else np.nan for r in rows]
+    gib = [r[key]["gib"] if r[key] and "gib" in r[key] else np.nan for r in rows]
+    axes[0].plot(t, ms, marker=marker, label=label)
+    axes[1].plot(t, gib, marker=marker, label=label)
+  first = rows[0]["default"]["ms"]
+  axes[0].plot(t, first * t / t[0], "k:", lw=1, label="linear in T from 32k")
+  for r in rows:
+    if r["segments"] > 1:
+      axes[0].annotate(f"{r['segments']} segments", (r["T"], r["default"]["ms"]), textcoords="offset points",
+                       xytext=(-8, 2), ha="right", va="bottom", fontsize=7)
+    if r["whole"] and "out_of_memory_gib_asked" in r["whole"]:
+      axes[1].annotate(f"whole: out of memory\n({r['whole']['out_of_memory_gib_asked']} GiB asked)",
+                       (r["T"], r["default"]["gib"]), textcoords="offset points", xytext=(-6, -28),
+                       ha="right", fontsize=7)
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(t, [f"{int(x) // 1024}k" for x in t])
+    ax.set_xlabel("sequence length T (tokens; B1 H16 K = V = 128, bf16)")
+  axes[0].set(yscale="log", ylabel="forward + backward time (ms, log scale)", title="forward + backward time",
+              ylim=(None, 2 * max(r["default"]["ms"] for r in rows)))
+  axes[1].set(ylabel="compiled memory (GiB)", title="memory (XLA memory_analysis)")
+  axes[0].legend(loc="lower right")
+  fig.tight_layout()
+  return fig
+
+
+@figure("kda_decode.png")
+def decode_figure():
+  """Microseconds per decode step against the tokens a step decodes, by implementation and batch."""
+  data = _read_json("kda_decode.json")
+  rows = data["rows"]
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+  for ax, b in zip(axes, sorted({r["B"] for r in rows})):
+    mine = [r for r in rows if r["B"] == b]
+    t_new = [r["T_new"] for r in mine]
+    for key, label in data["impls"].items():
+      ax.plot(t_new, _column(mine, key), marker="o", label=label)
+    ax.plot([4], [data["roofline_4_tokens_us"][str(b)]], "k_", ms=14, mew=2,
+            label="state roofline (4 tokens)")
+    for r in mine:
+      for i, key in enumerate(data["impls"]):
+        if r[key] is None:
+          ax.annotate(f"{data['impls'][key]}: timed out", (r["T_new"], r["fused"]),
+                      textcoords="offset points", xytext=(-4, -14), ha="right", fontsize=7, color=f"C{i}")
+    ax.set(xscale="log", yscale="log", title=f"B = {b}", xlabel="tokens decoded per step (T_new)")
+    ax.set_xticks(t_new, [str(t) for t in t_new])
+  axes[0].set_ylabel("time per step (us, log scale)")
+  axes[0].legend(loc="upper left")
+  fig.tight_layout()
+  return fig
+
+
+@figure("trainer.png")
+def trainer_figure():
+  """Training tokens/s of the GPU presets, buffered against dropless MoE, with the MFU."""
+  rows = _read_json("trainer.json")["rows"]
+  configs = list(dict.fromkeys(r["config"] for r in rows))
+  fig, axes = plt.subplots(1, len(configs), figsize=(8, 3.2))
+  for ax, config in zip(axes, configs):
+    mine = [r for r in rows if r["config"] == config]
+    means = [np.mean(r["ktokens_per_s"]) for r in mine]
+    bars = ax.bar(range(len(mine)), means, 0.6, color=[f"C{i}" for i in range(len(mine))])
+    for i, r in enumerate(mine):
+      ax.plot([i, i], r["ktokens_per_s"], "k.", ms=5, label="steps 11-20, 21-30" if i == 0 else None)
+    ax.bar_label(bars, [" / ".join(f"{x:.1f}k" for x in r["ktokens_per_s"]) + "\nMFU "
+                        + " / ".join(f"{x:.1f}%" for x in r["mfu_pct"]) for r in mine], fontsize=7)
+    names = {"buffered": "buffered\n(capacity 1.25)", "dropless": "dropless\n(our grouped matmuls)"}
+    ax.set_xticks(range(len(mine)), [names[r["path"]] for r in mine])
+    ax.set(title=f"{config} ({mine[0]['params']})", ylabel="training tokens/s (thousands)",
+           ylim=(0, max(means) * 1.25))
+    ax.legend(loc="lower right")
+  fig.tight_layout()
+  return fig
+
+
 def render(out_dir: str, names: list[str] | None = None) -> list[str]:
   """Writes the figures (all, or `names`) into `out_dir`; returns their paths."""
   os.makedirs(out_dir, exist_ok=True)
@@ -372,6 +484,114 @@ def pipeline_bytes_figure():
   ax.legend(loc="upper left")
   fig.tight_layout()
   return fig
+
+
+# -- page tables ---------------------------------------------------------------------------
+
+# {data file stem: function writing its markdown table}, filled by @page_table; the table stands on
+# the page between `<!-- data:NAME -->` and `<!-- /data -->`.
+PAGE_TABLES: dict[str, Callable[[dict], str]] = {}
+PAGES = ("docs/benchmarks.md",)
+_DATA_MARK = re.compile(r"(<!-- data:(?P<name>[a-z0-9_]+) -->\n)(.*?)(<!-- /data -->)", re.S)
+
+
+def page_table(name: str):
+  """Registers the function rendering docs/data/<name>.json as a page table."""
+  def register(fn):
+    PAGE_TABLES[name] = fn
+    return fn
+  return register
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+@page_table("kda_head_widths")
+def head_widths_table(data: dict) -> str:
+  base = next(r for r in data["rows"] if r["K"] == 128)
+  rows = []
+  for r in data["rows"]:
+    now = f"{r['fwd_ms']:.3f} / {r['fwdbwd_ms']:.3f}"
+    before = f"{r['before_fwd_ms']:.3f} / {r['before_fwdbwd_ms']:.3f}"
+    if r is base:
+      rows.append([str(r["K"]), now, "1", before])
+    else:
+      ratio = lambda prefix: " / ".join(f"{r[prefix + p] / base[prefix + p]:.2f}x"
+                                        for p in ("fwd_ms", "fwdbwd_ms"))
+      rows.append([str(r["K"]), now, ratio(""), f"{before} ({ratio('before_')})"])
+  return _table(["K = V", "fwd / fwd+bwd ms", "against 128", "before (pad to 128)"], rows)
+
+
+@page_table("kda_long_sequences")
+def long_sequences_table(data: dict) -> str:
+  def cell(entry):
+    if not entry:
+      return ""
+    if "out_of_memory_gib_asked" in entry:
+      return f"out of memory ({entry['out_of_memory_gib_asked']} GiB asked, call {entry['call']})"
+    return f"{entry['ms']:.2f} / {entry['gib']:.2f} (call {entry['call']})"
+  rows = []
+  for r in data["rows"]:
+    default = cell(r["default"])
+    if r.get("default_again"):
+      default += f", {r['default_again']['ms']:.2f} (call {r['default_again']['call']})"
+    rows.append([str(r["T"]), f"{r['residuals_gib']:.2f}", str(r["segments"]), default, cell(r["whole"]),
+                 "yes" if r["finite"] else "**no**"])
+  return _table(["T", "residuals GiB", "default segments", "default ms / compiled GiB",
+                 "whole ms / compiled GiB", "outputs finite"], rows)
+
+
+@page_table("kda_decode")
+def decode_table(data: dict) -> str:
+  """Microseconds per step, the fastest of each row in bold."""
+  def us(x):
+    return "" if x is None else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+  rows = []
+  for r in data["rows"]:
+    fastest = min((r[k] for k in data["impls"] if r[k] is not None))
+    rows.append([str(r["B"]), str(r["T_new"])] + [f"**{us(r[k])}**" if r[k] == fastest else us(r[k])
+                                                  for k in data["impls"]])
+  return _table(["B", "T_new", *data["impls"].values()], rows)
+
+
+@page_table("trainer")
+def trainer_table(data: dict) -> str:
+  rows, seen = [], set()
+  for r in data["rows"]:
+    name = (f"`{r['config']}` ({r['params']}), buffered (capacity 1.25)" if r["config"] not in seen
+            else "the same, dropless through our kernels")
+    seen.add(r["config"])
+    rows.append([name, ", ".join(f"{x:.1f}k" for x in r["ktokens_per_s"]),
+                 ", ".join(f"{x:.1f}%" for x in r["mfu_pct"]),
+                 "" if r["loss_step30"] is None else f"{r['loss_step30']:.3f}"])
+  return _table(["config", "tokens/s", "MFU", "loss at step 30"], rows)
+
+
+def render_page_tables(markdown: str) -> str:
+  """`markdown` with every `<!-- data:NAME -->...<!-- /data -->` block rendered from docs/data/NAME.json."""
+  def table_for(m):
+    name = m.group("name")
+    if name not in PAGE_TABLES:
+      raise ValueError(f"no page table {name!r}; known: {sorted(PAGE_TABLES)}")
+    return m.group(1) + PAGE_TABLES[name](_read_json(f"{name}.json")) + "\n" + m.group(4)
+  return _DATA_MARK.sub(table_for, markdown)
+
+
+def render_pages() -> list[str]:
+  """Rewrites the data tables of PAGES in place; returns the pages that changed."""
+  changed = []
+  for page in PAGES:
+    path = os.path.join(ROOT, page)
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+    new = render_page_tables(text)
+    if new != text:
+      with open(path, "w", encoding="utf-8") as f:
+        f.write(new)
+      changed.append(path)
+  return changed
 
 
 NOTEBOOKS = ("decay_ablation", "router_ablation", "residual_ablation")
@@ -427,8 +647,51 @@ def _portable(book):
   return book
 
 
+# The HTML copies' own style (nbconvert's "basic" template writes no CSS; its "lab" one adds 290 KB).
+_HTML_CSS = """
+body { font-family: sans-serif; max-width: 1000px; margin: 2em auto; padding: 0 1em; line-height: 1.4; }
+.input_area { background: #f7f7f7; border: 1px solid #ddd; padding: 0.3em 0.6em; overflow-x: auto; }
+.prompt, .anchor-link { display: none; }
+pre { margin: 0; white-space: pre-wrap; }
+.output_area { margin: 0.4em 0 1.2em; }
+table { border-collapse: collapse; font-size: 90%; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; }
+img { max-width: 100%; }
+"""
+
+
+def html_generator() -> str:
+  """The versions the HTML depends on, written into each copy (the test compares bytes when they match)."""
+  import mistune  # pylint: disable=import-outside-toplevel  (nbconvert's dependencies)
+  import nbconvert  # pylint: disable=import-outside-toplevel
+  import pygments  # pylint: disable=import-outside-toplevel
+  return f"nbconvert {nbconvert.__version__}, mistune {mistune.__version__}, pygments {pygments.__version__}"
+
+
+def notebook_html(book, title: str) -> str:
+  """A standalone HTML page of an executed notebook: its cells and outputs (PNGs inline), small CSS."""
+  import nbconvert  # optional: the `notebooks` and `test` extras
+  from pygments.formatters import HtmlFormatter  # pylint: disable=import-outside-toplevel
+  body, _ = nbconvert.HTMLExporter(template_name="basic").from_notebook_node(book)
+  css = HtmlFormatter().get_style_defs(".highlight") + _HTML_CSS
+  return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+          f'<meta name="generator" content="{html_generator()}">\n<title>{title}</title>\n'
+          f"<style>\n{css}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n")
+
+
+def write_html(ipynb_path: str) -> str:
+  """Writes the HTML copy of an executed notebook beside it; returns its path."""
+  import nbformat  # optional: the `notebooks` extra
+  path = os.path.splitext(ipynb_path)[0] + ".html"
+  name = os.path.basename(os.path.splitext(ipynb_path)[0])
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(notebook_html(nbformat.read(ipynb_path, as_version=4), f"{name} (executed on docs/results)"))
+  return path
+
+
 def render_notebooks(out_dir: str) -> list[str]:
-  """Executed copies of the ablation notebooks (GitHub shows their tables and figures) in `out_dir`."""
+  """Executed copies of the ablation notebooks (GitHub shows their tables and figures) in `out_dir`,
+  each with an HTML copy beside it."""
   import nbformat  # optional: the `notebooks` extra
   os.makedirs(out_dir, exist_ok=True)
   paths = []
@@ -438,7 +701,7 @@ def render_notebooks(out_dir: str) -> list[str]:
     for name in NOTEBOOKS:
       path = os.path.join(out_dir, f"{name}.ipynb")
       nbformat.write(execute_notebook(name, runs_dir), path)
-      paths.append(path)
+      paths += [path, write_html(path)]
   return paths
 
 
@@ -448,11 +711,17 @@ def main(argv=None) -> None:
   parser.add_argument("--only", default="", help="comma-separated figure file names (default: all)")
   parser.add_argument("--notebooks", default="", metavar="DIR",
                       help="also write the ablation notebooks, executed on the committed results, into DIR "
-                           "(docs/notebooks; needs the `notebooks` extra)")
+                           "(docs/notebooks; needs the `notebooks` extra), each with an HTML copy")
+  parser.add_argument("--html", default="", metavar="DIR",
+                      help="only write the HTML copies of the executed notebooks already in DIR")
   args = parser.parse_args(argv)
   paths = render(args.out, [n for n in args.only.split(",") if n] or None)
+  if not args.only and args.out == parser.get_default("out"):
+    paths += render_pages()
   if args.notebooks:
     paths += render_notebooks(args.notebooks)
+  elif args.html:
+    paths += [write_html(p) for p in sorted(glob.glob(os.path.join(args.html, "*.ipynb")))]
   for path in paths:
     print(f"{path}  {os.path.getsize(path) / 1024:.0f} KB")
 

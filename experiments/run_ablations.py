@@ -20,7 +20,9 @@ Then, in the checkout: copy the summary to docs/results/ablations_summary.json a
   python experiments/run_ablations.py --render_only --summary=docs/results/ablations_summary.json \
       --results_page=docs/results.md
 
-(extract the archive into runs/ablations_full for the notebooks' curves in the "full" setting).
+(the page shows the findings' tables; `--render_only --summary=...` without `--results_page`
+prints every table of the summary, every column and task; extract the archive into
+runs/ablations_full for the notebooks' curves in the "full" setting).
 If a call was cut off (the summary lists `missing` runs), a second call on a fresh machine with
 `--merge_summary=<first summary>` runs only the missing ones and writes one combined summary.
 """
@@ -68,7 +70,8 @@ flags.DEFINE_string("merge_summary", None, "An earlier summary.json (e.g. from a
 flags.DEFINE_string("summary", None, "Where to write summary.json (default: <out>/summary.json).")
 flags.DEFINE_string("results_page", None, "Markdown page whose tables are rendered from the summary "
                     "(e.g. docs/results.md).")
-flags.DEFINE_bool("render_only", False, "Only render --results_page from --summary.")
+flags.DEFINE_bool("render_only", False, "Only render --results_page from --summary (without "
+                  "--results_page: print every full table of --summary).")
 flags.DEFINE_list("combine", [], "Summaries of earlier calls (e.g. a sweep finished in parts) to "
                   "combine into --summary (later files win per run); then render --results_page.")
 flags.DEFINE_list("set", [], "Config overrides added to every run's base overrides (a variant's "
@@ -249,8 +252,11 @@ def main(argv):
       print(f"rendered {FLAGS.results_page}")
     return
   if FLAGS.render_only:
-    if not (summary_path and FLAGS.results_page):
-      raise app.UsageError("--render_only needs --summary and --results_page")
+    if not summary_path:
+      raise app.UsageError("--render_only needs --summary")
+    if not FLAGS.results_page:
+      print(summary_lib.tables_text(summary_lib.read_summary(summary_path)))
+      return
     summary_lib.update_results_page(FLAGS.results_page, summary_path)
     print(f"rendered {FLAGS.results_page} from {summary_path}")
     return

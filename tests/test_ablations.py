@@ -315,6 +315,25 @@ def test_combine_summaries_fills_missing_runs():
     summary.combine_summaries([first, summary.make_summary([], setting="quick")])
 
 
+def test_decay_arm_table_puts_both_tasks_of_a_gate_on_one_row():
+  records = []
+  for seed, (acc, bpb, finite) in enumerate([(0.9, 1.8, 1.0), (0.7, 2.0, 1.0)]):
+    for task, metric, value in (("mqar", "accuracy", acc), ("bytes", "bpb", bpb)):
+      lengths = {str(m): {metric: value / m, "finite": finite if task == "bytes" or seed == 0 else 0.0,
+                          "max_abs_logit": 10.0 + seed + m} for m in (1, 4, 16)}
+      records.append({"key": f"decay/softplus/{task}/seed{seed}", "sweep": "decay", "setting": "full",
+                      "variant": "softplus", "task": task, "seed": seed, "lengths": lengths})
+  rows = summary.decay_arm_table(records).splitlines()
+  assert rows[2:] == ["| softplus | 2 | 0.800 ± 0.141 | 0.050 ± 0.009 | 1.900 ± 0.141 | 0.119 ± 0.009 "
+                      "| **no** | 27.0 |"]
+
+
+def test_tables_text_prints_every_full_table_of_the_summary_sweeps():
+  text = summary.tables_text(summary.make_summary(_records(), setting="full"))
+  assert "### router\n| router |" in text and "### router_layers\n| router | MaxVio layer 1" in text
+  assert "### decay" not in text and "<!--" not in text and "6 runs (router)" in text
+
+
 def test_committed_results_page_matches_its_summary():
   """docs/results.md's tables are exactly those rendered from docs/results/ablations_summary.json."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -323,3 +342,5 @@ def test_committed_results_page_matches_its_summary():
     page = f.read()
   assert summary.render_tables(page, data) == page
   assert not data.get("missing") and len(data["runs"]) == 54
+  documents = summary.read_summary(os.path.join(root, "docs", "results", "documents_summary.json"))
+  assert summary.documents_table(summary.records_of(documents, "documents")) in page

@@ -243,6 +243,10 @@ def test_long_tables_aggregate_seeds():
                        "|  |  |  |  |  | 1 | 3.0 |"]
   assert "| softplus | 2 | 0.200 ± 0.000 | 0 | 3.0 |" in out
   assert "| bounded | bytes | 2 | 8 | 2 | 2.0e-06 | 1.000 | 2.0e-07 | 3.0e-07 |" in out
+  lengths = lc.render_long_tables("<!-- long:lengths -->\n<!-- /long -->", {"runs": records, "setting": "q",
+                                                                           "created": ""})
+  assert "| variant | seeds | loss @16 (2x) | non-finite logits | max abs logit |" in lengths
+  assert "| bounded | 2 | 1.500 ± 0.000 | 1 | 3.0 |" in lengths and "| softplus |" in lengths
   with pytest.raises(ValueError, match="unknown long-context table 'nope'"):
     lc.render_long_tables("<!-- long:nope -->\n<!-- /long -->", {"runs": records, "setting": "q", "created": ""})
 
@@ -354,5 +358,5 @@ def test_committed_results_page_matches_its_long_context_summary():
     data = json.load(f)
   with open(os.path.join(ROOT, "docs", "results.md"), encoding="utf-8") as f:
     page = f.read()
-  assert "<!-- long:text -->" in page
+  assert "<!-- long:lengths -->" in page
   assert lc.render_long_tables(page, data) == page

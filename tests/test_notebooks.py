@@ -1,7 +1,12 @@
 """Executes the ablation notebooks on their committed `quick` setting (tiny CPU runs); any cell error fails.
 
 The README's notebook command runs its notebook, as the README gives it, and must write an
-executed copy holding the tables and figures.
+executed copy holding the tables and figures. The `full` setting then runs on a summary of
+those quick runs, in the same kernel as the quick pass where that pass was not the README's
+command (a kernel start and the imports saved); every `full` run in a kernel of its own is
+`test_notebook_renders_the_committed_gpu_results`. The quick runs are tiny, so their time is
+XLA's compile time: the kernels compile with JAX_DISABLE_MOST_OPTIMIZATIONS (a third less CPU
+for the runs).
 """
 import glob
 import json
@@ -41,26 +46,31 @@ def test_notebook_runs(name, tmp_path, shared_cache, monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", shared_cache)
   monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel draws inline PNGs
+  # The "full" setting reads a summary.json and the run directories: the quick runs', written
+  # between the two passes (the quick setting reads neither variable).
+  monkeypatch.setenv("ABLATION_SUMMARY", str(tmp_path / "summary.json"))
+  monkeypatch.setenv("ABLATION_RUNS", str(tmp_path / "runs"))
+  full = nbformat.read(path_of(name), as_version=4)
+  for cell in full.cells:
+    cell.source = cell.source.replace('SETTING = "quick"', 'SETTING = "full"')
   if name == README_NOTEBOOK:
     _run_readme_command(tmp_path)
+    _summarise_quick_runs(tmp_path)
+    _execute(full, name)
   else:
-    _execute(book, name)
+    _execute(book, name, then=(lambda: _summarise_quick_runs(tmp_path), full))
 
-  # The "full" setting reads a summary.json and the run directories: point it at the quick runs.
+
+def _summarise_quick_runs(tmp_path):
+  """Writes tmp_path/summary.json from the records of the quick runs under tmp_path/runs."""
   records = []
   for path in glob.glob(str(tmp_path / "runs" / "**" / "ablation_summary.json"), recursive=True):
     with open(path, encoding="utf-8") as f:
       records.append(json.load(f))
   assert records
-  summary_path = str(tmp_path / "summary.json")
-  summary.write_summary(summary.make_summary(records, setting="quick"), summary_path)
-  monkeypatch.setenv("ABLATION_SUMMARY", summary_path)
-  monkeypatch.setenv("ABLATION_RUNS", str(tmp_path / "runs"))
-  full = nbformat.read(path_of(name), as_version=4)
-  for cell in full.cells:
-    cell.source = cell.source.replace('SETTING = "quick"', 'SETTING = "full"')
-  _execute(full, name)
+  summary.write_summary(summary.make_summary(records, setting="quick"), str(tmp_path / "summary.json"))
 
 
 def readme_notebook_command() -> str:
@@ -95,11 +105,24 @@ def path_of(name):
   return os.path.join(ROOT, "notebooks", f"{name}.ipynb")
 
 
-def _execute(book, name):
-  """Runs every cell (CellExecutionError on the first failure) and checks that figures were drawn."""
+def _execute(book, name, then=None):
+  """Runs every cell (CellExecutionError on the first failure) and checks that figures were drawn;
+  `then` = (prepare, second_book): calls prepare(), then runs second_book in the same kernel."""
   client = nbclient.NotebookClient(book, timeout=600, kernel_name="python3",
                                    resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}})
-  client.execute()
+  with client.setup_kernel():
+    for index, cell in enumerate(book.cells):
+      client.execute_cell(cell, index)
+    _assert_figures(book, name)
+    if then is not None:
+      prepare, second = then
+      prepare()
+      for index, cell in enumerate(second.cells):
+        client.execute_cell(cell, index)
+      _assert_figures(second, name)
+
+
+def _assert_figures(book, name):
   images = sum(1 for c in book.cells if c.cell_type == "code" for o in c.get("outputs", [])
                if "image/png" in o.get("data", {}))
   assert images >= FIGURES[name], f"{name}: expected {FIGURES[name]} figures, got {images}"

@@ -7,7 +7,8 @@ text a pixel apart, the decoded pixels must agree within a small tolerance
 (which cannot see a change below a pixel). Rendering is byte-reproducible
 within one installation, checked by rendering one figure twice. The pages reference
 every figure and every figure they reference exists. Each data file holds
-numbers that stand on its page (docs/benchmarks.md unless it names another).
+numbers that stand on its page (docs/benchmarks.md unless it names another), and a
+page's `<!-- data:NAME -->` tables are what docs/data/NAME.json renders to.
 """
 import json
 import os
@@ -114,6 +115,21 @@ def test_benchmark_data_holds_the_page_numbers(name):
   assert missing == [], f"{name}: numbers not on the page: {missing}"
 
 
+def test_page_tables_are_rendered_from_the_data():
+  """Every `<!-- data:NAME -->` table is what docs/data/NAME.json renders to, and each registered
+  table stands on a page."""
+  shown = set()
+  for page in render_docs.PAGES:
+    text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+    assert render_docs.render_page_tables(text) == text, f"run `python experiments/render_docs.py`: {page}"
+    shown |= set(re.findall(r"<!-- data:([a-z0-9_]+) -->", text))
+  assert shown == set(render_docs.PAGE_TABLES)
+  edited = render_docs.render_page_tables("<!-- data:kda_decode -->\n| stale |\n<!-- /data -->")
+  assert "| stale |" not in edited and "| 8 | 4 | 66.1 | 37.0 | 45.9 | **28.7** |" in edited
+  with pytest.raises(ValueError, match="no page table 'nope'"):
+    render_docs.render_page_tables("<!-- data:nope -->\n<!-- /data -->")
+
+
 @pytest.mark.parametrize("name", render_docs.NOTEBOOKS)
 def test_executed_notebooks_are_the_committed_ones_run_on_the_results(name):
   """docs/notebooks holds each notebook executed in its full setting: same code, figures, no local paths.
@@ -134,3 +150,24 @@ def test_executed_notebooks_are_the_committed_ones_run_on_the_results(name):
   assert ROOT not in text and os.path.getsize(path) < 150_000
   readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
   assert f"docs/notebooks/{name}.ipynb" in readme
+
+
+@pytest.mark.parametrize("name", render_docs.NOTEBOOKS)
+def test_html_copies_are_the_executed_notebooks(name):
+  """docs/notebooks/NAME.html is the HTML of the committed executed notebook: byte for byte under the
+  nbconvert, mistune and pygments versions it names, else it holds every figure of the notebook."""
+  nbformat = pytest.importorskip("nbformat")
+  pytest.importorskip("nbconvert")
+  base = os.path.join(ROOT, "docs", "notebooks", name)
+  html = open(f"{base}.html", encoding="utf-8").read()
+  book = nbformat.read(f"{base}.ipynb", as_version=4)
+  named = re.search(r'<meta name="generator" content="([^"]+)">', html).group(1)
+  if named == render_docs.html_generator():
+    assert html == render_docs.notebook_html(book, f"{name} (executed on docs/results)"), \
+        "run `python experiments/render_docs.py --html=docs/notebooks`"
+  images = [o.data["image/png"] for c in book.cells if c.cell_type == "code" for o in c.outputs
+            if "image/png" in o.get("data", {})]
+  assert images and all(f"data:image/png;base64,{png}" in html for png in images)
+  assert ROOT not in html and "<script" not in html and len(html) < 150_000
+  readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  assert f"docs/notebooks/{name}.html" in readme

@@ -1,9 +1,9 @@
 """Kernel time per decay variant (H200, B16 T2048 H16 K=V=128 bf16), copied from docs/benchmarks.md.
 
-The results page and the decay notebook show these next to the trained
-arms. The bounded arms' speed gain is stated against fla's unbounded kernel
-(safe_gate=False) measured in the same device call, with our pairwise
-diagonal (the softplus arm's path) as a second row.
+The decay notebook shows these next to the trained arms. The bounded arms'
+speed gain is stated against fla's unbounded kernel (safe_gate=False)
+measured in the same device call, with our pairwise diagonal (the softplus
+arm's path) as a second row.
 """
 from __future__ import annotations
 

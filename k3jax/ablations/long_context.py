@@ -461,6 +461,23 @@ def text_table(records: list[dict]) -> str:
                   + ["non-finite logits", "max abs logit"], rows)
 
 
+def length_table(records: list[dict]) -> str:
+  """Per variant: held-out loss (nats) over all positions at each evaluation length, mean ± std over
+  seeds, with the non-finite logit count and the largest |logit| over all lengths (text_table's
+  buckets, one row per variant)."""
+  rows, header = [], []
+  for (variant, _), rs in summary_lib.group([r for r in records if r["task"] != "mqar"]).items():
+    evals = [e for r in rs for e in r["long"].get("lengths", ())]
+    lengths = sorted({e["seq_len"] for e in evals})
+    header = header or [f"loss @{t} ({next(e['multiplier'] for e in evals if e['seq_len'] == t):g}x)"
+                        for t in lengths]
+    rows.append([variant, str(len(rs))]
+                + [summary_lib.fmt(e["loss"] for e in evals if e["seq_len"] == t) for t in lengths]
+                + [str(sum(e["nonfinite_logits"] for e in evals)),
+                   f"{max(e['max_abs_logit'] for e in evals):.1f}"])
+  return summary_lib.table(["variant", "seeds"] + header + ["non-finite logits", "max abs logit"], rows)
+
+
 def mqar_table(records: list[dict]) -> str:
   """Per variant: MQAR recall (query accuracy) at each gap, mean ± std over seeds."""
   rows, gaps_all = [], set()
@@ -497,7 +514,7 @@ def decode_table(records: list[dict]) -> str:
                   rows)
 
 
-LONG_TABLES = {"text": text_table, "mqar": mqar_table, "decode": decode_table}
+LONG_TABLES = {"lengths": length_table, "text": text_table, "mqar": mqar_table, "decode": decode_table}
 _LONG_MARK = re.compile(r"(<!-- long:(?P<name>[a-z_]+) -->\n)(.*?)(<!-- /long -->)", re.S)
 
 

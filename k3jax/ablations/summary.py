@@ -151,6 +151,24 @@ def decay_table(records: list[dict]) -> str:
                  "all logits finite", "max abs logit @16x"], rows)
 
 
+def decay_arm_table(records: list[dict]) -> str:
+  """Per gate, both tasks on one row: the numbers at 1x and 16x (the figure draws 4x too), and
+  whether every logit of every length and seed was finite."""
+  rows = []
+  for (variant,), rs in group(records, ("variant",)).items():
+    mqar = [r for r in rs if r["task"] == "mqar"]
+    text = [r for r in rs if r["task"] != "mqar"]
+    mults = sorted({int(m) for r in rs for m in (r.get("lengths") or {})})
+    rows.append([variant, str(len(text) or len(mqar)),
+                 fmt(get(r, "lengths.1.accuracy") for r in mqar),
+                 fmt(get(r, "lengths.16.accuracy") for r in mqar),
+                 fmt(get(r, "lengths.1.bpb") for r in text), fmt(get(r, "lengths.16.bpb") for r in text),
+                 "yes" if all(get(r, f"lengths.{m}.finite") == 1.0 for r in rs for m in mults) else "**no**",
+                 f"{max(get(r, f'lengths.{max(mults)}.max_abs_logit') for r in rs):.1f}" if mults else "n/a"])
+  return table(["gate", "seeds", "MQAR accuracy @1x", "@16x", "bits/byte @1x", "@16x",
+                "all logits finite", "max abs logit"], rows)
+
+
 def kernel_table() -> str:
   """Kernel time per decay variant from `kernel_times.KERNEL_TIMES`, with the source."""
   rows = []
@@ -219,9 +237,11 @@ def documents_table(records: list[dict]) -> str:
 
 
 TABLES: dict[str, Callable[[list[dict]], str]] = {
-    "decay": decay_table, "router": router_table, "router_layers": router_layer_table,
-    "residual": residual_table, "documents": documents_table,
+    "decay": decay_table, "decay_arms": decay_arm_table, "router": router_table,
+    "router_layers": router_layer_table, "residual": residual_table, "documents": documents_table,
 }
+# Every column of a summary's runs (`tables_text` prints them); the results page shows the findings' tables.
+FULL_TABLES = ("decay", "router", "router_layers", "residual", "documents")
 _MARK = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(.*?)(<!-- /table -->)", re.S)
 
 
@@ -250,11 +270,23 @@ def render_tables(markdown: str, summary: dict) -> str:
     if name not in TABLES:
       raise ValueError(f"unknown table {name!r} in the results page; allowed: "
                        f"{sorted(TABLES) + ['kernels', 'meta']}")
-    sweep = "router" if name.startswith("router") else name
+    sweep = _sweep_of(name)
     records = records_of(summary, sweep)
     return TABLES[name](records) if records else f"_No {sweep} runs in the summary._"
 
   return _MARK.sub(lambda m: m.group(1) + table_for(m.group("name")) + "\n" + m.group(4), markdown)
+
+
+def _sweep_of(table_name: str) -> str:
+  return table_name.split("_")[0]
+
+
+def tables_text(summary: dict) -> str:
+  """Every full table of the sweeps in `summary`, as markdown (what the results page leaves out)."""
+  sweeps = {r["sweep"] for r in summary["runs"]}
+  page = "\n\n".join(f"### {name}\n<!-- table:{name} -->\n<!-- /table -->"
+                      for name in ("meta", *FULL_TABLES) if name == "meta" or _sweep_of(name) in sweeps)
+  return re.sub(r"<!-- /?table(:[a-z_]+)? -->\n?", "", render_tables(page, summary))
 
 
 def update_results_page(page: str, summary_path: str) -> str:
