@@ -43,10 +43,11 @@ setup(
         # nbclient/ipykernel/matplotlib: tests/test_notebooks.py executes the ablation notebooks;
         # nbconvert: tests/test_render_docs.py checks their HTML copies;
         # sentencepiece/pyarrow: the tokenizer and prepared-data tests cover the optional inputs;
-        # lm_eval: tests/test_evaluate.py runs the bundled tasks.
+        # lm_eval: tests/test_evaluate.py runs the bundled tasks;
+        # ruff: tests/test_lint.py lints the tree (settings in ruff.toml).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "nbclient>=0.10",
                  "nbformat>=5.10", "ipykernel>=6.29", "matplotlib>=3.8", "nbconvert>=7.16",
-                 "sentencepiece", "pyarrow", _LM_EVAL],
+                 "sentencepiece", "pyarrow", _LM_EVAL, "ruff>=0.17"],
         "notebooks": ["jupyter", "nbclient>=0.10", "nbformat>=5.10", "nbconvert>=7.16", "ipykernel",
                       "matplotlib>=3.8"],
         # Optional inputs of experiments/prepare_data.py: sentencepiece .model tokenizers, parquet files.

@@ -4,7 +4,6 @@ import json
 import logging
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ weight gradient; interpret mode here, the Triton kernels in the GPU twins."""
 import dataclasses
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 

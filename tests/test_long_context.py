@@ -235,7 +235,8 @@ def test_long_tables_aggregate_seeds():
   records = [_record(v, t, s, loss) for v, loss in (("bounded", 1.0), ("softplus", 2.0))
              for t in ("bytes", "mqar") for s in (0, 1)]
   records[1]["long"]["lengths"][0]["buckets"][1]["loss"] = 3.0  # bounded seed 1, bucket [1x,2x)
-  page = "a\n<!-- long:text -->\nold\n<!-- /long -->\nb\n<!-- long:mqar -->\n<!-- /long -->\n<!-- long:decode -->\n<!-- /long -->"
+  page = ("a\n<!-- long:text -->\nold\n<!-- /long -->\nb\n<!-- long:mqar -->\n<!-- /long -->\n"
+          "<!-- long:decode -->\n<!-- /long -->")
   out = lc.render_long_tables(page, {"runs": records, "setting": "quick", "created": "now"})
   assert "old" not in out and out.startswith("a\n<!-- long:text -->\n| variant |")
   text_rows = [line for line in out.splitlines() if line.startswith("| bounded | 16 (2x)")]

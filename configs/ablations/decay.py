@@ -18,7 +18,8 @@ GPU command (see configs/gpu_150m.py for the wheel install line), one run per va
 The measured sweep (these arms on MQAR and byte text, 3 seeds, 4x/16x length evaluation) is defined in
 `k3jax/ablations/sweeps.py` and run by `experiments/run_ablations.py`; results in docs/results.md.
 
-CPU check: `python experiments/train.py --config=configs/ablations/decay.py:softplus,tiny --workdir=runs/decay_softplus`.
+CPU check:
+`python experiments/train.py --config=configs/ablations/decay.py:softplus,tiny --workdir=runs/decay_softplus`.
 """
 from k3jax.train.config_files import sibling_config
 

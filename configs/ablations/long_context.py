@@ -26,7 +26,8 @@ as well. The sweep's dense-FFN models isolate the KDA state and the KV cache.
 The smaller sweep of the same three arms (d=256, 4 layers, bytes and MQAR, 3 seeds) is
 `long_sweep` in `k3jax/ablations/sweeps.py`, run by `experiments/long_context.py`.
 
-CPU check: `python experiments/train.py --config=configs/ablations/long_context.py:bounded,tiny --workdir=runs/long_bounded`.
+CPU check:
+`python experiments/train.py --config=configs/ablations/long_context.py:bounded,tiny --workdir=runs/long_bounded`.
 """
 from k3jax.train.config_files import sibling_config
 

@@ -40,9 +40,10 @@ buffered layer's parts: router, the capacity pass alone (both position
 methods, `capacity.assign_with_capacity(positions=...)`), slot plan,
 dispatch gather, grouped expert matmuls, combine, the dropless routed
 experts through the "pallas" kernels, and the shared expert. Each part is
-jitted on its own, so their sum is an upper bound of the layer's. Timers: "pipelined" (calls back to back, GPU time per call) and
-"sync" (each call waited for). Forward+backward = forward and the VJP of a
-fixed random cotangent. Benchmarks print tables; they are not tests.
+jitted on its own, so their sum is an upper bound of the layer's. Timers:
+"pipelined" (calls back to back, GPU time per call) and "sync" (each call
+waited for). Forward+backward = forward and the VJP of a fixed random
+cotangent. Benchmarks print tables; they are not tests.
 """
 import os
 import sys

@@ -26,7 +26,8 @@ def mqar_examples(rng: np.random.Generator, batch_size: int, seq_len: int, *,
   room = (seq_len + 1 - 2 * num_kv_pairs) // 2
   nq = min(num_kv_pairs, room) if num_queries <= 0 else num_queries
   if nq > min(num_kv_pairs, room):
-    raise ValueError(f"num_queries={num_queries} exceeds min(num_kv_pairs, room after the pairs)={min(num_kv_pairs, room)}")
+    raise ValueError(f"num_queries={num_queries} exceeds min(num_kv_pairs, room after the pairs)="
+                     f"{min(num_kv_pairs, room)}")
   half = vocab_size // 2
   b = np.arange(batch_size)[:, None]
   keys = np.argsort(rng.random((batch_size, half - 1)), axis=1)[:, :num_kv_pairs] + 1

@@ -18,7 +18,6 @@ import os
 from typing import Any, Sequence
 
 import jax
-import numpy as np
 from lm_eval import evaluator
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager

@@ -44,8 +44,9 @@ TOP_LEVEL: dict[str, Any] = {
     "model": dict, "data": dict, "optim": dict,
 }
 DATA: dict[str, Any] = {
-    "kind": str, "path": str, "tokenizer": str, "tokenizer_sha256": str, "packing": str, "reset_at_boundaries": bool,
-    "max_documents_per_row": int, "packing_bins": int, "prefetch": int, "paths": _SEQ, "patterns": _SEQ, "heldout_fraction": _NUM, "max_bytes": int,
+    "kind": str, "path": str, "tokenizer": str, "tokenizer_sha256": str, "packing": str,
+    "reset_at_boundaries": bool, "max_documents_per_row": int, "packing_bins": int, "prefetch": int,
+    "paths": _SEQ, "patterns": _SEQ, "heldout_fraction": _NUM, "max_bytes": int,
     "token_file": str, "token_dtype": str, "heldout_token_file": str, "vocab_size": int,
     "mqar_num_kv_pairs": int, "mqar_num_queries": int,
 }

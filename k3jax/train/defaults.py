@@ -65,14 +65,27 @@ def parallel_config(**overrides) -> ml_collections.ConfigDict:
   """
   c = ml_collections.ConfigDict()
   c.data = -1                   # data-parallel axis size; -1 = the devices the other axes leave
-  c.fsdp = 1                    # parameter/optimizer-state sharding axis (ZeRO-3 over "embed"); also shards the batch
-  c.expert = 1                  # expert-parallel axis: routed experts split over it (divides model.num_experts); shards the batch elsewhere
-  c.context = 1                 # context-parallel axis: each sequence split over it (seq_len divisible by context * model.kda.chunk_size)
-  c.stages = 1                  # pipeline stages (the mesh's stage axis): layers split into this many equal stages (divides model.num_layers; with block_attnres on block boundaries)
-  c.microbatches = 1            # pipeline microbatches per step: batch_size divisible by microbatches x the axes of rules.batch; GPipe bubble (stages - 1) / (microbatches + stages - 1)
-  c.dispatch_slot_factor = 0.0  # expert-parallel send slots per device pair relative to an even split; 0 = lossless (worst-case buffers)
-  c.rules = ml_collections.ConfigDict()  # logical axis -> comma-separated mesh axes ("" = replicated); defaults below
-  c.rules.batch = "data,fsdp,expert"  # sequences of a batch (must cover every axis but context for full use of the devices)
+  # Parameter/optimizer-state sharding axis (ZeRO-3 over "embed"); also shards the batch.
+  c.fsdp = 1
+  # Expert-parallel axis: routed experts split over it (divides model.num_experts); it shards
+  # the batch elsewhere.
+  c.expert = 1
+  # Context-parallel axis: each sequence split over it (seq_len divisible by context *
+  # model.kda.chunk_size).
+  c.context = 1
+  # Pipeline stages (the mesh's stage axis): layers split into this many equal stages (divides
+  # model.num_layers; with block_attnres on block boundaries).
+  c.stages = 1
+  # Pipeline microbatches per step: batch_size divisible by microbatches x the axes of
+  # rules.batch; GPipe bubble (stages - 1) / (microbatches + stages - 1).
+  c.microbatches = 1
+  # Expert-parallel send slots per device pair relative to an even split; 0 = lossless
+  # (worst-case buffers).
+  c.dispatch_slot_factor = 0.0
+  # Logical axis -> comma-separated mesh axes ("" = replicated); defaults below.
+  c.rules = ml_collections.ConfigDict()
+  # Sequences of a batch (must cover every axis but context for full use of the devices).
+  c.rules.batch = "data,fsdp,expert"
   c.rules.length = "context"    # positions of a sequence
   c.rules.attn_heads = "context"  # softmax-attention heads while it sees whole sequences (all-to-all)
   c.rules.embed = "fsdp"        # model width of weights (ZeRO-3 sharding when fsdp > 1)
@@ -91,7 +104,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 0                    # seeds the model init and the data order
   c.num_steps = 200             # optimizer updates in the whole run (the schedule's length)
   c.batch_size = 16             # global batch (sequences per step), split over processes and devices
-  c.num_devices = 0             # devices the mesh spans: the first N of one process (0 = all devices of all processes)
+  # Devices the mesh spans: the first N of one process (0 = all devices of all processes).
+  c.num_devices = 0
   c.seq_len = 256               # tokens per sequence
   c.log_every = 10              # steps between train-metric records
   c.eval_every = 100            # steps between held-out evaluations (0: only at the start and end)
@@ -106,13 +120,19 @@ def base_config() -> ml_collections.ConfigDict:
   c.parallel = parallel_config()
 
   c.data = ml_collections.ConfigDict()
-  c.data.kind = "bytes"         # "bytes" (local text files), "prepared" (experiments/prepare_data.py), "token_file" (memory-mapped ids) or "mqar"
+  # "bytes" (local text files), "prepared" (experiments/prepare_data.py), "token_file"
+  # (memory-mapped ids) or "mqar".
+  c.data.kind = "bytes"
   c.data.path = ""              # prepared: the directory experiments/prepare_data.py wrote
   c.data.tokenizer = ""         # prepared: "" = the tokenizer saved with the data; a path must be that same file
   c.data.tokenizer_sha256 = ""  # filled in by the trainer: the digest of the run's tokenizer, kept in config.json
-  c.data.packing = "documents"  # bytes / prepared: "documents" (packed rows, segment ids) or "windows" (bytes: random windows of one stream)
-  c.data.reset_at_boundaries = True  # documents: the model sees segment_ids (state, conv and attention restart per document)
-  c.data.max_documents_per_row = 8  # documents: most documents first-fit packs into one row (the model's static segment bound + 1)
+  # bytes / prepared: "documents" (packed rows, segment ids) or "windows" (bytes: random
+  # windows of one stream).
+  c.data.packing = "documents"
+  # documents: the model sees segment_ids (state, conv and attention restart per document).
+  c.data.reset_at_boundaries = True
+  # documents: most documents first-fit packs into one row (the model's static segment bound + 1).
+  c.data.max_documents_per_row = 8
   c.data.packing_bins = 64      # documents: rows first-fit fills at once (more: tighter packing)
   c.data.prefetch = 2           # documents: batches prepared ahead by a background thread (0: none)
   c.data.paths = ()             # bytes: files/directories to read; empty = this Python's stdlib sources

@@ -53,7 +53,7 @@ import numpy as np
 from jax.experimental import checkify
 
 # The clamp's float-bound forms, kept here under their names (`KdaSpec.clamp` applies them).
-from pallas_kernels.kda.kernel_cumsum import clamp_gates, out_of_range
+from pallas_kernels.kda.kernel_cumsum import clamp_gates, out_of_range  # noqa: F401
 from pallas_kernels.kda.spec import KdaSpec
 
 
