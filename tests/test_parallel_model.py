@@ -117,7 +117,7 @@ def test_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
     opt_state = jax.tree.map(lambda x: x + 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x,
                              opt_state)
     state = TrainState(step=jnp.asarray(3, jnp.int32), params=params, model_state=model_state,
-                       opt_state=opt_state, rng=jax.random.PRNGKey(seed))
+                       opt_state=opt_state)
     return rules.shard_tree(state, mesh)
 
   src_mesh = make_mesh(MeshConfig(data=2, expert=4))
