@@ -12,7 +12,7 @@ from k3jax.layers import grouped_matmul
 from k3jax.layers import moe
 from k3jax.layers import moe_dispatch
 from k3jax.routing import RouterConfig
-from pallas_kernels.gmm import config as gmm_config
+from pallas_kernels import platform
 from pallas_kernels.gmm.config import GmmConfig
 
 TOL = {jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5)}
@@ -214,12 +214,12 @@ def test_one_trace_per_shape(impl, cf, backend):
 
 def test_auto_picks_the_kernels_that_read_token_rows_on_the_gpu(monkeypatch):
   # XLA's ragged_dot materialises [groups, rows, d] on NVIDIA GPUs; "auto" must not take it there.
-  monkeypatch.setattr(gmm_config, "on_gpu", lambda: True)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 16)) == "pallas"
   assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 24)) == "xla"
   assert grouped_matmul.resolve_backend("auto", capacity=None) == "xla"  # dispatched rows
   assert grouped_matmul.resolve_backend("auto", capacity=8, pallas_widths=(32, 16)) == "einsum"
-  monkeypatch.setattr(gmm_config, "on_gpu", lambda: False)
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
   assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 16)) == "xla"
 
 
@@ -227,7 +227,7 @@ def test_backend_choices_and_errors():
   assert grouped_matmul.resolve_backend("auto", capacity=8) == "einsum"
   assert grouped_matmul.resolve_backend("auto", capacity=None) == "xla"
   assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 16)) == (
-      "pallas" if gmm_config.on_gpu() else "xla")
+      "xla" if platform.interprets("gmm") else "pallas")
   with pytest.raises(ValueError, match="needs the capacity layout"):
     grouped_matmul.resolve_backend("einsum", capacity=None)
   with pytest.raises(ValueError, match="backend='cutlass'"):

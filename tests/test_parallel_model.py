@@ -67,12 +67,26 @@ def test_the_layout_builds_mesh_aware_layers_with_the_plain_parameters():
     ModelLayout(mesh_aware_kda=True).check_built_for(plain)
 
 
+def test_mesh_aware_layer_refuses_calls_it_cannot_split():
+  """Built for a mesh, the layer does not fall back to the plain call: without a mesh, or on
+  a batch the mesh's batch axes do not divide, it names the fix."""
+  spec = KdaSpec(chunk_size=16, sub_chunk=8, lower_bound=-5.0, implementation="pallas")
+  layer = layers.ContextParallelKDA(16, 2, 8, spec=spec, rngs=nnx.Rngs(0))
+  x = jnp.zeros((3, 16, 16))
+  with pytest.raises(ValueError, match=r"call the model under jax.set_mesh\(mesh\)"):
+    layer(x)
+  with jax.set_mesh(make_mesh(MeshConfig(data=2), devices=jax.devices()[:2])):
+    with pytest.raises(ValueError, match="batch B=3 .* pad the batch to a multiple of 2"):
+      layer(x)
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 1, 8)])
 def test_sharded_forward_and_gradients_equal_one_device(shape, monkeypatch):
   data, expert, ctx = shape
   mesh = make_mesh(MeshConfig(data=data, expert=expert, context=ctx))
   used = count_calls(monkeypatch, ((moe_path, "expert_parallel_swiglu", "ep"),
-                                    (context_parallel, "chunk_kda_context_parallel", "cp")))
+                                    (context_parallel, "chunk_kda_context_parallel", "cp"),
+                                    (context_parallel, "_local_summary", "scan")))
 
   model = HybridLM(CONFIG, rngs=nnx.Rngs(0), expert_parallel=moe_path.ExpertParallel(),
                    kda_class=layers.ContextParallelKDA)
@@ -90,7 +104,9 @@ def test_sharded_forward_and_gradients_equal_one_device(shape, monkeypatch):
     loss, logits, grads = run(state, tokens)
   # Traced once per layer: two MoE layers, one KDA layer.
   assert used["ep"] == (2 if expert > 1 else 0)
-  assert used["cp"] == (1 if ctx > 1 else 0)
+  # The mesh-aware layer always calls through the mesh; only context > 1 splits the scan.
+  assert used["cp"] == 1
+  assert used["scan"] == (1 if ctx > 1 else 0)
   if expert > 1:
     wi = grads["layers"][1]["ffn"]["wi_gate"].get_value()
     assert wi.sharding.spec == P("expert")
@@ -117,7 +133,7 @@ def test_checkpoint_saved_on_one_mesh_restores_on_another(tmp_path):
     opt_state = jax.tree.map(lambda x: x + 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x,
                              opt_state)
     state = TrainState(step=jnp.asarray(3, jnp.int32), params=params, model_state=model_state,
-                       opt_state=opt_state, rng=jax.random.PRNGKey(seed))
+                       opt_state=opt_state)
     return rules.shard_tree(state, mesh)
 
   src_mesh = make_mesh(MeshConfig(data=2, expert=4))

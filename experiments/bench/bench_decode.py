@@ -40,6 +40,7 @@ from flax import nnx  # noqa: E402
 
 from k3jax.models import lm  # noqa: E402
 from k3jax.models.config import ModelConfig  # noqa: E402
+from pallas_kernels import platform  # noqa: E402
 from pallas_kernels import timing  # noqa: E402
 from pallas_kernels.kda import decode  # noqa: E402
 from pallas_kernels.tools import bench_json  # noqa: E402
@@ -86,7 +87,7 @@ _TABLES = bench_json.Tables()
 
 
 def _interpret() -> bool:
-  return jax.default_backend() == "cpu"
+  return platform.interprets("kda_decode")
 
 
 def parse_tilings(items) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from pallas_kernels import platform  # noqa: E402
 from pallas_kernels.kda import api  # noqa: E402
 from pallas_kernels.kda import kernel_config  # noqa: E402
 from pallas_kernels.kda import pallas_op  # noqa: E402
@@ -108,7 +109,7 @@ def calls_in_flight(compiled, iters: int, limit: int | None = None) -> int:
 def measure(b: int, t: int, h: int, d: int, policy: str, *, iters: int,
             lower_bound: float) -> dict:
   """One row: {"compiled": bytes, "ms": float, "finite": bool} or {"error": text}."""
-  interpret = jax.default_backend() == "cpu"
+  interpret = platform.interprets("kda")
   overrides = POLICIES[policy]
 
   def loss_grads(q, k, v, g, beta, do):
@@ -148,7 +149,7 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--policies: unknown {sorted(unknown)}; known {sorted(POLICIES)}")
   b, h, d = f.batch, f.heads, f.head_dim
-  backend = "interpret" if jax.default_backend() == "cpu" else "triton"
+  backend = "interpret" if platform.interprets("kda") else "triton"
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; B{b} H{h} K=V={d} bf16; "
         f"residual budget {kernel_config.RESIDUAL_BUDGET_BYTES / _GIB:.0f} GiB", flush=True)
   rows = []

@@ -70,6 +70,7 @@ from k3jax.layers.ffn import SwiGLU, swiglu  # noqa: E402
 from k3jax.routing import RouterConfig  # noqa: E402
 from k3jax.routing import capacity as capacity_lib  # noqa: E402
 from k3jax.routing import quantiles  # noqa: E402
+from pallas_kernels import platform  # noqa: E402
 from pallas_kernels import timing  # noqa: E402
 from pallas_kernels.gmm import api as gmm_api  # noqa: E402
 from pallas_kernels.gmm import config as gmm_config  # noqa: E402
@@ -351,7 +352,7 @@ def kernel_table(shape_name, dtype):
   b, t, d, e, k, h = SHAPES[shape_name]
   n = b * t
   cfg = _gmm_config(dtype)
-  interp = not gmm_config.on_gpu()
+  interp = platform.interprets("gmm")
   keys = jax.random.split(jax.random.key(5), 6)
   x_nd = jax.random.normal(keys[0], (n, d), jnp.float32).astype(dtype)
   scores = jax.nn.sigmoid(jax.random.normal(keys[1], (n, e), jnp.float32))

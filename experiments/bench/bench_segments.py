@@ -34,6 +34,7 @@ from absl import app, flags
 
 from k3jax.layers import packed_attention
 from k3jax.layers.segments import Segments
+from pallas_kernels import platform
 from pallas_kernels.kda import api
 from pallas_kernels.tools import bench
 from pallas_kernels.tools import bench_json
@@ -113,7 +114,7 @@ def attention_rows(b, t):
 
 def main(argv):
   del argv
-  interpret = jax.default_backend() == "cpu"
+  interpret = platform.interprets("kda")
   h, d = _HEADS.value, _HEAD_DIM.value
   print(f"device: {jax.devices()[0].device_kind}; bf16, H{h}, K = V = {d}; pipelined ms per call")
   tables = bench_json.Tables()

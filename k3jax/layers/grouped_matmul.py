@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.ffn import silu_mul, swiglu
-from pallas_kernels.gmm import config as gmm_config
+from pallas_kernels import platform
 
 BACKENDS = ("auto", "einsum", "xla", "tokamax", "pallas")
 # What the ragged (dropless) layout accepts.
@@ -73,7 +73,7 @@ def resolve_backend(backend: str, *, capacity: int | None,
     if capacity is not None:
       return "einsum"
     pallas_fits = pallas_widths is not None and all(w % 16 == 0 for w in pallas_widths)
-    return "pallas" if pallas_fits and gmm_config.on_gpu() else "xla"
+    return "pallas" if pallas_fits and not platform.interprets("gmm") else "xla"
   if backend == "einsum" and capacity is None:
     raise ValueError("grouped-matmul backend='einsum' needs the capacity layout (buffers); "
                      "the ragged (dropless) layout takes 'auto', 'pallas', 'xla' or 'tokamax'")

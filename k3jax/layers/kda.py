@@ -34,15 +34,16 @@ from k3jax.layers import gates
 from k3jax.layers.norms import l2_norm, rms_norm
 from k3jax.layers.params import fan_in_init, logical_param
 from k3jax.layers.segments import Segments
+from pallas_kernels import platform
 from pallas_kernels.kda import api as kda_api
 from pallas_kernels.kda import decode as kda_decode
 from pallas_kernels.kda.spec import KdaSpec
 
 
 def interprets(implementation: str) -> bool:
-  """Whether a KDA path runs its Pallas kernels emulated: the "pallas" path when the default
-  platform is the CPU, which has no Pallas backend."""
-  return implementation == "pallas" and jax.default_backend() == "cpu"
+  """Whether the KDA path `implementation` runs its Pallas kernels emulated: the "pallas"
+  path where the chunked-scan kernels have no lowering (`pallas_kernels.platform`)."""
+  return implementation == "pallas" and platform.interprets("kda")
 
 
 def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array,
@@ -187,7 +188,7 @@ class KDA(nnx.Module):
 
   @property
   def interpret(self) -> bool:
-    """Pallas kernels run emulated when the default platform is the CPU (`interprets`)."""
+    """Pallas kernels run emulated where they have no lowering (`interprets`)."""
     return interprets(self.spec.implementation)
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
@@ -315,6 +316,6 @@ class KDA(nnx.Module):
     impl = kda_decode.resolve_decode(self.decode_implementation, t_new, self.head_dim)
     o, state = kda_decode.kda_decode_step(
         q, k, v, g, beta, cache["state"].astype(jnp.float32), implementation=impl,
-        interpret=interprets(impl))
+        interpret=impl == "pallas" and platform.interprets("kda_decode"))
     new_cache["state"] = state
     return self._output(x_btd, o), new_cache

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from k3jax.layers.ffn import silu_mul
 from k3jax.layers.moe_dispatch import SlotPlan, combine_grad_parts, slot_sums, weighted_rows
+from pallas_kernels import platform
 from pallas_kernels.gmm import api as gmm_api
 from pallas_kernels.gmm import config as gmm_config
 from pallas_kernels.gmm.layout import TileMap, tile_map
@@ -91,7 +92,7 @@ def routed_swiglu_gmm(x_nd, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, plan: SlotPlan
   tiles = tile_map(plan.group_starts, plan.group_sizes, plan.num_slots, cfg.block_m)
   index = _Index(plan.source_s, plan.assign_s, plan.slot_nk, tiles.tile_group,
                  tiles.group_tile_start, tiles.group_tile_count)
-  interpret = (not gmm_config.on_gpu()) if interpret is None else interpret
+  interpret = platform.interprets("gmm") if interpret is None else interpret
   static = _Static(jnp.dtype(dtype), cfg, interpret,
                    tuple(jnp.dtype(a.dtype) for a in (x_nd, wi_gate_edh, wi_up_edh, wo_ehd)),
                    bool(fuse_swiglu))

@@ -155,13 +155,13 @@ def chunk_kda_context_parallel(q, k, v, g, beta, *, mesh: Mesh,
   dv = v.shape[-1]
   if t_len % n_ctx:
     raise ValueError(f"sequence length T={t_len} must be divisible by the context axis "
-                     f"size {n_ctx}")
+                     f"size {n_ctx}: pad the sequences to a multiple of {n_ctx}")
   n_batch = 1
   for a in b_axes:
     n_batch *= mesh_lib.axis_size(mesh, a)
   if bsz % n_batch:
     raise ValueError(f"batch B={bsz} must be divisible by the batch axes {b_axes} "
-                     f"(product {n_batch})")
+                     f"(product {n_batch}): pad the batch to a multiple of {n_batch}")
   if initial_state is not None and initial_state.shape != (bsz, h, dk, dv):
     raise ValueError(f"initial_state must be [B, H, K, V] = {(bsz, h, dk, dv)}, got "
                      f"{initial_state.shape}")

@@ -1,10 +1,13 @@
 """The mesh-aware variant of the KDA layer.
 
-The variant changes only where the work runs: under a mesh (`jax.set_mesh`)
-whose context axis is > 1, KDA's chunked scan runs context-parallel. Without
-such a mesh it is the plain layer. Parameters and their names are the same,
-so checkpoints and states are interchangeable with the plain model. A model
-is built with it: `HybridLM(config, rngs=rngs, kda_class=ContextParallelKDA)`.
+The variant changes only where the work runs: its kernel call goes through
+the current mesh (`jax.set_mesh`), where a context axis > 1 runs KDA's
+chunked scan context-parallel and a context axis of 1 runs the Pallas
+kernels inside `shard_map` on each device's rows. Parameters and their names
+are the same, so checkpoints and states are interchangeable with the plain
+model. Whether a model needs it is decided once, when the model is built for
+its mesh (`k3jax.parallel.model_layout.ModelLayout.for_mesh`), which passes
+`HybridLM(config, rngs=rngs, kda_class=ContextParallelKDA)`.
 
 The MoE layers need no variant: their execution path, expert-parallel
 included, is chosen when they are built (`k3jax.layers.moe_path`).
@@ -15,41 +18,33 @@ from k3jax.layers.kda import KDA
 from k3jax.parallel import context_parallel
 from k3jax.sharding import mesh as mesh_lib
 
-
-def _axis(name: str) -> int:
-  return mesh_lib.axis_size(mesh_lib.current_mesh(), name)
-
-
-def _batch_devices() -> int:
-  n = 1
-  for name in (mesh_lib.DATA, mesh_lib.FSDP, mesh_lib.EXPERT):
-    n *= _axis(name)
-  return n
+NO_MESH_MESSAGE = (
+    "ContextParallelKDA calls its kernel through the device mesh it was built for: call the "
+    "model under jax.set_mesh(mesh), or build it for no mesh (the plain KDA layer, "
+    "ModelLayout()) to run it on one device")
 
 
 class ContextParallelKDA(KDA):
-  """KDA whose kernel call is mesh-aware.
+  """KDA whose kernel call is `chunk_kda_context_parallel` on the current mesh.
 
-  Under a mesh with context > 1 the chunked scan is context-parallel. The
-  Pallas kernels also run inside `shard_map` when only the batch is split
+  Under a mesh with context > 1 the chunked scan is context-parallel; with
+  context 1 the Pallas kernels run inside `shard_map` on each device's rows
   (the compiler would otherwise run a kernel call on the whole batch on every
-  device); a batch the devices do not divide runs unsplit. Documents packed
-  in a row (`segments`) run on either path with a context axis of 1 (their
-  run indices split like the batch); a context axis > 1 raises.
+  device). Called under its mesh (else a ValueError, `NO_MESH_MESSAGE`), on a
+  batch the mesh's batch axes divide and a sequence its context axis divides
+  (else a ValueError from `chunk_kda_context_parallel`). Documents packed in a
+  row (`segments`) run with a context axis of 1 (their run indices split like
+  the batch); a context axis > 1 raises.
   """
 
   def _kernel(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
               gate_bias=None, segment_ids=None):
-    n_batch = _batch_devices()
-    batch_split = (self.spec.implementation == "pallas" and n_batch > 1
-                   and q.shape[0] % n_batch == 0)
-    if _axis(mesh_lib.CONTEXT) == 1 and not batch_split:
-      return super()._kernel(q, k, v, g, beta, initial_state, output_final_state, gate_bias,
-                             segment_ids)
+    mesh = mesh_lib.current_mesh()
+    if mesh is None:
+      raise ValueError(NO_MESH_MESSAGE)
     fused = {} if gate_bias is None else dict(gate_activation="bounded_sigmoid",
                                               gate_bias=gate_bias)
-    # Documents (segment_ids) travel with the batch split; a context axis > 1 refuses them.
     return context_parallel.chunk_kda_context_parallel(
-        q, k, v, g, beta, mesh=mesh_lib.current_mesh(), initial_state=initial_state,
+        q, k, v, g, beta, mesh=mesh, initial_state=initial_state,
         output_final_state=output_final_state, spec=self.spec, interpret=self.interpret,
         segment_ids=segment_ids, **fused)

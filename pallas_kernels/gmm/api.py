@@ -18,11 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax.experimental.pallas import mosaic_gpu as plgpu
-
 from pallas_kernels.gmm import kernel_gmm, kernel_gmm_mosaic, kernel_tgmm
 from pallas_kernels.gmm.config import GmmConfig, default_config
 from pallas_kernels.gmm.layout import TileMap
+from pallas_kernels.mgpu_common import plgpu
 
 
 def _check_index(name, index, num_rows):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sizes import is_pow2
@@ -150,8 +149,3 @@ def with_fields(items, dtype=jnp.bfloat16) -> GmmConfig:
     except ValueError as err:
       raise ValueError(f"GmmConfig field {item!r}: the value must be an int") from err
   return dataclasses.replace(default_config(dtype), **fields)
-
-
-def on_gpu() -> bool:
-  """Whether the default backend is an NVIDIA GPU (the Triton kernels' target)."""
-  return jax.default_backend() == "gpu"

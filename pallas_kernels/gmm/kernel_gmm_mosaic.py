@@ -28,11 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gmm.config import GmmConfig
 from pallas_kernels.gmm.kernel_gmm import tile_of
-from pallas_kernels.mgpu_common import swizzled_smem
+from pallas_kernels.mgpu_common import plgpu, swizzled_smem
 
 _F32 = jnp.float32
 

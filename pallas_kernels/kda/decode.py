@@ -38,6 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kda import reference
 from pallas_kernels.kda import inputs
+from pallas_kernels.platform import interprets
 from pallas_kernels.sizes import is_pow2
 
 DECODE_IMPLEMENTATIONS = ("pallas", "fused", "naive")
@@ -65,7 +66,8 @@ def resolve_decode(implementation: str, t_new: int | None = None, head_k: int | 
     platform = jax.default_backend() if platform is None else platform
     multi = t_new is not None and t_new >= 2
     tiles = head_k is None or is_pow2(head_k)
-    return "pallas" if platform == "gpu" and multi and tiles else "fused"
+    compiled = not interprets("kda_decode", platform)
+    return "pallas" if compiled and multi and tiles else "fused"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"decode implementation must be 'auto' or one of {DECODE_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
@@ -132,7 +134,7 @@ def kda_decode_step(q, k, v, g, beta, state, *, scale=None, implementation: str 
     return o, new_state.astype(_F32)
   if impl == "fused":
     return _fused_step(q, k, v, g, beta, state, scale=scale)
-  if not interpret and jax.default_backend() != "gpu":
+  if not interpret and interprets("kda_decode"):
     raise ValueError(f"the pallas decode kernel runs on the GPU or with interpret=True; the "
                      f"default backend is {jax.default_backend()!r}: use implementation='fused'")
   return decode_step_pallas(q, k, v, g, beta, state, scale=scale, block_v=block_v,

@@ -18,9 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mgpu_common import swizzled_smem
+from pallas_kernels.mgpu_common import plgpu, swizzled_smem
 
 _F32 = jnp.float32
 

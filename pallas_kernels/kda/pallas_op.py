@@ -29,7 +29,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import head_pad
 from pallas_kernels.kda import inputs
@@ -48,6 +47,7 @@ from pallas_kernels.kda import platform_lowering
 from pallas_kernels.kda import spec as spec_lib
 from pallas_kernels.kda import tiling
 from pallas_kernels.kda.spec import KdaSpec
+from pallas_kernels.mgpu_common import plgpu
 
 _F32 = jnp.float32
 
