@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kda import kernel_config, kernel_intra_bwd, kernel_intra_bwd_split
+from pallas_kernels.kda.spec import KdaSpec
 
 # Relative tolerance per compute dtype for ||a - b|| / ||b|| (relative L2) of
 # two exact-arithmetic-equivalent forms. Reductions grow with T; the factor
@@ -109,6 +110,12 @@ def rel_err(x, ref, dtype) -> float:
     return rel_max(x, ref)
   assert np.all(np.isfinite(np.asarray(x, np.float64))), "non-finite values (unwritten output?)"
   return rel_l2(x, ref)
+
+
+def pallas_spec(**fields) -> KdaSpec:
+  """The KdaSpec of a direct `chunk_kda_pallas` call: `fields`, the bound of
+  `bounded_gates` (-5) unless given."""
+  return KdaSpec(**{"lower_bound": -5.0, "implementation": "pallas", **fields})
 
 
 def bounded_gates(key, shape, at_bound: bool, g_min: float = -5.0):

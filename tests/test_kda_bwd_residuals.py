@@ -19,7 +19,8 @@ from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
-from tests.kda_inputs import GRAD_NAMES, assert_each_within, state_loss_grads, vjp_inputs
+from tests.kda_inputs import (GRAD_NAMES, assert_each_within, pallas_spec, state_loss_grads,
+                              vjp_inputs)
 
 # max|x - ref| / max|ref|, float32 operands, exact (HIGHEST) matmuls on the CPU.
 F32_TOL = 2e-5
@@ -67,7 +68,7 @@ def test_vjp_saved_and_recomputed_residuals_match_naive():
   got = {}
   for save in (True, False):
     got[save] = grads(functools.partial(
-        chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal="dense",
+        chunk_kda_pallas, spec=pallas_spec(chunk_size=32, sub_chunk=8), scale=dk ** -0.5,
         interpret=True, config_overrides=dict(save_residuals=save)))
     assert_each_within(got[save], want, GRAD_NAMES, F32_TOL, label=f"save_residuals={save}")
   for a, r in zip(got[True], got[False]):
@@ -103,8 +104,8 @@ def test_saved_state_dtype_reaches_intra_bwd(operand_dtype, want):
   are stored to memory between kernels.
   """
   x = jnp.ones((1, 40, 1, 16), jnp.bfloat16)
-  fn = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
-                         interpret=True,
+  fn = functools.partial(chunk_kda_pallas, spec=pallas_spec(chunk_size=16, sub_chunk=16),
+                         scale=0.25, interpret=True,
                          config_overrides=dict(intra_bwd="tiles", intra_bwd_mm_dtype=operand_dtype))
 
   def run(*xs):
@@ -156,8 +157,9 @@ def test_input_gradients_leave_the_kernel_in_the_input_dtype(dtype):
   """dq, dk, dv are stored once, in the inputs' dtype (no f32 copy and cast
   pass); dG and dbeta stay f32 for the reverse cumsum and the sum over slices."""
   x = jnp.ones((1, 40, 1, 16), dtype)
-  fn = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
-                         interpret=True, config_overrides={"intra_bwd": "tiles"})
+  spec = pallas_spec(chunk_size=16, sub_chunk=16)
+  fn = functools.partial(chunk_kda_pallas, spec=spec, scale=0.25, interpret=True,
+                         config_overrides={"intra_bwd": "tiles"})
 
   def run(*xs):
     _, vjp = jax.vjp(lambda *a: fn(*a)[0], *xs)
@@ -167,7 +169,7 @@ def test_input_gradients_leave_the_kernel_in_the_input_dtype(dtype):
   # (dq, dk, dv, dG, dbeta)
   assert _pallas_call_inputs(jaxpr.jaxpr, "kda_intra_bwd", "outvars") == [dtype] * 3 + [
       "float32"] * 2
-  split = functools.partial(chunk_kda_pallas, scale=0.25, chunk_size=16, sub_chunk=16,
+  split = functools.partial(chunk_kda_pallas, spec=spec, scale=0.25,
                             interpret=True)  # the default body at L = 16
   jaxpr = jax.make_jaxpr(lambda *xs: jax.vjp(lambda *a: split(*a)[0], *xs)[1](xs[2]))(
       x, x, x, -jnp.ones((1, 40, 1, 16)), jnp.ones((1, 40, 1)))

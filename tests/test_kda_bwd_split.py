@@ -18,7 +18,7 @@ import pytest
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
 from tests.kda_inputs import (GRAD_NAMES, assert_each_within, intra_bwd_by_impl, intra_bwd_operands,
-                               state_loss_grads, vjp_inputs)
+                               pallas_spec, state_loss_grads, vjp_inputs)
 
 # max|x - ref| / max|ref|, float32 operands, exact (HIGHEST) matmuls on the CPU.
 F32_TOL = 2e-5
@@ -54,7 +54,8 @@ def test_split_vjp_matches_naive(diagonal, gdn, impl="split"):
   grads = lambda fn: state_loss_grads(fn, xs, do, dht)
   want = grads(functools.partial(reference.naive_recurrent_kda, scale=dk ** -0.5))
   got = grads(functools.partial(
-      chunk_kda_pallas, scale=dk ** -0.5, chunk_size=32, sub_chunk=8, diagonal=diagonal,
+      chunk_kda_pallas, spec=pallas_spec(chunk_size=32, sub_chunk=8, diagonal=diagonal),
+      scale=dk ** -0.5,
       interpret=True, config_overrides=dict(intra_bwd=impl, block_k=8, bwd_block_k=8,
                                             level_anchors="reshape")))
   assert_each_within(got, want, GRAD_NAMES, F32_TOL, label=f"{impl} {diagonal}")
@@ -64,7 +65,8 @@ def test_split_is_rejected_for_tpu():
   """"split" is a ValueError on TPU backends, through the public entry too
   (`test_kda_bwd_residuals.test_intra_bwd_body_choice` covers the choice itself)."""
   x = jnp.ones((1, 16, 1, 128), jnp.float32)
-  fn = functools.partial(chunk_kda_pallas, scale=0.1, chunk_size=16, sub_chunk=16,
-                         backend="tpu_interpret", config_overrides=dict(intra_bwd="split"))
+  fn = functools.partial(chunk_kda_pallas, spec=pallas_spec(chunk_size=16, sub_chunk=16),
+                         scale=0.1, backend="tpu_interpret",
+                         config_overrides=dict(intra_bwd="split"))
   with pytest.raises(ValueError, match="not lowered for TPU"):
     fn(x, x, x, -x, jnp.ones((1, 16, 1)))

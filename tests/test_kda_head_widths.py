@@ -22,6 +22,7 @@ from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import pallas_op
 from pallas_kernels.kda import reference
+from pallas_kernels.kda.spec import KdaSpec
 from tests.kda_inputs import make_inputs, rel_err
 
 LOWER_BOUND = -5.0
@@ -151,8 +152,8 @@ def test_tpu_path_pads_to_lane_tiles():
   length off the chunk grid."""
   x = make_inputs(23, batch=1, seq_len=40, heads=2, dk=96, dv=48, gate="mixed")
   assert head_pad.padded_widths(96, 48, "tpu_interpret", heads=2) == (128, 128)
-  tpu = functools.partial(pallas_op.chunk_kda_pallas, chunk_size=16, lower_bound=LOWER_BOUND,
-                          backend="tpu_interpret")
+  spec = KdaSpec(chunk_size=16, lower_bound=LOWER_BOUND, implementation="pallas")
+  tpu = functools.partial(pallas_op.chunk_kda_pallas, spec=spec, backend="tpu_interpret")
   _assert_matches_naive(tpu, x, 24, TOL["interpret"])
 
 

@@ -19,6 +19,7 @@ from pallas_kernels.kda import api
 from pallas_kernels.kda import inputs
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
+from pallas_kernels.kda.spec import KdaSpec
 from tests.kda_inputs import rel_err
 
 LOWER_BOUND = -5.0
@@ -202,6 +203,11 @@ class TestOptionsPallasInterpret(OptionChecks):
   shape = (1, 40, 2, 16, 16)
   chunk = 32
 
+  def _spec(self):
+    """The spec of `_op`'s calls, for direct `chunk_kda_pallas` calls."""
+    return KdaSpec(chunk_size=self.chunk, sub_chunk=self.sub_chunk, lower_bound=LOWER_BOUND,
+                   implementation="pallas")
+
   def test_bf16_raw_gate(self):
     """A bf16 pre-activation is read as is; its gradient comes back in bf16."""
     b, t, h, dk, dv = self.shape
@@ -251,7 +257,7 @@ class TestOptionsPallasInterpret(OptionChecks):
   def test_default_has_no_options(self):
     """Without options the call is the plain op (same program, bit-identical output)."""
     q, k, v, g, beta, _, _ = _inputs(16, 1, 40, 2, 16, 16, raw_gate=False)
-    plain = jax.jit(lambda *a: chunk_kda_pallas(*a, chunk_size=32, interpret=True)[0])
+    plain = jax.jit(lambda *a: chunk_kda_pallas(*a, spec=self._spec(), interpret=True)[0])
     got = jax.jit(lambda *a: self._op()(*a)[0])(q, k, v, g, beta)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(plain(q, k, v, g, beta)))
 
@@ -273,8 +279,7 @@ class TestOptionsPallasTpuInterpret(TestOptionsPallasInterpret):
     cu = kw.pop("cu_seqlens", None)
 
     def fn(q, k, v, g, beta, initial_state=None, gate_bias=None):
-      return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5, chunk_size=self.chunk,
-                              sub_chunk=self.sub_chunk, lower_bound=LOWER_BOUND,
+      return chunk_kda_pallas(q, k, v, g, beta, spec=self._spec(), scale=q.shape[-1] ** -0.5,
                               backend="tpu_interpret", initial_state=initial_state,
                               output_final_state=True, cu_seqlens=cu, gate_bias=gate_bias, **kw)
     return fn
@@ -320,8 +325,8 @@ def test_fused_gate_lowers_for_tpu():
   b, t, h, d = 1, 256, 1, 128
   q, k, v, g, beta, _, bias = _inputs(21, b, t, h, d, d, dtype=jnp.bfloat16)
   g = g.astype(jnp.bfloat16)
-  fn = functools.partial(chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16,
-                         lower_bound=LOWER_BOUND, backend="tpu", block_v=128,
+  spec = KdaSpec(chunk_size=64, sub_chunk=16, lower_bound=LOWER_BOUND, implementation="pallas")
+  fn = functools.partial(chunk_kda_pallas, spec=spec, scale=d ** -0.5, backend="tpu", block_v=128,
                          output_final_state=True, gate_activation="bounded_sigmoid")
 
   def fwd_bwd(q, k, v, g, beta, bias):

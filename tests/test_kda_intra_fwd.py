@@ -21,7 +21,7 @@ from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
-from tests.kda_inputs import rel_err
+from tests.kda_inputs import pallas_spec, rel_err
 
 LOWER_BOUND = -5.0
 # max|x - ref| / max|ref| for f32 kernels (GPU f32 matmuls are 3xTF32);
@@ -211,8 +211,9 @@ def test_blocked_forward_matches_naive(dtype, block_k):
   q, k, v, g, beta = _inputs(21, b, t, h, d, d, dtype)
   h0 = jax.random.normal(jax.random.PRNGKey(22), (b, h, d, d))
   fn = jax.jit(functools.partial(
-      chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16, interpret=True,
-      output_final_state=True, config_overrides=dict(inverse="blocked", block_k=block_k)))
+      chunk_kda_pallas, spec=pallas_spec(chunk_size=64, sub_chunk=16), scale=d ** -0.5,
+      interpret=True, output_final_state=True,
+      config_overrides=dict(inverse="blocked", block_k=block_k)))
   o, ht = fn(q, k, v, g, beta, initial_state=h0)
   f32 = [x.astype(jnp.float32) for x in (q, k, v, g, beta)]
   o_ref, ht_ref = reference.naive_recurrent_kda(*f32, initial_state=h0,
@@ -230,7 +231,7 @@ def test_blocked_causal_under_future_gates():
   p = 64 + 16 + 3                      # inside the second diagonal tile of chunk 1
   g2 = g.at[:, p:].set(LOWER_BOUND * 0.999)
   fn = jax.jit(lambda *xs: chunk_kda_pallas(
-      *xs, scale=d ** -0.5, chunk_size=64, sub_chunk=16, interpret=True,
+      *xs, spec=pallas_spec(chunk_size=64, sub_chunk=16), scale=d ** -0.5, interpret=True,
       config_overrides=dict(inverse="blocked"))[0])
   o1, o2 = np.asarray(fn(q, k, v, g, beta)), np.asarray(fn(q, k, v, g2, beta))
   np.testing.assert_array_equal(o1[:, :p], o2[:, :p])
@@ -262,8 +263,8 @@ def test_blocked_lowers_for_tpu():
   """The blocked kernel (not the TPU default) also lowers for Mosaic via jax.export."""
   b, t, h, d = 1, 128, 1, 128
   q, k, v, g, beta = _inputs(23, b, t, h, d, d, jnp.bfloat16)
-  fn = functools.partial(chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16,
-                         backend="tpu", block_v=128,
+  fn = functools.partial(chunk_kda_pallas, spec=pallas_spec(chunk_size=64, sub_chunk=16),
+                         scale=d ** -0.5, backend="tpu", block_v=128,
                          config_overrides=dict(inverse="blocked"))
   exported = jax.export.export(jax.jit(lambda *xs: fn(*xs)[0]), platforms=["tpu"])(
       q, k, v, g, beta)
@@ -288,8 +289,8 @@ def test_gpu_bf16_accuracy_issue_shape():
   """bf16 forward and VJP at B1 T1024 H4 D128 vs the f32 recurrence, blocked inverse."""
   q, k, v, g, beta = _inputs(32, 1, 1024, 4, 128, 128, jnp.bfloat16)
   do = jax.random.normal(jax.random.PRNGKey(33), q.shape, jnp.bfloat16)
-  fn = functools.partial(chunk_kda_pallas, scale=128 ** -0.5, chunk_size=64, sub_chunk=16,
-                         config_overrides=dict(inverse="blocked"))
+  fn = functools.partial(chunk_kda_pallas, spec=pallas_spec(chunk_size=64, sub_chunk=16),
+                         scale=128 ** -0.5, config_overrides=dict(inverse="blocked"))
 
   def o_and_grads(f, xs, do):
     o, vjp = jax.vjp(lambda *a: f(*a)[0], *xs)

@@ -21,7 +21,7 @@ from pallas_kernels.kda import kernel_intra_fwd
 from pallas_kernels.kda import reference
 from pallas_kernels.kda import spec
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
-from tests.kda_inputs import rel_err
+from tests.kda_inputs import pallas_spec, rel_err
 
 LOWER_BOUND = -5.0
 # Relative errors: max|x - ref| / max|ref| for f32, ||x - ref|| / ||ref|| for bf16.
@@ -329,7 +329,8 @@ class TestKdaPallasInterpret(KdaPallasChecks):
     """Head widths are padded (tests/test_kda_head_widths.py); the chunk is not."""
     q, k, v, g, beta, _ = _inputs(7, 1, 16, 1, 24, 16)
     with pytest.raises(ValueError, match="chunk_size must be a power of two"):
-      chunk_kda_pallas(q, k, v, g, beta, scale=0.2, chunk_size=24, sub_chunk=8, interpret=True)
+      chunk_kda_pallas(q, k, v, g, beta, spec=pallas_spec(chunk_size=24, sub_chunk=8), scale=0.2,
+                       interpret=True)
 
   def test_config_overrides_are_pallas_only(self):
     q, k, v, g, beta, _ = _inputs(8, 1, 16, 1, 16, 16)
@@ -356,14 +357,14 @@ class TestKdaPallasTpuInterpret(KdaPallasChecks):
   test_f16_at_the_bound = None
 
   def _pallas(self, diagonal, **kw):
-    kw = dict(dict(sub_chunk=self.sub_chunk, lower_bound=LOWER_BOUND), **kw)
+    spec = pallas_spec(**dict(dict(sub_chunk=self.sub_chunk, lower_bound=LOWER_BOUND), **kw),
+                       chunk_size=self.chunk, diagonal=diagonal)
 
     def fn(q, k, v, g, beta, **kw2):
       if g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], q.shape)
-      return chunk_kda_pallas(q, k, v, g, beta, scale=q.shape[-1] ** -0.5,
-                              chunk_size=self.chunk, diagonal=diagonal,
-                              backend="tpu_interpret", **kw, **kw2)
+      return chunk_kda_pallas(q, k, v, g, beta, spec=spec, scale=q.shape[-1] ** -0.5,
+                              backend="tpu_interpret", **kw2)
     return fn
 
 
@@ -410,8 +411,8 @@ def test_lowers_for_tpu(diagonal):
   """Forward and backward lower for TPU (Mosaic) via jax.export on the CPU."""
   b, t, h, d = 1, 256, 1, 128
   q, k, v, g, beta, _ = _inputs(11, b, t, h, d, d, dtype=jnp.bfloat16)
-  fn = functools.partial(chunk_kda_pallas, scale=d ** -0.5, chunk_size=64, sub_chunk=16,
-                         diagonal=diagonal, backend="tpu", block_v=128,
+  fn = functools.partial(chunk_kda_pallas, spec=pallas_spec(diagonal=diagonal),
+                         scale=d ** -0.5, backend="tpu", block_v=128,
                          output_final_state=True)
 
   def fwd_bwd(q, k, v, g, beta):

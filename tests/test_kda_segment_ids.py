@@ -25,6 +25,7 @@ import pytest
 from pallas_kernels.kda import api
 from pallas_kernels.kda import pallas_op
 from pallas_kernels.kda import tiling
+from pallas_kernels.kda.spec import KdaSpec
 from tests.kda_inputs import make_inputs, rel_err, rel_max
 
 LOWER_BOUND = -5.0
@@ -64,14 +65,15 @@ PALLAS = {"pallas_l8": (8, "interpret", None),
 def _kda(implementation, diagonal="dense", fused=False, sub_chunk=L):
   """chunk_kda(q, k, v, g, beta, **kw) of one implementation (a PALLAS key runs
   the Pallas kernels interpreted)."""
-  kw = dict(lower_bound=LOWER_BOUND, diagonal=diagonal, chunk_size=C, sub_chunk=sub_chunk)
-  if fused:
-    kw["gate_activation"] = "bounded_sigmoid"
+  fields = dict(lower_bound=LOWER_BOUND, diagonal=diagonal, chunk_size=C)
+  gate = {"gate_activation": "bounded_sigmoid"} if fused else {}
   if implementation not in PALLAS:
-    return functools.partial(api.chunk_kda, implementation=implementation, **kw)
+    return functools.partial(api.chunk_kda, implementation=implementation, sub_chunk=sub_chunk,
+                             **fields, **gate)
   sub_chunk, backend, overrides = PALLAS[implementation]
-  kw.update(sub_chunk=sub_chunk, backend=backend, config_overrides=overrides)
-  return functools.partial(pallas_op.chunk_kda_pallas, **kw)
+  spec = KdaSpec(sub_chunk=sub_chunk, implementation="pallas", **fields)
+  return functools.partial(pallas_op.chunk_kda_pallas, spec=spec, backend=backend,
+                           config_overrides=overrides, **gate)
 
 
 @functools.cache

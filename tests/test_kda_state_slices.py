@@ -21,7 +21,7 @@ from pallas_kernels.kda import kernel_config
 from pallas_kernels.kda import kernel_common
 from pallas_kernels.kda import reference
 from pallas_kernels.kda.pallas_op import chunk_kda_pallas
-from tests.kda_inputs import GRAD_NAMES, assert_each_within, vjp_inputs
+from tests.kda_inputs import GRAD_NAMES, assert_each_within, pallas_spec, vjp_inputs
 
 # max|x - ref| / max|ref|, float32 operands, exact (HIGHEST) matmuls on the CPU.
 F32_TOL = 2e-5
@@ -45,7 +45,7 @@ def _check_against_naive(xs, do, dht, *, save, impl, cu_seqlens=None):
   (_, (o_r, ht_r)), want = run(functools.partial(reference.naive_recurrent_kda,
                                                  scale=DK ** -0.5))
   (_, (o, ht)), got = run(functools.partial(
-      chunk_kda_pallas, scale=DK ** -0.5, chunk_size=CHUNK, sub_chunk=SUB, diagonal="dense",
+      chunk_kda_pallas, spec=pallas_spec(chunk_size=CHUNK, sub_chunk=SUB), scale=DK ** -0.5,
       backend="tpu_interpret" if impl == "fused" else "interpret", block_v=BLOCK_V,
       config_overrides=dict(block_k=BLOCK_K, save_residuals=save)))
   assert_each_within((o, ht, *got), (o_r, ht_r, *want), ("o", "ht") + GRAD_NAMES, F32_TOL,

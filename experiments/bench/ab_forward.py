@@ -48,6 +48,7 @@ def main(argv):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from pallas_kernels.tools import bench  # pylint: disable=g-import-not-at-top
   from pallas_kernels.kda import pallas_op  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda.spec import KdaSpec  # pylint: disable=g-import-not-at-top
 
   variants = [(v or "defaults", bench.parse_overrides(v.split("+")) if v else {})
               for v in _VARIANTS.value]
@@ -55,13 +56,15 @@ def main(argv):
     b, t, h, d = (int(x) for x in shape.split("x"))
     if _INTERPRET.value:
       b, t, h, d = 1, 128, 1, 32
-    q, k, v, g, beta = bench.make_inputs(jax.random.PRNGKey(0), b, t, h, d)
+    # make_inputs' gates lie in [-5, 0], the bound of every call here.
+    q, k, v, g, beta = bench.make_inputs(jax.random.PRNGKey(0), b, t, h, d, lower_bound=-5.0)
+    spec = KdaSpec(diagonal=_DIAGONAL.value, lower_bound=-5.0, implementation="pallas")
     do = jax.random.normal(jax.random.PRNGKey(1), v.shape, v.dtype)
 
     def build(overrides):
       def fwd(q, k, v, g, beta):
         return pallas_op.chunk_kda_pallas(
-            q, k, v, g, beta, scale=d ** -0.5, diagonal=_DIAGONAL.value,
+            q, k, v, g, beta, spec=spec, scale=d ** -0.5,
             interpret=_INTERPRET.value, config_overrides=overrides)[0]
 
       def fwd_bwd(q, k, v, g, beta, do):

@@ -61,81 +61,49 @@ _DEFAULT_WARPS = (("cumsum", 4), ("intra_fwd", 4), ("state_fwd", 4), ("state_rec
 class KernelConfig:
   """Static tiling and lowering choices for one call of the KDA kernels.
 
-  Defaults are `heuristic_config`'s; each field can be forced through
-  `chunk_kda(config_overrides=...)`. docs/benchmarks.md has the measurements
-  behind them.
+  Each field is a choice a caller or the tuner may force
+  (`chunk_kda(config_overrides=...)`, `experiments/bench/tune_kda.py`);
+  `heuristic_config` sets the defaults and says why, and `make_config`
+  checks the tiles. Derived values are properties.
 
   Attributes:
     backend: the lowering; one of BACKENDS ("tpu_interpret": CPU emulation
       with TPU semantics).
     block_v: V tile of the state kernels, one program per tile; a power of
-      two dividing V. Default `pow2_part(V)` capped at 64 (the whole V on
-      TPU, whose blocks span 128 lanes or the whole dim).
-    block_k: widest K slice of the intra forward's, the state kernels' and
-      the first split-backward kernel's work: K runs as power-of-two slices
-      of at most this, widest first (`kernel_common.width_slices`). Default
-      the widest power of two <= K capped at 64 (K on TPU).
+      two dividing V.
+    block_k: widest K slice of the intra forward, the state kernels and the
+      first split-backward kernel (`kernel_common.width_slices`).
     bwd_block_k: K slice of the split intra backward's second kernel, one
-      program per slice; a power of two dividing K. Default `pow2_part(K)`
-      capped at 32.
+      program per slice; a power of two dividing K.
     rec_block_v, bwd_block_v: V tiles of the GPU forward recurrence and of
-      the reverse state kernel; None (block_v) or a power of two dividing V.
-      Each (batch row, head) pair is one sequential program, so few pairs
-      take narrower tiles: at K = V = 128 with 16-bit inputs on the GPU,
-      below WHOLE_V_BWD_MIN_PROGRAMS pairs rec_block_v is 32 (and
-      bwd_block_v 32 up to NARROW_BWD_MAX_PROGRAMS), from it bwd_block_v is
-      128 with 8 warps; else None. An explicit block_v resets both.
+      the reverse state kernel; None takes block_v.
     num_warps: Triton warps per stage, ((stage, warps), ...); an override may
-      name only some stages. Default 4; 8 for "intra_bwd"; 2 for "diag_fwd",
-      whose [L, L] products are small; from sub_chunk 32, L / 8 for
-      "diag_fwd" and 8 for "diag_bwd", which compile without spills there.
-    num_stages: Triton software-pipelining stages of every kernel. Default 2.
-    inverse: how the intra forward forms M; one of INVERSES. Default
-      "blocked" (tensor-core products) on the GPU at sub_chunk >= 16, else
-      "substitution" (row-by-row forward substitution).
-    intra_bwd: intra backward body; one of INTRA_BWDS. Default "split" on the
-      GPU at sub_chunk >= 16, else "tiles"; "split" is not lowered for TPU.
-    mm_dtype: operand dtype of every matmul outside the intra backward and of
-      stored intermediates (f32 accumulation). Default the input dtype (f32:
-      3xTF32 on the GPU), but bf16 for f16 inputs, whose range (e^-9.7 to
-      e^11) cannot hold the diagonal tiles' decay factors.
+      name only some stages.
+    num_stages: Triton software-pipelining stages of every kernel.
+    inverse: how the intra forward forms M = (I + A_kk)^-1; one of INVERSES.
+    intra_bwd: the intra backward body; one of INTRA_BWDS ("split" is not
+      lowered for TPU).
+    mm_dtype: operand dtype of the matmuls outside the intra backward and of
+      stored intermediates (f32 accumulation).
     intra_bwd_mm_dtype: operand dtype of the intra backward's matmuls and
-      storage dtype of the saved M, entry states, V' and per-chunk dS.
-      Default the input dtype on the GPU at K * V > 64 * 128, where f32
-      operands overflow shared memory; else f32.
-    save_residuals: the forward keeps M, W, A_qk, the entry states and V'
-      (and the GPU state pass's gated queries and keys) for the backward
-      rather than recomputing them. Default True.
-    segment_chunks: None, or the most chunks of a segment: longer sequences
-      of a fixed-length call run as equal segments whose backward reruns one
-      segment's forward at a time (`pallas_op._segmented_core`), to bound
-      the residuals held. Default None while `residual_bytes` fits in
-      RESIDUAL_BUDGET_BYTES, else the most chunks that fit. Packed
-      sequences are never segmented.
+      storage dtype of the saved M, entry states, V' and dS.
+    save_residuals: the forward keeps its intermediates for the backward
+      rather than the backward recomputing them.
+    segment_chunks: None, or the most chunks of one segment of a long
+      fixed-length call (`pallas_op._segmented_core`), which bounds the
+      residuals held; packed sequences are never segmented.
     level_anchors: how the pairwise diagonal picks each level's anchor rows
-      of G; one of LEVEL_ANCHORS. Default "gather" on the GPU, "select" on
-      TPU (the only one Mosaic lowers).
+      of G; one of LEVEL_ANCHORS (TPU: "select" only).
     diag_kernels: the pairwise diagonal's tiles in kernels of their own
-      (`kernel_diag`), not as [C, C] masked products inside the intra-chunk
-      kernels. Needs the blocked inverse and the split backward; default
-      wherever those are. Read only with diagonal="pairwise".
-    diag_block_k: K slice of both `kernel_diag` kernels; a power of two at
-      most K (dividing a power-of-two K). Default min(K, 64, 2048 / L) at
-      power-of-two K (else as block_k), so an [L, diag_block_k] operand
-      stays at 2048 elements at L = 64.
-    diag_level_loop: the levels of both `kernel_diag` kernels in a loop (one
-      level's values live at a time) rather than unrolled; same arithmetic.
-      Default True at sub_chunk >= 32, where the unrolled levels spill; at
-      16 the unrolled kernels are faster.
-    diag_rows, diag_bwd_rows: rows of one program of the score kernel
-      (`kernel_diag.diag_scores`) and of the gradient kernel
-      (`kernel_diag.diag_grads`): None (the chunk) or a multiple of sub_chunk
-      dividing chunk_size (fewer rows, more programs). Default one tile
-      (sub_chunk rows) for the scores and the chunk for the gradients, the
-      fastest of each.
-    output_body: the GPU forward's output kernel; one of OUTPUT_BODIES.
-      Default "triton"; "mosaic_gpu" is the `kernel_output_mosaic` prototype,
-      not lowered for TPU.
+      (`kernel_diag`); needs the blocked inverse and the split backward.
+      Read only with diagonal="pairwise".
+    diag_block_k: K slice of both `kernel_diag` kernels.
+    diag_level_loop: the `kernel_diag` levels run in a loop rather than
+      unrolled (same arithmetic, fewer live registers).
+    diag_rows, diag_bwd_rows: rows of one program of `kernel_diag`'s score
+      and gradient kernels: None (the chunk) or a multiple of sub_chunk.
+    output_body: the GPU forward's output kernel; one of OUTPUT_BODIES
+      ("mosaic_gpu": the `kernel_output_mosaic` prototype, GPU only).
   """
   backend: str
   block_v: int
@@ -352,13 +320,12 @@ NARROW_BWD_MAX_PROGRAMS = 16
 # a long sequence, keeps for its backward by default (`segment_chunks`). At
 # K = V = 128, C = 64 and 16-bit inputs a token-head pair keeps 1792 bytes, so
 # 8 GiB holds 4.8M token-heads: B T = 300k tokens at H = 16, and B1 T = 2^20
-# H16 (28 GiB) runs in four segments. On the H200 (docs/benchmarks.md, "Long
-# sequences") the whole program did not fit at T = 2^20, two segments of
-# 2^19 fit at 0.9 of the memory but not under JAX's default 0.75 with the
-# inputs already allocated, hence four. Training shapes stay far below it
-# (B16 T2048 H16: 0.94 GB per layer). Why segments and not
-# `save_residuals=False`: at T = 2^19 that program took 43.2 GB against 45.2
-# (the recomputed residuals are live with the backward's own temporaries).
+# H16 (28 GiB) runs in four segments, which fit a 141 GB GPU beside the
+# inputs under JAX's default memory fraction; training shapes stay far below
+# it (B16 T2048 H16: 0.94 GB per layer). Segments rather than
+# `save_residuals=False`, whose recomputed residuals are live beside the
+# backward's own temporaries. Measurements: docs/benchmarks.md, "Long
+# sequences", and `git log pallas_kernels/kda/kernel_config.py`.
 RESIDUAL_BUDGET_BYTES = 8 * 2 ** 30
 
 
@@ -395,8 +362,10 @@ def residual_bytes(shape: KernelShape, cfg: "KernelConfig") -> int | None:
 
 
 def _default_warps(ell: int) -> tuple[tuple[str, int], ...]:
-  """Warps per stage before the state kernels' choices: the diagonal
-  kernels' grow with their L-row tiles from L = 32 (see `num_warps`)."""
+  """Warps per stage before the state kernels' choices: 4, 8 for the
+  one-program intra backward, 2 for the diagonal scores, whose [L, L]
+  products are small; from L = 32, L / 8 and 8 for the diagonal kernels,
+  which compile without spills there."""
   if ell < 32:
     return _DEFAULT_WARPS
   return tuple({**dict(_DEFAULT_WARPS), "diag_fwd": ell // 8, "diag_bwd": 8}.items())
@@ -431,13 +400,20 @@ def heuristic_config(shape: KernelShape, dtype, backend: str) -> KernelConfig:
       **_default_bodies(backend, ell),
       mm_dtype=mm_dtype,
       intra_bwd_mm_dtype=mm_dtype if wide else jnp.dtype(jnp.float32),
-      level_anchors="select" if on_tpu else "gather",
+      level_anchors="select" if on_tpu else "gather",   # Mosaic lowers "select" only
+      # Wherever the blocked inverse and the split backward run (L >= 16 on the GPU).
       diag_kernels=not on_tpu and ell >= 16,
+      # An [L, diag_block_k] operand stays at 2048 elements.
       diag_block_k=min(1 << (dk.bit_length() - 1), 64, max(2048 // ell, 16)),
+      # From L = 32 the unrolled levels spill; at 16 unrolled is faster.
       diag_level_loop=ell >= 32,
+      # One tile per score program, the chunk per gradient program: the fastest of each.
       diag_rows=None if on_tpu else ell,
       num_warps=_default_warps(ell))
-  # Measured with 16-bit operands only; f32 ones double the pipelined buffers.
+  # Each (batch row, head) pair is one sequential program of the state
+  # kernels, so few pairs take narrower V tiles (more programs); many take
+  # the whole V in the reverse pass. Measured with 16-bit operands only; f32
+  # ones double the pipelined buffers.
   if not on_tpu and dk == dv == 128 and mm_dtype != jnp.float32:
     programs = shape.state_programs
     if programs is None or programs >= WHOLE_V_BWD_MIN_PROGRAMS:

@@ -55,20 +55,17 @@ _F32 = jnp.float32
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """Hashable static arguments of the custom-VJP core."""
-  heads: int
-  chunk_size: int
-  sub_chunk: int
-  diagonal: str
+  # The call's tiling (chunk_size, sub_chunk, diagonal) and gate bound; the
+  # "clamp" and "fused" modes' cumsum kernels read its bound.
+  spec: KdaSpec
   scale: float
   varlen: bool
-  cfg: kernel_config.KernelConfig
+  # The backend's choices (None until `_chunk_kda_grid` picks the backend's).
+  cfg: kernel_config.KernelConfig | None
   # What g is and what the cumsum passes do with it: "log_decay"
   # (summed as is), "clamp" (clamped into the spec's range first, gradient 0
   # outside) or "fused" (the pre-activation of the spec's bounded gate).
   gate_mode: str = "log_decay"
-  # The call's KdaSpec (None for a call without a bound); the "clamp" and
-  # "fused" modes' cumsum kernels read its bound.
-  spec: KdaSpec | None = None
   # The state restarts inside chunks (`segment_ids`): the kernels take run codes.
   runs: bool = False
 
@@ -95,7 +92,7 @@ def _gate_cumsum(st: _Static, g, gate_bias, save: bool):
     return kernel_gate_cumsum.spec_gate_cumsum(g2, gate_bias.reshape(h * dk), st.spec,
                                                cfg=st.cfg), None
   if st.gate_mode == "log_decay":
-    return kernel_cumsum.chunk_cumsum(g2.astype(_F32), st.chunk_size, cfg=st.cfg), None
+    return kernel_cumsum.chunk_cumsum(g2.astype(_F32), st.spec.chunk_size, cfg=st.cfg), None
   out = kernel_cumsum.spec_clamped_cumsum(g2.astype(_F32), st.spec, cfg=st.cfg,
                                           with_record=save)
   return out if save else (out, None)
@@ -120,26 +117,26 @@ def _forward(st: _Static, q, k, v, g, beta, gate_bias, h0, meta, *, save=False, 
   lay = _kernel_layout(q, k, v, beta)
   q2, k2, v2, beta_t = lay["q2"], lay["k2"], lay["v2"], lay["beta_t"]
   g_cum, clamp_record = _gate_cumsum(st, g, gate_bias, save)
-  kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
+  kw = dict(heads=h, chunk_size=st.spec.chunk_size, scale=st.scale, cfg=cfg)
   split = not cfg.is_tpu   # the GPU's state pass: recurrence, then outputs
   # Kept for the backward: M and (split pass) the entry states are written
   # straight in cfg.saved_state_dtype (bf16 by default on the GPU with bf16
   # intra-backward operands).
   res_dtype = cfg.saved_state_dtype
-  intra = kernel_intra_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.sub_chunk,
-                                     diagonal=st.diagonal, save_m=save, save_gated=split,
+  intra = kernel_intra_fwd.intra_fwd(q2, k2, v2, g_cum, beta_t, sub_chunk=st.spec.sub_chunk,
+                                     diagonal=st.spec.diagonal, save_m=save, save_gated=split,
                                      m_dtype=res_dtype, runs=runs, **kw)
   if split:
     # Without the backward only the output kernel reads the entry states and
     # V', as matmul operands. The backward keeps the states in res_dtype and
     # V' in its matmul dtype, V''s only use there.
     hs, v_new, ht = kernel_state_split.state_recurrence(
-        meta, intra.w, intra.u, intra.kg, g_cum, h0, heads=h, chunk_size=st.chunk_size,
+        meta, intra.w, intra.u, intra.kg, g_cum, h0, heads=h, chunk_size=st.spec.chunk_size,
         cfg=cfg, varlen=st.varlen, state_dtype=res_dtype if save else cfg.mm_dtype,
         v_new_dtype=cfg.intra_bwd_mm_dtype if save else cfg.mm_dtype,
         run_code=None if runs is None else runs[0])
-    o = _output_fwd(intra.qg, intra.a_qk, hs, v_new, heads=h, chunk_size=st.chunk_size,
-                    cfg=cfg, out_dtype=q.dtype)
+    o = _output_fwd(intra.qg, intra.a_qk, hs, v_new, heads=h,
+                    chunk_size=st.spec.chunk_size, cfg=cfg, out_dtype=q.dtype)
   else:
     o, ht, hs, v_new = kernel_state_fwd.state_fwd(
         meta, q2, k2, g_cum, intra.w, intra.u, intra.a_qk, h0, varlen=st.varlen, save=save,
@@ -219,7 +216,7 @@ def _core_bwd(st, res, cts):
     _, _, r = _forward(st, q, k, v, g, beta, gate_bias, h0, meta, save=True, runs=runs)
   else:
     r = dict(saved, **_kernel_layout(q, k, v, beta))  # what _forward(save=True) returns
-  kw = dict(heads=h, chunk_size=st.chunk_size, scale=st.scale, cfg=cfg)
+  kw = dict(heads=h, chunk_size=st.spec.chunk_size, scale=st.scale, cfg=cfg)
   do2 = do.reshape(b, tp, h * dv).astype(cfg.mm_dtype)
   gated = r["qg"] is not None
   q_state, k_state = (r["qg"], r["kg"]) if gated else (r["q2"], r["k2"])
@@ -233,13 +230,14 @@ def _core_bwd(st, res, cts):
                else kernel_intra_bwd.intra_bwd_tiles)
   dq, dk_, dv_, dg_cum, dbeta = intra_bwd(
       r["q2"], r["k2"], r["v2"], r["g_cum"], r["beta_t"], do2, r["hs"], dhs,
-      r["v_new"], dv_new, r["m"], sub_chunk=st.sub_chunk, diagonal=st.diagonal,
+      r["v_new"], dv_new, r["m"], sub_chunk=st.spec.sub_chunk, diagonal=st.spec.diagonal,
       grad_dtype=q.dtype if same else _F32, runs=runs, **kw)
   if not st.fused:
     if st.gate_mode == "log_decay":
-      dg = kernel_cumsum.chunk_cumsum(dg_cum, st.chunk_size, reverse=True, cfg=cfg)
+      dg = kernel_cumsum.chunk_cumsum(dg_cum, st.spec.chunk_size, reverse=True, cfg=cfg)
     else:
-      dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, r["clamp_record"], st.chunk_size, cfg=cfg)
+      dg = kernel_cumsum.clamped_cumsum_bwd(dg_cum, r["clamp_record"], st.spec.chunk_size,
+                                            cfg=cfg)
     dg, dbias = dg.reshape(q.shape).astype(_F32), None
   else:
     dg, dbias = kernel_gate_cumsum.spec_gate_cumsum_bwd(
@@ -349,12 +347,10 @@ def _next_pow2(n: int) -> int:
   return 1 << max(n - 1, 0).bit_length()
 
 
-def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
+def chunk_kda_pallas(q, k, v, g, beta, *, spec: KdaSpec, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, segment_ids=None,
-                     spec: KdaSpec | None = None,
-                     chunk_size=64, diagonal="dense", sub_chunk=16,
                      interpret=False, backend=None, block_v=None, config_overrides=None,
-                     gate_activation=None, gate_bias=None, clamp_gates=False, lower_bound=None):
+                     gate_activation=None, gate_bias=None, clamp_gates=False):
   """Chunked KDA with Pallas kernels; differentiable (custom VJP).
 
   Args:
@@ -371,15 +367,9 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
       restarts wherever a row's id changes, as in `api.chunk_kda`, by masks
       in the kernels; not with long-sequence segments
       (`KernelConfig.segment_chunks`).
-    spec: the tiling and the gate's bound (`KdaSpec`, validated when built;
-      `chunk_kda` passes it), or None to take chunk_size (C), sub_chunk (L,
-      the diagonal tile) and diagonal ("dense" or "pairwise") as given.
-      With spec, these keyword values and lower_bound are not read.
-    lower_bound: the fused gate's and the clamp's bound (a KdaSpec field), or
-      None; without a spec, a bound makes the keyword choices a KdaSpec
-      (`spec.kernel_spec`, validated as `chunk_kda` validates them: a bound
-      unsafe for the dense diagonal's tiles raises). A call without a bound
-      runs without a spec.
+    spec: the tiling (chunk_size C, sub_chunk L, diagonal) and the gate's
+      bound, a `KdaSpec` (validated when built; `chunk_kda` passes its own).
+      The kernels read the bound only to clamp g or to form the fused gate.
     interpret: emulate the kernels on the CPU.
     backend: override of the lowering (a `kernel_config.BACKENDS` entry);
       None: "interpret" with `interpret`, else the host's GPU or TPU, else
@@ -400,23 +390,18 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
   Returns:
     (o [B, T, H, V] in q.dtype, final_state [N, H, K, V] f32 or None).
   """
-  spec = spec_lib.kernel_spec(spec, chunk_size=chunk_size, sub_chunk=sub_chunk,
-                              diagonal=diagonal, lower_bound=lower_bound)
-  if spec is not None:
-    chunk_size, sub_chunk, diagonal = spec.chunk_size, spec.sub_chunk, spec.diagonal
-  elif diagonal not in spec_lib.DIAGONALS:
-    raise ValueError(f"diagonal must be one of {spec_lib.DIAGONALS}, got {diagonal!r}")
+  if not isinstance(spec, KdaSpec):
+    raise TypeError(f"spec must be a KdaSpec, got {type(spec).__name__}")
   args = inputs.validate(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                          cu_seqlens=cu_seqlens, segment_ids=segment_ids)
   inputs.check_without_gate(gate_activation, gate_bias)
   fused = gate_activation is not None
-  bounded = spec is not None and spec.bounded
   if clamp_gates:
     spec_lib.check_clamp(spec, gate_activation)
   b, t_len, h, dk = q.shape
   if fused:
     # The pre-activation stays in its dtype, broadcast over K for a GDN gate.
-    bias = inputs.gate_bias_or_zeros(gate_activation, g, gate_bias, bounded)
+    bias = inputs.gate_bias_or_zeros(gate_activation, g, gate_bias, spec.bounded)
     g_in = g
     if g_in.ndim == 3:
       g_in, bias = jnp.broadcast_to(g_in[..., None], q.shape), bias[:, None]
@@ -426,10 +411,11 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
     gate_mode = "clamp" if clamp_gates else "log_decay"
   if backend is None:
     backend = platform_lowering.host_backend(interpret)
-  run = functools.partial(_chunk_kda_on, scale=args.scale, output_final_state=output_final_state,
-                          chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
-                          block_v=block_v, config_overrides=config_overrides,
-                          gate_mode=gate_mode, spec=spec)
+  # The kernel config is chosen per backend (`_chunk_kda_grid`).
+  st = _Static(spec=spec, scale=float(args.scale), varlen=cu_seqlens is not None, cfg=None,
+               gate_mode=gate_mode, runs=segment_ids is not None)
+  run = functools.partial(_chunk_kda_on, st=st, output_final_state=output_final_state,
+                          block_v=block_v, config_overrides=config_overrides)
   operands = (q, k, v, g_in, beta, initial_state, cu_seqlens, gate_bias, segment_ids)
   if backend is None:
     return platform_lowering.per_platform(run, *operands)
@@ -437,11 +423,10 @@ def chunk_kda_pallas(q, k, v, g, beta, *, scale=None, initial_state=None,
 
 
 def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, segment_ids,
-                  *, scale,
-                  output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                  config_overrides, gate_mode, spec):
+                  *, st: _Static, output_final_state, block_v, config_overrides):
   """`chunk_kda_pallas` on one backend, after validation; g [B, T, H, K] (f32
-  log-decay, or the fused gate's pre-activation with gate_bias [H, K]).
+  log-decay, or the fused gate's pre-activation with gate_bias [H, K]); st
+  without its cfg.
 
   Head widths that are not kernel widths are zero-padded (`head_pad`); the
   padded key channels are zero, so whatever gate they get never reaches the
@@ -451,42 +436,36 @@ def _chunk_kda_on(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bia
   dv = v.shape[-1]
   dk_run, dv_run = head_pad.padded_widths(
       dk, dv, backend, heads=h,
-      sliced=kernel_config.sliced_bodies(backend, sub_chunk, config_overrides))
+      sliced=kernel_config.sliced_bodies(backend, st.spec.sub_chunk, config_overrides))
   q, k, v, g, initial_state = head_pad.pad_heads(q, k, v, g, initial_state, dk_run, dv_run)
   if gate_bias is not None and dk_run != dk:
     gate_bias = jnp.pad(gate_bias, ((0, 0), (0, dk_run - dk)))
   o, ht = _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias,
-                          segment_ids, scale=scale, output_final_state=output_final_state,
-                          chunk_size=chunk_size, sub_chunk=sub_chunk, diagonal=diagonal,
-                          block_v=block_v, config_overrides=config_overrides,
-                          gate_mode=gate_mode, spec=spec)
+                          segment_ids, st=st, output_final_state=output_final_state,
+                          block_v=block_v, config_overrides=config_overrides)
   return head_pad.unpad_outputs(o, ht, dk, dv)
 
 
 def _chunk_kda_grid(backend, q, k, v, g, beta, initial_state, cu_seqlens, gate_bias, segment_ids,
-                    *, scale,
-                    output_final_state, chunk_size, sub_chunk, diagonal, block_v,
-                    config_overrides, gate_mode, spec):
-  """Pads T or packs the sequences onto the chunk grid and runs `_core`; kernel widths."""
+                    *, st: _Static, output_final_state, block_v, config_overrides):
+  """Pads T or packs the sequences onto the chunk grid and runs `_core` under
+  st with this backend's KernelConfig; kernel widths."""
   b, t_len, h, dk = q.shape
   dv = v.shape[-1]
-  c = chunk_size
-  varlen = cu_seqlens is not None
+  c = st.spec.chunk_size
+  varlen = st.varlen
   # Chunks on the grid: T padded to whole chunks, or the packed layout's
   # static ceil(T / C) + N (`tiling.pack_varlen`).
   grid_chunks = -(-t_len // c) + (cu_seqlens.shape[0] - 1 if varlen else 0)
   cfg = kernel_config.make_config(backend=backend, dtype=q.dtype, head_k=dk, head_v=dv,
-                                  chunk_size=chunk_size, sub_chunk=sub_chunk,
+                                  chunk_size=c, sub_chunk=st.spec.sub_chunk,
                                   block_v=block_v, state_programs=q.shape[0] * h,
                                   token_heads=b * grid_chunks * c * h,
                                   overrides=config_overrides, heads=h)
-  fused = gate_mode == "fused"
+  st = dataclasses.replace(st, cfg=cfg)
   # Padded rows of a fused gate get -inf, where the gate is exactly 0 (an
   # explicit zero gate), and so is its derivative.
-  g_pad = -jnp.inf if fused else 0.0
-  st = _Static(heads=h, chunk_size=c, sub_chunk=sub_chunk, diagonal=diagonal,
-               scale=float(scale), varlen=varlen, cfg=cfg, gate_mode=gate_mode,
-               spec=spec, runs=segment_ids is not None)
+  g_pad = -jnp.inf if st.fused else 0.0
   tensors = (q, k, v, g, beta)
 
   fills = (0.0, 0.0, 0.0, g_pad, 0.0)

@@ -187,30 +187,6 @@ def resolve(spec: KdaSpec | None, *, implementation: str | None = None, **choice
   return spec
 
 
-def kernel_spec(spec: KdaSpec | None, *, chunk_size: int, sub_chunk: int, diagonal: str,
-                lower_bound: float | None = None) -> KdaSpec | None:
-  """The spec a direct Pallas call runs under (`pallas_op.chunk_kda_pallas`).
-
-  Args:
-    spec: a KdaSpec, returned as is (the other choices are then not read), or None.
-    chunk_size, sub_chunk, diagonal, lower_bound: the call's keyword choices (KdaSpec
-      fields); lower_bound may be None.
-
-  Returns:
-    `spec`; else, for choices with a bound, the KdaSpec of `implementation="pallas"`
-    built from them (validated: `resolve`); else None, a call without a bound, whose
-    kernels need none.
-  """
-  if spec is not None:
-    if not isinstance(spec, KdaSpec):
-      raise TypeError(f"spec must be a KdaSpec, got {type(spec).__name__}")
-    return spec
-  if lower_bound is None:
-    return None
-  return resolve(None, implementation="pallas", chunk_size=chunk_size, sub_chunk=sub_chunk,
-                 diagonal=diagonal, lower_bound=lower_bound)
-
-
 def check_clamp(spec: KdaSpec | None, gate_activation) -> None:
   """Raises ValueError unless a call that clamps its gates has a bound and no gate activation."""
   lower_bound = None if spec is None else spec.lower_bound

@@ -24,6 +24,7 @@ from jax._src.pallas.triton import gpu_info
 from jax._src.pallas.triton import pallas_call_registration as reg
 
 from pallas_kernels.kda import pallas_op
+from pallas_kernels.kda.spec import KdaSpec
 
 SASS_KEYS = ("BAR", "STS", "LDS", "LDSM", "HGMMA", "HMMA", "MUFU", "LDL", "STL", "LDG", "STG")
 _SASS_OP = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_]+)")
@@ -53,13 +54,14 @@ def lower_kernels(out_dir: str, shape: tuple[int, int, int, int], diagonal: str 
   """
   b, t, h, d = shape
   bound = -5.0 if sub_chunk <= 16 else -80.0 / (sub_chunk - 1)
-  gate = dict(lower_bound=bound, sub_chunk=sub_chunk,
-              **(dict(gate_activation="bounded_sigmoid") if fused_gate else {}))
+  spec = KdaSpec(sub_chunk=sub_chunk, diagonal=diagonal, lower_bound=bound,
+                 implementation="pallas")
+  gate = dict(gate_activation="bounded_sigmoid") if fused_gate else {}
 
   def loss(q, k, v, g, beta, *bias):
     # As `api.chunk_kda` runs a traced gate: the dense path clamps it inside the cumsums.
-    o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, scale=d ** -0.5, backend="triton",
-                                      diagonal=diagonal, config_overrides=overrides,
+    o, _ = pallas_op.chunk_kda_pallas(q, k, v, g, beta, spec=spec, scale=d ** -0.5,
+                                      backend="triton", config_overrides=overrides,
                                       gate_bias=bias[0] if bias else None,
                                       clamp_gates=diagonal == "dense" and not fused_gate,
                                       **gate)
