@@ -6,7 +6,7 @@ import pytest
 from k3jax.parallel.config import ParallelConfig
 from k3jax.parallel.pipeline_layout import PipelineLayout
 from k3jax.sharding.mesh import MeshConfig, make_mesh
-from k3jax.train.config_schema import parallel_config, validate
+from k3jax.train.config_schema import validate_for_devices, validate
 from k3jax.train.defaults import base_config
 from tests.config_helpers import set_dotted
 
@@ -19,7 +19,7 @@ def _cfg(**changes):
 
 
 def test_stages_and_microbatches_reach_the_mesh():
-  _, pconf, sizes = parallel_config(_cfg(**{"parallel.stages": 2, "parallel.microbatches": 4}), 8)
+  _, pconf, sizes = validate_for_devices(_cfg(**{"parallel.stages": 2, "parallel.microbatches": 4}), 8)
   assert sizes == {"stage": 2, "data": 4, "fsdp": 1, "expert": 1, "context": 1}
   assert (pconf.stages, pconf.microbatches) == (2, 4)
   mesh = pconf.make_mesh(jax.devices())
@@ -28,7 +28,7 @@ def test_stages_and_microbatches_reach_the_mesh():
   assert sorted(d.id for d in mesh.devices[0].ravel()) == [0, 1, 2, 3]
   assert dict(make_mesh(MeshConfig(stage=4, data=-1)).shape)["data"] == 2
   # Defaults: no pipeline.
-  _, pconf, sizes = parallel_config(base_config(), 8)
+  _, pconf, sizes = validate_for_devices(base_config(), 8)
   assert (sizes["stage"], pconf.microbatches) == (1, 1)
 
 
@@ -63,7 +63,7 @@ def test_stages_and_microbatches_reach_the_mesh():
 ])
 def test_layouts_the_pipeline_cannot_run_are_refused(changes, message):
   with pytest.raises(ValueError, match=message):
-    parallel_config(_cfg(**changes), 8)
+    validate_for_devices(_cfg(**changes), 8)
 
 
 def test_fixed_stage_count_is_checked_without_the_devices():
@@ -71,7 +71,7 @@ def test_fixed_stage_count_is_checked_without_the_devices():
     validate(_cfg(**{"parallel.stages": 3}))
 
 
-def test_library_layout_and_parallel_config():
+def test_library_layout_and_validate_for_devices():
   pconf = ParallelConfig.from_dict({"mesh": {"stage": 2, "data": -1}, "microbatches": 8})
   assert (pconf.stages, pconf.microbatches) == (2, 8)
   with pytest.raises(ValueError, match=r"parallel.microbatches=2.0"):

@@ -6,7 +6,7 @@ where a misplaced field lives, or the nested key that a flat model key of
 earlier versions became), missing keys, wrong types, out-of-range values and
 unsafe combinations. It returns the `ModelConfig`; the model's own checks come
 back as `config model.<path>...`, their messages led by the field's path.
-`parallel_config(config, num_devices)` runs the same checks, the mesh's also
+`validate_for_devices(config, num_devices)` runs the same checks, the mesh's also
 with the device count known (an axis of -1 resolved), and returns the
 `ParallelConfig`.
 `unknown_field_message(dotted)` explains a `--config.a.b` override that names
@@ -386,7 +386,7 @@ def _check_sizes(c: Mapping[str, Any], model_cfg, pconf, sizes: dict) -> None:
 
 
 @_as_config_error
-def parallel_config(config: Any, num_devices: int):
+def validate_for_devices(config: Any, num_devices: int):
   """Validates `config` for a run on `num_devices` devices.
 
   Returns:

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.sharding import rules as rules_lib
+from k3jax.train import state as state_lib
 from k3jax.train.state import TrainState, initial_state
 
 
@@ -61,20 +62,8 @@ def full_shardings(shardings: Any, tree: Any) -> Any:
 
 
 def place(tree: Any, shardings: Any) -> Any:
-  """Puts every leaf of `tree` on its sharding in `shardings` (a prefix tree of `tree`).
-
-  With several processes each one holds the same host values (same seed) and
-  contributes its addressable shards, which `jax.device_put` alone cannot do.
-  """
-  shardings = full_shardings(shardings, tree)
-  if jax.process_count() == 1:
-    return jax.device_put(tree, shardings)
-
-  def one(x, sharding):
-    host = np.asarray(jax.device_get(x))
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-  return jax.tree.map(one, tree, shardings)
+  """`state.place` with `shardings` a prefix tree of `tree` (`full_shardings`)."""
+  return state_lib.place(tree, full_shardings(shardings, tree))
 
 
 def process_rows(mesh: Mesh, batch_size: int,

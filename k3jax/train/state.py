@@ -55,22 +55,25 @@ def create_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.Gra
   return graphdef, state
 
 
-def place(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-  """Puts every leaf of `tree` on `sharding`.
+def place(tree: Any, shardings: Any) -> Any:
+  """Puts every leaf of `tree` on its sharding: `shardings` is one sharding for every
+  leaf, or a tree of shardings with `tree`'s structure.
 
   With several processes each one holds the same host values (same seed) and
   contributes its addressable shards, which `jax.device_put` alone cannot do.
   """
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, tree)
   if jax.process_count() == 1:
-    return jax.device_put(tree, sharding)
+    return jax.device_put(tree, shardings)
 
-  def one(x):
+  def one(x, sharding):
     host = np.asarray(jax.device_get(x))
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-  return jax.tree.map(one, tree)
+  return jax.tree.map(one, tree, shardings)
 
 
-def param_count(params: Any) -> int:
-  """Total number of parameter elements."""
-  return sum(int(x.size) for x in jax.tree.leaves(params))
+def count_elements(tree: Any) -> int:
+  """Total number of array elements of `tree` (the model's own count: `lm.param_count`)."""
+  return sum(int(x.size) for x in jax.tree.leaves(tree))

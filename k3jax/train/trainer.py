@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import json
 import logging
 import math
 import os
@@ -40,10 +39,10 @@ from k3jax.train import sharded_state
 from k3jax.train import workdir_lock
 from k3jax.train.checkpoint import Checkpointer, SignalGuard, saved_steps
 from k3jax.train.cli_errors import InputError, SaveFailedError, os_cause
-from k3jax.train.config_schema import ConfigError, parallel_config
+from k3jax.train.config_schema import ConfigError, validate_for_devices
 from k3jax.train.metrics import MetricWriter, drop_superseded
 from k3jax.train.optimizer import make_optimizer
-from k3jax.train.state import abstract_train_state, create_train_state, param_count
+from k3jax.train.state import abstract_train_state, count_elements, create_train_state
 from k3jax.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -66,16 +65,15 @@ def peak_flops_per_device(config: Any) -> float | None:
 
 
 @functools.lru_cache(maxsize=4)
-def _programs(graphdef: nnx.GraphDef, optim_json: str, num_steps: int, max_segments: int | None):
+def _programs(graphdef: nnx.GraphDef, optim: ml_collections.FrozenConfigDict, num_steps: int,
+              max_segments: int | None):
   """(tx, train_step, eval_step) for a model structure and optimizer, shared by runs in one process.
 
   Runs with the same model structure and optimizer settings (a resumed run, a
   sweep in a notebook) reuse the compiled steps instead of compiling again.
   `max_segments`: the model sees each batch's segment ids with this static bound (None: it does not).
   """
-  # The optimizer reads attributes, so rebuild a ConfigDict.
-  optim_cfg = ml_collections.ConfigDict(json.loads(optim_json))
-  tx, schedule = make_optimizer(optim_cfg, num_steps)
+  tx, schedule = make_optimizer(optim, num_steps)
   return (tx, make_train_step(graphdef, tx, schedule, max_segments=max_segments),
           make_eval_step(graphdef, max_segments=max_segments))
 
@@ -304,7 +302,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
   nproc = jax.process_count()
   devices = _devices(config, nproc)
   # Every check, the mesh's included, runs before anything is computed.
-  model_cfg, pconf, sizes = parallel_config(config, len(devices))
+  model_cfg, pconf, sizes = validate_for_devices(config, len(devices))
   # The model's layout is chosen here, once: the MoE layers' path (expert-parallel when the
   # mesh shards the experts), the KDA layers' (mesh-aware) and the pipeline stages.
   layout = ModelLayout.for_mesh(sizes, model_cfg.kda.implementation, pconf.microbatches)
@@ -345,7 +343,7 @@ def _build(config: Any, workdir: str, model_fn: Callable[[nnx.Rngs], nnx.Module]
     _check_takes_segments(abstract)
   sharded = _needs_sharded_state(abstract, mesh, pconf, sizes)
   graphdef = nnx.split(abstract, nnx.Param, ...)[0]
-  tx, train_step, eval_step = _programs(graphdef, json.dumps(config.optim.to_dict(), sort_keys=True),
+  tx, train_step, eval_step = _programs(graphdef, ml_collections.FrozenConfigDict(config.optim),
                                         config.num_steps, model_segments(config.data, config.seq_len))
   abstract_state = abstract_train_state(abstract, tx)
   return _Build(config=config, workdir=workdir, nproc=nproc, ndev=len(devices), pconf=pconf,
@@ -584,7 +582,7 @@ class _TrainLoop:
     self.bar = _NoBar()
     # Start of the interval that tokens/s is measured over; the first one holds compilation.
     self.interval_step, self.interval_start, self.warm = self.start, 0.0, False
-    num_params = param_count(state.params)
+    num_params = count_elements(state.params)
     log.info("model: %d parameters; %d devices, %d processes, mesh %s%s; start step %d of %d",
              num_params, run.ndev, run.nproc, dict(run.mesh.shape),
              " (sharded state)" if run.sharded else "", self.start, config.num_steps)
