@@ -7,7 +7,7 @@ import pytest
 
 from k3jax.parallel import config as pconfig_lib
 from k3jax.sharding import rules as rules_lib
-from k3jax.train.config_schema import parallel_config, validate
+from k3jax.train.config_schema import validate, validate_for_devices
 from k3jax.train.defaults import base_config
 from k3jax.train.metrics import read_jsonl
 from k3jax.train.trainer import train_and_evaluate
@@ -124,7 +124,7 @@ def test_mesh_must_use_the_devices_and_fails_before_the_run(tmp_path):
   assert not (tmp_path / "run").exists()
   # data=-1 takes the devices the other axes leave.
   c.parallel.data = -1
-  _, pconf, sizes = parallel_config(c, 8)
+  _, pconf, sizes = validate_for_devices(c, 8)
   assert sizes == {"stage": 1, "data": 2, "fsdp": 1, "expert": 2, "context": 2}
   assert pconf.dispatch_slot_factor is None  # 0 in the config: lossless dispatch
 
