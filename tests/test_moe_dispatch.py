@@ -215,26 +215,41 @@ def test_one_trace_per_shape(impl, cf, backend):
 def test_auto_picks_the_kernels_that_read_token_rows_on_the_gpu(monkeypatch):
   # XLA's ragged_dot materialises [groups, rows, d] on NVIDIA GPUs; "auto" must not take it there.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 16)) == "pallas"
-  assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 24)) == "xla"
-  assert grouped_matmul.resolve_backend("auto", capacity=None) == "xla"  # dispatched rows
-  assert grouped_matmul.resolve_backend("auto", capacity=8, pallas_widths=(32, 16)) == "einsum"
+  assert grouped_matmul.resolve_backend("auto", ragged=True, pallas_widths=(32, 16)) == "pallas"
+  assert grouped_matmul.resolve_backend("auto", ragged=True, pallas_widths=(32, 24)) == "xla"
+  assert grouped_matmul.resolve_backend("auto", ragged=True) == "xla"  # dispatched rows
+  assert grouped_matmul.resolve_backend("auto", ragged=False, pallas_widths=(32, 16)) == "einsum"
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-  assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 16)) == "xla"
+  assert grouped_matmul.resolve_backend("auto", ragged=True, pallas_widths=(32, 16)) == "xla"
+
+
+@pytest.mark.parametrize("impl, cf", [("buffered", 1.0), ("ragged", None)])
+def test_the_layer_resolves_its_backend_once_when_built(monkeypatch, impl, cf):
+  calls = []
+  resolve = grouped_matmul.resolve_backend
+  monkeypatch.setattr(grouped_matmul, "resolve_backend",
+                      lambda *a, **kw: calls.append(a) or resolve(*a, **kw))
+  layer, _ = _layer_pair(impl, cf)
+  assert layer.path.grouped_backend in grouped_matmul.RESOLVED
+  assert len(calls) == 1
+  for t in (8, 12):  # two traces of the forward (shapes only, nothing compiled)
+    nnx.eval_shape(lambda m, x: m(x, deterministic=True), layer,
+                   jax.ShapeDtypeStruct((2, t, layer.config.d_model), jnp.float32))
+  assert len(calls) == 1
 
 
 def test_backend_choices_and_errors():
-  assert grouped_matmul.resolve_backend("auto", capacity=8) == "einsum"
-  assert grouped_matmul.resolve_backend("auto", capacity=None) == "xla"
-  assert grouped_matmul.resolve_backend("auto", capacity=None, pallas_widths=(32, 16)) == (
+  assert grouped_matmul.resolve_backend("auto", ragged=False) == "einsum"
+  assert grouped_matmul.resolve_backend("auto", ragged=True) == "xla"
+  assert grouped_matmul.resolve_backend("auto", ragged=True, pallas_widths=(32, 16)) == (
       "xla" if platform.interprets("gmm") else "pallas")
   with pytest.raises(ValueError, match="needs the capacity layout"):
-    grouped_matmul.resolve_backend("einsum", capacity=None)
+    grouped_matmul.resolve_backend("einsum", ragged=True)
   with pytest.raises(ValueError, match="backend='cutlass'"):
-    grouped_matmul.resolve_backend("cutlass", capacity=None)
+    grouped_matmul.resolve_backend("cutlass", ragged=True)
   if not grouped_matmul.tokamax_available():
     with pytest.raises(ValueError, match="tokamax is not installed"):
-      grouped_matmul.resolve_backend("tokamax", capacity=None)
+      grouped_matmul.resolve_backend("tokamax", ragged=True)
   with pytest.raises(ValueError, match="grouped_backend='xla' is for impl='ragged'"):
     _layer_pair("buffered", 1.0, grouped_backend="xla")
   with pytest.raises(ValueError, match="no buffers"):
@@ -243,6 +258,10 @@ def test_backend_choices_and_errors():
     _layer_pair("ragged", None, grouped_backend="fast")
   with pytest.raises(ValueError, match="expert_hidden=20 must be a multiple of 16"):
     _layer_pair("ragged", None, grouped_backend="pallas", d_model=32)
+  with pytest.raises(ValueError, match="is not resolved.*resolve_backend"):
+    grouped_matmul.grouped_swiglu(jnp.zeros((4, 16)), *(jnp.zeros((2, 16, 16)),) * 3,
+                                  group_sizes=jnp.ones(2, jnp.int32), capacity=None,
+                                  backend="auto")
   with pytest.raises(ValueError, match="dispatched rows"):
     grouped_matmul.grouped_swiglu(jnp.zeros((4, 16)), *(jnp.zeros((2, 16, 16)),) * 3,
                                   group_sizes=jnp.ones(2, jnp.int32), capacity=None,

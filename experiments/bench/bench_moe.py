@@ -288,7 +288,7 @@ def parts_table(shape_name, dtype):
   rows = moe_dispatch.dispatch_rows(x_nd, plan.source_s, plan.slot_nk)
   wg, wu, wo = (layer.wi_gate[...], layer.wi_up[...], layer.wo[...])
   y_sd = grouped_matmul.grouped_swiglu(rows, wg, wu, wo, group_sizes=plan.group_sizes,
-                                       capacity=cap, dtype=dtype)
+                                       capacity=cap, backend="einsum", dtype=dtype)
   router_parts = [
       ("router scores, sigmoid(x W_r)", lambda x, r: jax.nn.sigmoid(
           jnp.dot(x.astype(jnp.float32), r)), (x_nd, kernel), False),
@@ -326,7 +326,8 @@ def parts_table(shape_name, dtype):
       ("dispatch gather", lambda x: moe_dispatch.dispatch_rows(x, plan.source_s, plan.slot_nk),
        (x_nd,), True),
       ("expert matmuls (einsum buffers)", lambda r, a, bb, c: grouped_matmul.grouped_swiglu(
-          r, a, bb, c, group_sizes=plan.group_sizes, capacity=cap, dtype=dtype),
+          r, a, bb, c, group_sizes=plan.group_sizes, capacity=cap, backend="einsum",
+          dtype=dtype),
        (rows, wg, wu, wo), True),
       ("combine", lambda y, w: moe_dispatch.combine_rows(y, w, plan.slot_nk, plan.assign_s),
        (y_sd, w), True),

@@ -46,6 +46,8 @@ from pallas_kernels import platform
 BACKENDS = ("auto", "einsum", "xla", "tokamax", "pallas")
 # What the ragged (dropless) layout accepts.
 RAGGED_BACKENDS = ("auto", "xla", "tokamax", "pallas")
+# What `resolve_backend` returns and the products take.
+RESOLVED = ("einsum", "xla", "tokamax", "pallas")
 
 
 def tokamax_available() -> bool:
@@ -53,34 +55,45 @@ def tokamax_available() -> bool:
   return importlib.util.find_spec("tokamax") is not None
 
 
-def resolve_backend(backend: str, *, capacity: int | None,
+def resolve_backend(backend: str, *, ragged: bool,
                     pallas_widths: tuple[int, ...] | None = None) -> str:
   """The backend "auto" stands for, checked against the layout.
 
+  Called once, where the layout is chosen (`MoEConfig.path`); the functions
+  that run the products take its answer.
+
   Args:
     backend: one of BACKENDS.
-    capacity: the layout's slots per group, None for the ragged layout.
+    ragged: the ragged (dropless) layout; False for the capacity layout.
     pallas_widths: the expert widths (d, h) when the caller can run the
       "pallas" kernels (it holds the token rows and the plan); None when it
       takes dispatched rows.
 
   Returns:
-    "einsum", "xla", "tokamax" or "pallas".
+    one of RESOLVED.
   """
   if backend not in BACKENDS:
     raise ValueError(f"grouped-matmul backend={backend!r}; allowed: {BACKENDS}")
   if backend == "auto":
-    if capacity is not None:
+    if not ragged:
       return "einsum"
     pallas_fits = pallas_widths is not None and all(w % 16 == 0 for w in pallas_widths)
     return "pallas" if pallas_fits and not platform.interprets("gmm") else "xla"
-  if backend == "einsum" and capacity is None:
-    raise ValueError("grouped-matmul backend='einsum' needs the capacity layout (buffers); "
-                     "the ragged (dropless) layout takes 'auto', 'pallas', 'xla' or 'tokamax'")
   if backend == "tokamax" and not tokamax_available():
     raise ValueError("grouped-matmul backend='tokamax' but tokamax is not installed; "
                      "install the extra (pip install -e '.[tokamax]') or use 'auto'")
+  check_resolved(backend, ragged=ragged)
   return backend
+
+
+def check_resolved(backend: str, *, ragged: bool) -> None:
+  """Raises unless `backend` is a resolved backend the layout can run."""
+  if backend not in RESOLVED:
+    raise ValueError(f"grouped-matmul backend={backend!r} is not resolved; pass one of "
+                     f"{RESOLVED}, e.g. grouped_matmul.resolve_backend({backend!r}, ...)")
+  if backend == "einsum" and ragged:
+    raise ValueError("grouped-matmul backend='einsum' needs the capacity layout (buffers); "
+                     "the ragged (dropless) layout takes 'auto', 'pallas', 'xla' or 'tokamax'")
 
 
 def _ragged_dot_fn(backend: str):
@@ -92,7 +105,7 @@ def _ragged_dot_fn(backend: str):
 
 def grouped_swiglu(rows_sd: jax.Array, wi_gate_gdh: jax.Array, wi_up_gdh: jax.Array,
                    wo_ghd: jax.Array, *, group_sizes: jax.Array, capacity: int | None,
-                   backend: str = "auto", dtype=jnp.float32) -> jax.Array:
+                   backend: str, dtype=jnp.float32) -> jax.Array:
   """SwiGLU of group g's weights on group g's rows.
 
   Args:
@@ -101,7 +114,7 @@ def grouped_swiglu(rows_sd: jax.Array, wi_gate_gdh: jax.Array, wi_up_gdh: jax.Ar
     wi_gate_gdh, wi_up_gdh: [G, d, h]; wo_ghd: [G, h, d].
     group_sizes: [G] int32 rows per group (ragged layout; ignored for buffers).
     capacity: slots per group, or None for the ragged layout.
-    backend: one of BACKENDS.
+    backend: one of RESOLVED (`resolve_backend`).
     dtype: operand and output dtype of the products.
 
   Returns:
@@ -109,7 +122,7 @@ def grouped_swiglu(rows_sd: jax.Array, wi_gate_gdh: jax.Array, wi_up_gdh: jax.Ar
     Ragged layout: rows past sum(group_sizes) are unspecified; the plan never
     reads them.
   """
-  backend = resolve_backend(backend, capacity=capacity)
+  check_resolved(backend, ragged=capacity is None)
   if backend == "pallas":
     raise ValueError("grouped_swiglu takes dispatched rows; the 'pallas' backend reads the "
                      "token rows through the plan: call routed_gmm.routed_swiglu_gmm")

@@ -121,9 +121,13 @@ class MoEConfig:
                        f"got {self.expert_parallel!r}")
 
   def path(self) -> moe_path.MoEPath:
-    """The routed experts' execution path these settings choose."""
+    """The routed experts' execution path these settings choose, with the
+    grouped backend resolved here, once, for this layout and platform."""
+    backend = None if self.impl == "dense" else grouped_matmul.resolve_backend(
+        self.grouped_backend, ragged=self.impl == "ragged",
+        pallas_widths=(self.d_model, self.expert_hidden))
     return moe_path.MoEPath(impl=self.impl, capacity_factor=self.router.capacity_factor,
-                            grouped_backend=self.grouped_backend, gmm_config=self.gmm_config,
+                            grouped_backend=backend, gmm_config=self.gmm_config,
                             dtype=self.dtype, expert_parallel=self.expert_parallel)
 
 

@@ -102,7 +102,9 @@ class MoEPath:
     impl: one of IMPLS (see the module docstring).
     capacity_factor: the router's capacity factor; "buffered" sizes its
       buffers by it (None: dropless, "ragged" and "dense" only).
-    grouped_backend: `grouped_matmul.BACKENDS`.
+    grouped_backend: the resolved grouped-matmul backend
+      (`grouped_matmul.RESOLVED`, from `grouped_matmul.resolve_backend`);
+      None for "dense", which runs no grouped matmul.
     gmm_config: tiles of the "pallas" backend (None: the heuristic).
     dtype: compute dtype of the rows and products (accumulation is float32).
     expert_parallel: None runs locally; an ExpertParallel distributes the
@@ -111,7 +113,7 @@ class MoEPath:
 
   impl: str = "ragged"
   capacity_factor: float | None = None
-  grouped_backend: str = "auto"
+  grouped_backend: str | None = "xla"
   gmm_config: GmmConfig | None = None
   dtype: jnp.dtype = jnp.float32
   expert_parallel: ExpertParallel | None = None
@@ -119,6 +121,8 @@ class MoEPath:
   def __post_init__(self):
     if self.impl not in IMPLS:
       raise ValueError(f"MoEPath.impl={self.impl!r}; allowed: {IMPLS}")
+    if self.impl != "dense":
+      grouped_matmul.check_resolved(self.grouped_backend, ragged=self.impl == "ragged")
     if self.expert_parallel is not None and not isinstance(self.expert_parallel, ExpertParallel):
       raise ValueError(f"MoEPath.expert_parallel must be an ExpertParallel or None, got "
                        f"{self.expert_parallel!r}")
@@ -156,7 +160,7 @@ class MoEPath:
           dispatch_slot_factor=self.expert_parallel.dispatch_slot_factor, dtype=self.dtype,
           return_dropped=True, local_impl=self.impl,
           local_capacity_factor=self.capacity_factor if buffered else None,
-          grouped_backend="auto" if buffered else self.grouped_backend)
+          grouped_backend=self.grouped_backend)
     n, k = idx_nk.shape
     # The router keeps at most this many assignments per expert (the same
     # function), so every kept assignment has a slot; "ragged" places all.
@@ -191,7 +195,7 @@ def dense_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, dtype=jn
 
 
 def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacity: int | None,
-                  backend: str = "auto", dtype=jnp.float32, positions: str = "auto",
+                  backend: str, dtype=jnp.float32, positions: str = "auto",
                   gmm_config: GmmConfig | None = None):
   """Local routed SwiGLU experts: plan, dispatch, grouped matmuls, combine.
 
@@ -202,7 +206,7 @@ def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacit
     wi_gate_edh, wi_up_edh: [E, d, h]; wo_ehd: [E, h, d].
     capacity: slots per expert (capacity layout; assignments past it add 0),
       or None (ragged layout, dropless).
-    backend: grouped-matmul backend (`grouped_matmul.BACKENDS`).
+    backend: resolved grouped-matmul backend (`grouped_matmul.RESOLVED`).
     dtype: compute dtype of the rows and products.
     positions: `moe_dispatch.plan_slots` rank method.
     gmm_config: tiles of the "pallas" backend (None: the heuristic).
@@ -210,8 +214,7 @@ def routed_swiglu(x_nd, idx_nk, w_nk, wi_gate_edh, wi_up_edh, wo_ehd, *, capacit
   Returns:
     [N, d] float32: sum_j w[n, j] * expert_{idx[n, j]}(x[n]).
   """
-  num_experts, d, hidden = wi_gate_edh.shape
-  backend = grouped_matmul.resolve_backend(backend, capacity=capacity, pallas_widths=(d, hidden))
+  num_experts = wi_gate_edh.shape[0]
   if backend == "pallas":
     cfg = routed_gmm.kernel_config(dtype, gmm_config)
     plan = moe_dispatch.plan_slots(idx_nk, w_nk > 0, num_experts, capacity, positions=positions,
@@ -234,7 +237,7 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
                            dtype=jnp.float32, return_dropped: bool = False,
                            local_impl: str = "ragged",
                            local_capacity_factor: float | None = None,
-                           grouped_backend: str = "auto"):
+                           grouped_backend: str = "xla"):
   """Routed SwiGLU experts with the experts sharded over `expert_axis`.
 
   Args:
@@ -255,8 +258,9 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
     local_capacity_factor: buffered only: buffer rows per local expert
       relative to an even split of the rows a device expects (n_local * k);
       None = every received row fits (lossless, E_l x the work).
-    grouped_backend: ragged only: the grouped-matmul backend
-      (`grouped_matmul.BACKENDS`; buffered always uses the batched einsum).
+    grouped_backend: ragged only: the resolved grouped-matmul backend
+      (`grouped_matmul.RESOLVED`: "xla", "tokamax" or "pallas"); buffered
+      always uses the batched einsum.
 
   Returns:
     y_nd [N, d] float32: sum_k w[n, k] * expert_{idx[n, k]}(x[n]);
@@ -294,8 +298,8 @@ def expert_parallel_swiglu(x_nd: jax.Array, idx_nk: jax.Array, w_nk: jax.Array,
     backend = "einsum"
   else:
     local_cap = None
-    backend = grouped_matmul.resolve_backend(grouped_backend, capacity=None,
-                                             pallas_widths=(d, wi_gate_edh.shape[2]))
+    backend = grouped_backend
+    grouped_matmul.check_resolved(backend, ragged=True)
 
   def local(x_nd, idx_nk, w_nk, wi_gate, wi_up, wo):
     expert_nk = idx_nk.astype(jnp.int32)
