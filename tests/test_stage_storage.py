@@ -45,7 +45,7 @@ def test_each_device_holds_only_its_stage_layers_and_moments():
   _, pipelined = _pair(stages)
   _, params, model_state = nnx.split(pipelined, nnx.Param, ...)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_state=model_state,
-                     opt_state=optax.adamw(1e-3).init(params), rng=jax.random.PRNGKey(0))
+                     opt_state=optax.adamw(1e-3).init(params))
   mesh = make_mesh(MeshConfig(stage=stages, data=2))
   placed = rules.shard_tree(state, mesh)
   layer = other = 0
@@ -55,10 +55,10 @@ def test_each_device_holds_only_its_stage_layers_and_moments():
     else:
       other += x.nbytes
   assert layer > other  # the layers (and their two moments) are most of the state
-  # The step counter and the RNG key are replicated; the shape-only count leaves them out.
+  # The step counter is replicated; the shape-only count leaves it out.
   predicted = pipeline_bytes.state_bytes_per_device(CFG, stages, optax.adamw(1e-3))
   assert predicted["layers"] == layer // stages
-  assert predicted["other"] == other - placed.step.nbytes - placed.rng.nbytes
+  assert predicted["other"] == other - placed.step.nbytes
   for device in mesh.devices.flat:
     held = sum(s.data.nbytes for x in jax.tree.leaves(placed) for s in x.addressable_shards
                if s.device == device)
