@@ -272,12 +272,15 @@ def test_gpu_packed_layout_equals_document_mask():
 
 
 @pytest.mark.gpu
-def test_gpu_layer_default_is_packed_and_matches_mask():
-  """The bf16 layer picks the packed path on the GPU; full passes with documents and a
-  left-padded prefill of odd length equal the mask path's (same parameters)."""
+def test_gpu_layer_packed_path_matches_mask():
+  """The bf16 layer on the packed path (the default where `DEFAULT_ON_GPU` is set): full
+  passes with documents and a left-padded prefill of odd length equal the mask path's
+  (same parameters)."""
   layers = {d: CausalSelfAttention(64, 4, 2, 64, dtype=jnp.bfloat16, documents=d,
-                                   rngs=nnx.Rngs(0)) for d in (None, "mask")}
-  assert layers[None].implementation == "cudnn" and layers[None].documents == "packed"
+                                   rngs=nnx.Rngs(0)) for d in ("packed", "mask")}
+  default = CausalSelfAttention(64, 4, 2, 64, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  assert layers["packed"].implementation == "cudnn"
+  assert default.documents == ("packed" if packed_attention.DEFAULT_ON_GPU else "mask")
   x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 37, 64)), jnp.bfloat16)
   ids = Segments.from_ids(DOC_IDS.repeat(4, axis=1)[:, :37], DOC_RUNS)
   valid = np.arange(37)[None, :] >= np.array([[0], [5], [36], [17]])
@@ -286,7 +289,7 @@ def test_gpu_layer_default_is_packed_and_matches_mask():
          for d, layer in layers.items()}
   for out in (full, pre):
     ref = np.asarray(out["mask"], np.float32)
-    np.testing.assert_allclose(np.asarray(out[None], np.float32), ref, rtol=0,
+    np.testing.assert_allclose(np.asarray(out["packed"], np.float32), ref, rtol=0,
                                atol=2e-2 * np.abs(ref).max())
 
 

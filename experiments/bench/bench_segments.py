@@ -21,7 +21,7 @@ Rows, each forward and forward+backward (pipelined timer, ms per call):
 * `attention by document (mask)`: the same with the [B, 1, T, T] document mask
   of the D-document rows (`Segments.attention_mask_b1tt`);
 * `attention by document (packed)`: the same rows through cuDNN's packed layout
-  (`k3jax.layers.packed_attention`, the GPU layer's default), on the GPU only.
+  (`k3jax.layers.packed_attention`, `documents="packed"`), on the GPU only.
 On a CPU the Pallas rows run interpreted: use tiny shapes (`--shapes=2x64 --heads=2
 --head_dim=32 --iters=2`), whose times say nothing.
 """

@@ -9,7 +9,8 @@ own run, one of two ways (`documents`):
 - "packed": cuDNN's packed layout (`k3jax.layers.packed_attention`), the
   run starts and lengths of each row; no [T, T] mask, and the tiles between
   documents are skipped. Needs the cuDNN implementation, a Hopper or later
-  GPU, and a jax version whose private call was checked.
+  GPU, and a jax version whose private call was checked; opt-in until its
+  GPU twins pass (`packed_attention.DEFAULT_ON_GPU`).
 - "mask": a [B, 1, T, T] boolean mask (same run and causal) beside
   `is_causal=True`; XLA applies it to the logits, cuDNN takes it as an
   additive bias without a bias gradient, which doubles attention's cost.
@@ -68,7 +69,8 @@ def resolve_implementation(requested: str | None, dtype, num_heads: int, num_kv_
 def resolve_documents(requested: str | None, implementation: str, dtype, num_heads: int,
                       num_kv_heads: int, head_dim: int) -> str:
   """Returns `requested`, or for None: "packed" where the resolved `implementation` is
-  cuDNN and its packed layout compiles for this head shape, else "mask"."""
+  cuDNN, `packed_attention.DEFAULT_ON_GPU` is set and the packed layout compiles for this
+  head shape, else "mask"."""
   if requested not in DOCUMENT_PATHS:
     raise ValueError(f"attention documents path {requested!r}; allowed: {DOCUMENT_PATHS}")
   if requested == "mask":
@@ -82,7 +84,8 @@ def resolve_documents(requested: str | None, implementation: str, dtype, num_hea
                        f"{packed_attention.TESTED_JAX} only, not {jax.__version__}: pass "
                        f"documents='mask'")
     return requested
-  if implementation != "cudnn" or not packed_attention.available():
+  if (implementation != "cudnn" or not packed_attention.DEFAULT_ON_GPU
+      or not packed_attention.available()):
     return "mask"
   ok = packed_attention.compiles(jnp.dtype(dtype).name, num_heads, num_kv_heads, head_dim)
   return "packed" if ok else "mask"
@@ -118,7 +121,8 @@ class CausalSelfAttention(nnx.Module):
       compute when it compiles for this head shape, else XLA.
     documents: how documents packed in a row are kept apart (module
       docstring): "packed", "mask", or None for "packed" where the
-      implementation is cuDNN and the packed layout compiles, else "mask".
+      implementation is cuDNN, `packed_attention.DEFAULT_ON_GPU` is set and
+      the packed layout compiles, else "mask".
   """
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
