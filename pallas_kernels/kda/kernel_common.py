@@ -62,11 +62,15 @@ class RunFlags(NamedTuple):
   carry_last: jax.Array
 
 
-def run_flags(code_ref, run_ref=None, rows=None) -> RunFlags:
+def run_flags(code_ref, run_ref=None, rows=None, last_row=None) -> RunFlags:
   """The masks of rows `rows` (all when None) of a chunk from its code ref
-  [C, 1] and run ref [1, C] (`run_codes`' blocks)."""
+  [C, 1] and run ref [1, C] (`run_codes`' blocks). `last_row`: the index of
+  the chunk's last row in `code_ref` (None: the ref's last row), for refs
+  that hold several chunks."""
   code = code_ref[...] if rows is None else code_ref[rows, :]
-  code_last = code_ref[pl.ds(code_ref.shape[0] - 1, 1), :]
+  if last_row is None:
+    last_row = pl.ds(code_ref.shape[0] - 1, 1)
+  code_last = code_ref[last_row, :]
   same = None if run_ref is None else jnp.right_shift(code, 2) == run_ref[...]
   return RunFlags(same=same, carry=jnp.bitwise_and(code, 2) != 0,
                   last=jnp.bitwise_and(code, 1) != 0,

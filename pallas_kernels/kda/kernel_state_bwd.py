@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, keep_rows, run_state_loop,
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, keep_rows, run_flags, run_state_loop,
                                               state_grid, state_grid_step,
                                               state_launch_options, store_state_rows)
 from pallas_kernels.kda.kernel_config import KernelConfig
@@ -66,10 +66,10 @@ def state_bwd_chunk(ds, rows, last_row, q_ref, k_ref, g_ref, w_ref, aqk_ref, do_
 
   carry = last = carried = None
   if code_ref is not None:
-    code = code_ref[rows, :]
-    carried = jnp.bitwise_and(code_ref[last_row, :], 2) != 0
+    flags = run_flags(code_ref, rows=rows, last_row=last_row)
+    carried = flags.carry_last
     if not gated:
-      carry, last = jnp.bitwise_and(code, 2) != 0, jnp.bitwise_and(code, 1) != 0
+      carry, last = flags.carry, flags.last
 
   def gated_k(ks):
     if gated:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, keep_rows, state_grid,
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, keep_rows, run_flags, state_grid,
                                               state_grid_step, state_launch_options)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -65,9 +65,8 @@ def state_fwd_chunk(s, rows, last_row, q_ref, k_ref, g_ref, w_ref, u_ref, aqk_re
   o = dot(aqk_ref[rows, :], v_new, cfg)
   carry = last = carried = None
   if code_ref is not None:
-    code = code_ref[rows, :]
-    carry, last = jnp.bitwise_and(code, 2) != 0, jnp.bitwise_and(code, 1) != 0
-    carried = jnp.bitwise_and(code_ref[last_row, :], 2) != 0
+    flags = run_flags(code_ref, rows=rows, last_row=last_row)
+    carry, last, carried = flags.carry, flags.last, flags.carry_last
   s_next = []
   for ks, s_kb in zip(slices, s):
     g = g_ref[rows, ks]

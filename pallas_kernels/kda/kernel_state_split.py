@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, run_state_loop, state_grid,
+from pallas_kernels.kda.kernel_common import (dot, exp, k_slices, run_flags, run_state_loop, state_grid,
                                               store_state_rows, width_slices)
 from pallas_kernels.kda.kernel_config import KernelConfig
 
@@ -97,7 +97,7 @@ def _recurrence_kernel(first_ref, last_ref, seq_ref, w_ref, u_ref, kg_ref, g_ref
     if runs:
       # The carried state survives the chunk only if its last row still
       # belongs to the run that entered it (W and kg are masked already).
-      carried = jnp.bitwise_and(code_ref[last_row, :], 2) != 0          # [1, 1]
+      carried = run_flags(code_ref, rows=rows, last_row=last_row).carry_last  # [1, 1]
       decay = [jnp.where(carried, d, 0.0) for d in decay]
     s_next = tuple(d * s_kb + dot(kg_ref[rows, ks], v_new, cfg, ta=True)
                    for ks, s_kb, d in zip(slices, s, decay))
