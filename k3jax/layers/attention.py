@@ -34,8 +34,6 @@ from k3jax.sharding import rules as rules_lib
 
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 DOCUMENT_PATHS = (None, "mask", "packed")
-# Runs of a left-padded prompt row: padding, then the prompt.
-_PROMPT_RUNS = 2
 
 
 @functools.cache
@@ -99,12 +97,6 @@ def init_kv_cache(batch: int, max_len: int, num_kv_heads: int, head_dim: int,
   shape = (batch, max_len, num_kv_heads, head_dim)
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
           "pos": jnp.zeros((), jnp.int32), "start": jnp.zeros((batch,), jnp.int32)}
-
-
-def prompt_segments(valid_bt: jax.Array) -> Segments:
-  """The runs of left-padded prompts (valid_bt [B, T] bool, False on the padding):
-  padding then prompt, so no prompt token sees the padding (padding sees only padding)."""
-  return Segments.from_ids(valid_bt.astype(jnp.int32), _PROMPT_RUNS)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -212,7 +204,8 @@ class CausalSelfAttention(nnx.Module):
     if t > max_len:
       raise ValueError(f"prompt length {t} exceeds cache length {max_len}")
     q, k, v = self._qkv(x_btd)
-    o = self._attend(q, k, v, None if valid_bt is None else prompt_segments(valid_bt))
+    # Padding and prompt are two runs: no prompt token sees the padding.
+    o = self._attend(q, k, v, None if valid_bt is None else Segments.of_left_padding(valid_bt))
     cache = init_kv_cache(b, max_len, self.num_kv_heads, self.head_dim, self.dtype)
     cache["k"] = jax.lax.dynamic_update_slice(cache["k"], k, (0, 0, 0, 0))
     cache["v"] = jax.lax.dynamic_update_slice(cache["v"], v, (0, 0, 0, 0))

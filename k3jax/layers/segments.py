@@ -73,6 +73,12 @@ class Segments:
     return cls(ids_bt=ids, run_bt=jnp.minimum(runs_bt, max_segments - 1), offsets_bm=offsets_bm,
                overflow_b=runs_bt[:, -1] >= max_segments)
 
+  @classmethod
+  def of_left_padding(cls, valid_bt: jax.Array) -> "Segments":
+    """The runs of left-padded prompts (valid_bt [B, T] bool, False on the padding): at
+    most two a row, the padding (id 0), then the prompt."""
+    return cls.from_ids(jnp.asarray(valid_bt).astype(jnp.int32), 2)
+
   @property
   def max_segments(self) -> int:
     """M, the static bound on runs per row."""

@@ -297,8 +297,7 @@ class HybridLM(nnx.Module):
     if lengths_b is not None:
       t = tokens_bt.shape[1]
       valid_bt = jnp.arange(t, dtype=jnp.int32)[None, :] >= t - jnp.asarray(lengths_b)[:, None]
-      # Two runs a row at most: the padding, then the prompt.
-      segments = segments_lib.Segments.from_ids(valid_bt.astype(jnp.int32), 2)
+      segments = segments_lib.Segments.of_left_padding(valid_bt)
     def mixer_fn(i, mixer, h):
       del i
       return mixer.prefill(h, max_len, valid_bt)
