@@ -1,4 +1,4 @@
-"""A persistent JAX compilation cache for the processes tests start.
+"""A persistent JAX compilation cache for the processes tests start (trainer runs, notebook kernels).
 
 Every shrunk `experiments/train.py` run in the tests compiles the same programs (the same model,
 steps and shapes; only the number of steps, the run directory or a fault differ), and on the

@@ -19,6 +19,7 @@ import sys
 import pytest
 
 from k3jax.ablations import summary
+from tests import compile_cache
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -29,14 +30,8 @@ FIGURES = {"decay_ablation": 3, "router_ablation": 1, "residual_ablation": 2}  #
 README_NOTEBOOK = "router_ablation"  # the notebook that the README's command executes
 
 
-@pytest.fixture(scope="session")
-def shared_cache(tmp_path_factory):
-  """One persistent XLA cache for all notebook kernels: programs they share compile once."""
-  return str(tmp_path_factory.mktemp("jax_cache"))
-
-
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name, tmp_path, shared_cache, monkeypatch):
+def test_notebook_runs(name, tmp_path, monkeypatch):
   book = nbformat.read(path_of(name), as_version=4)
   setting_cells = [c for c in book.cells if c.cell_type == "code" and 'SETTING = "quick"' in c.source]
   assert setting_cells, f"{name}: the committed notebook must run the quick setting"
@@ -44,8 +39,10 @@ def test_notebook_runs(name, tmp_path, shared_cache, monkeypatch):
   # The kernel inherits this environment: runs go to a fresh directory, one CPU device.
   monkeypatch.setenv("ABLATION_OUT", str(tmp_path / "runs"))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", shared_cache)
-  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  # One persistent cache for the kernels (and trainer runs) of this test process: programs they
+  # share compile once.
+  for key, value in compile_cache.env().items():
+    monkeypatch.setenv(key, value)
   monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel draws inline PNGs
   # The "full" setting reads a summary.json and the run directories: the quick runs', written
