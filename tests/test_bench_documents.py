@@ -27,7 +27,7 @@ def test_smoke_prints_every_arm_and_each_ablation_changes_the_loss(tmp_path):
          "--profile", f"--json={tmp_path / 'documents.json'}"]
   out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
                        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)).stdout
-  assert "arm packed skipped" in out and "no profile tables" in out
+  assert "arm packed skipped" in out and "no kernel table for mask" in out
   rows = json.loads((tmp_path / "documents.json").read_text())["tables"]["documents"]["rows"]
   assert [r["arm"] for r in rows] == ["none", "mask", "kda_state", "conv", "moe", "attention"]
   assert all(r["ms fwd+bwd"] > 0 for r in rows) and rows[0]["ratio vs none"] == 1.0

@@ -1,22 +1,29 @@
 r"""What documents in a row cost the whole model: the training loss's forward+backward of a
 config's model with and without segment ids, and with one use of the segments at a time.
 
-GPU (one H100 or H200; both presets in one call, about 4 minutes with the compiles). The
-configs read the data package (grain), so the wheels go in first, as for the trainer
-(configs/gpu_1b.py):
+GPU, one H100 or H200, both presets in one call. The configs import the data package
+(grain), so the wheels go in first, as for the trainer (configs/gpu_1b.py). Each arm
+compiles once (the "compile s" column; gpu_1b has 7 arms, the gpu_150m line 3); rows and
+kernel tables print as each arm ends, so a `timeout` keeps what was measured:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl \
     && python3 -m pip install -q --no-index --find-links .whl/data grain array-record tokenizers \
-    && PYTHONPATH=.:/tmp/site python3 experiments/bench/bench_documents.py \
-         --config=configs/gpu_1b.py --profile --json=$OUT/documents_1b.json \
-    && PYTHONPATH=.:/tmp/site python3 experiments/bench/bench_documents.py \
-         --config=configs/gpu_150m.py --arms=none,mask,packed,moe --json=$OUT/documents_150m.json
+    && export PYTHONPATH=.:/tmp/site \
+    && { timeout 360 python3 experiments/bench/bench_documents.py --config=configs/gpu_1b.py \
+           --profile --json=$OUT/documents_1b.json; \
+         timeout 200 python3 experiments/bench/bench_documents.py --config=configs/gpu_150m.py \
+           --arms=none,mask,packed --json=$OUT/documents_150m.json; }
 
-CPU smoke test (the times say nothing; the packed arm needs cuDNN and is skipped):
+`--arms=none,mask,moe` (any subset, none first for the ratios and kernel tables) trims
+the compiles; `--kernel_names=raw` keeps XLA's fusion numbers in the kernel tables.
+
+CPU smoke test (seconds per arm; the times say nothing, the packed arm needs cuDNN and is
+skipped; two layers "KA" hold every use):
 
   PYTHONPATH=. python experiments/bench/bench_documents.py --config=configs/tiny.py \
-      --batch=2 --seq_len=64 --iters=1 --rounds=1
+      --config.model.num_layers=2 --config.model.layer_pattern=KA --batch=2 --seq_len=32 \
+      --iters=1 --rounds=1
 
 The model is built as the trainer builds it for one device (`ModelLayout.build_lm` on the
 config's `ModelConfig`, the seed's parameters) and traced under the trainer's one-device
@@ -44,11 +51,12 @@ Segment ids: each row holds `--docs_per_row` documents of random lengths (cuts d
 uniformly) followed by a padding tail (id 0) of up to `--padding` of the row.
 
 Prints a table (arm, what reaches the layers, compile s, ms per forward+backward,
-tokens/s, ratio to `none`, loss). `--profile` adds, for each arm, its kernels' device
-time against `none`'s (`pallas_kernels.tools.device_profile.kernel_ms`): kernel, ms none,
-ms arm, delta, launches, the `--top` largest |delta| first, with XLA's numbered fusions
-summed by kind (`--kernel_names=raw` keeps the numbers), and a first row "all kernels":
-if its delta falls short of the wall-clock difference, the time is outside the kernels.
+tokens/s, ratio to `none`, loss). `--profile` adds, after each arm's row, its kernels'
+device time against `none`'s (`pallas_kernels.tools.device_profile.kernel_ms`, over
+`--profile_calls` calls): kernel, ms none, ms arm, delta, launches, the `--top` largest
+|delta| first, XLA's numbered fusions summed by kind, under a first row "all kernels"
+(when its delta falls short of the wall-clock difference, the time is spent outside the
+kernels); the summary is then printed whole again at the end.
 """
 from __future__ import annotations
 
@@ -290,23 +298,31 @@ def _time_arm(fn, args) -> tuple[float, float, float]:
   return compile_s, ms, float(loss)
 
 
-def _profile_tables(tables, kernels: dict) -> None:
-  base = kernels.get("none")
-  if base is None:
+def _profile_table(tables, name: str, kernels: dict) -> None:
+  """Prints arm `name`'s kernels against none's (a table of `tables` of its own)."""
+  base, rows = kernels.get("none"), kernels[name]
+  if name == "none" or base is None:
     return
   if not base:
-    print("\nno device kernels in the trace (CPU): no profile tables")
+    print(f"no device kernels in the trace (CPU): no kernel table for {name}")
     return
-  for name, rows in kernels.items():
-    if name == "none":
-      continue
-    print(f"\n## kernels: none vs {name} (ms per call, top {FLAGS.top} by |delta|)")
-    tables.start(f"kernels {name}", ["kernel", "ms none", f"ms {name}", "delta ms",
-                                     "launches none", f"launches {name}"])
-    deltas = kernel_deltas(base, rows, by_kind=FLAGS.kernel_names == "kind")
-    for kernel, ms_a, ms_b, delta, n_a, n_b in deltas[:FLAGS.top + 1]:
-      tables.row([kernel[:90], f"{ms_a:.3f}", f"{ms_b:.3f}", f"{delta:+.3f}", f"{n_a:.0f}",
-                  f"{n_b:.0f}"])
+  print(f"\n## kernels: none vs {name} (ms per call, top {FLAGS.top} by |delta|)")
+  tables.start(f"kernels {name}", ["kernel", "ms none", f"ms {name}", "delta ms",
+                                   "launches none", f"launches {name}"])
+  deltas = kernel_deltas(base, rows, by_kind=FLAGS.kernel_names == "kind")
+  for kernel, ms_a, ms_b, delta, n_a, n_b in deltas[:FLAGS.top + 1]:
+    tables.row([kernel[:90], f"{ms_a:.3f}", f"{ms_b:.3f}", f"{delta:+.3f}", f"{n_a:.0f}",
+                f"{n_b:.0f}"])
+  print(flush=True)
+
+
+def _reprint(table: dict) -> None:
+  """A table of `Tables.tables` printed whole again (the summary, after the kernel tables)."""
+  print("\n## summary")
+  print("| " + " | ".join(table["columns"]) + " |")
+  print("|---" * len(table["columns"]) + "|")
+  for row in table["rows"]:
+    print("| " + " | ".join(str(row[c]) for c in table["columns"]) + " |")
 
 
 @dataclasses.dataclass
@@ -353,9 +369,11 @@ def _print_header(s: Setup) -> None:
         f"rounds; mesh: {'the trainer one-device' if s.mesh else 'none'}", flush=True)
 
 
-def run_arm(s: Setup, name: str, tables, kernels: dict, base_ms: float | None) -> float | None:
-  """Times arm `name` (and profiles it with --profile), prints its row; its ms, or None when
-  skipped."""
+def run_arm(s: Setup, name: str, summary, profiles, kernels: dict, base_ms: float | None
+            ) -> float | None:
+  """Times arm `name` and prints its row of the `summary` table; with --profile keeps its
+  kernels in `kernels` and prints their table against none's in `profiles` at once, so that
+  a run cut short keeps what it measured. Returns its ms, None when skipped."""
   arm = ARMS[name]
   # Built off the mesh, as the trainer builds its models; traced on it.
   model = arm_model(arm, s.build, s.params, s.rest)
@@ -370,8 +388,10 @@ def run_arm(s: Setup, name: str, tables, kernels: dict, base_ms: float | None) -
       kernels[name] = device_profile.kernel_ms(fn, *args, calls=FLAGS.profile_calls)
   tokens = s.batch["inputs"].size
   ratio = f"{ms / base_ms:.3f}" if base_ms else ("1.000" if name == "none" else "-")
-  tables.row([name, arm.describe(), f"{compile_s:.1f}", f"{ms:.3f}", f"{tokens / ms * 1e3:.0f}",
-              ratio, f"{loss:.6f}"])
+  summary.row([name, arm.describe(), f"{compile_s:.1f}", f"{ms:.3f}",
+               f"{tokens / ms * 1e3:.0f}", ratio, f"{loss:.6f}"])
+  if FLAGS.profile:
+    _profile_table(profiles, name, kernels)
   return ms
 
 
@@ -379,17 +399,18 @@ def main(argv):
   del argv
   s = setup(FLAGS.config, config_flags.get_config_filename(FLAGS["config"]))
   _print_header(s)
-  tables = bench_json.Tables()
-  tables.start("documents", ["arm", "segments reach", "compile s", "ms fwd+bwd", "tokens/s",
-                             "ratio vs none", "loss"])
+  summary, profiles = bench_json.Tables(), bench_json.Tables()
+  summary.start("documents", ["arm", "segments reach", "compile s", "ms fwd+bwd", "tokens/s",
+                              "ratio vs none", "loss"])
   base_ms, kernels = None, {}
   for name in _arms(jax.default_backend() == "gpu"):
-    ms = run_arm(s, name, tables, kernels, base_ms)
+    ms = run_arm(s, name, summary, profiles, kernels, base_ms)
     base_ms = ms if name == "none" else base_ms
-  _profile_tables(tables, kernels)
+  if profiles.tables:  # the summary's rows lie between the kernel tables
+    _reprint(summary.tables["documents"])
   if FLAGS.json:
     b, t = s.batch["inputs"].shape
-    bench_json.write(FLAGS.json, tables.tables, peer_or_base=(
+    bench_json.write(FLAGS.json, {**summary.tables, **profiles.tables}, peer_or_base=(
         "base: arm none (the same model and batch without segment ids) in the same run"),
         config=s.name, batch=b, seq_len=t, max_segments=s.max_segments)
     print(f"wrote {FLAGS.json}", flush=True)
