@@ -281,12 +281,14 @@ def kernel_deltas(base, other, *, by_kind: bool) -> list[tuple[str, float, float
 
 
 def _arms(on_gpu: bool) -> list[str]:
+  """The arms of --arms this machine runs (packed needs cuDNN's packed layout)."""
   unknown = [name for name in FLAGS.arms if name not in ARMS]
   if unknown:
     raise app.UsageError(f"unknown arms {unknown}; arms are {list(ARMS)}")
-  if "packed" in FLAGS.arms and not (on_gpu and packed_attention.available()):
+  packed_ok = on_gpu and packed_attention.available()
+  if "packed" in FLAGS.arms and not packed_ok:
     print("note: arm packed skipped: cuDNN's packed layout needs a Hopper GPU and a checked jax")
-  return [name for name in FLAGS.arms if name != "packed" or (on_gpu and packed_attention.available())]
+  return [name for name in FLAGS.arms if name != "packed" or packed_ok]
 
 
 def _time_arm(fn, args) -> tuple[float, float, float]:
