@@ -1,19 +1,20 @@
 r"""What documents in a row cost the whole model: the training loss's forward+backward of a
 config's model with and without segment ids, and with one use of the segments at a time.
 
-GPU, one H100 or H200, both presets in one call. The configs import the data package
-(grain), so the wheels go in first, as for the trainer (configs/gpu_1b.py). Each arm
-compiles once (the "compile s" column; gpu_1b has 7 arms, the gpu_150m line 3); rows and
-kernel tables print as each arm ends, so a `timeout` keeps what was measured:
+GPU, one H100 or H200, in one call. The configs import the data package (grain), so the
+wheels go in first, as for the trainer (configs/gpu_1b.py). Each arm compiles once (the
+"compile s" column), so the profile runs four layers ("KKKA", one of each kind) of gpu_1b
+at its width and batch, then the whole model takes three arms; rows and kernel tables
+print as each arm ends, so a `timeout` keeps what was measured:
 
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl \
     && python3 -m pip install -q --no-index --find-links .whl/data grain array-record tokenizers \
     && export PYTHONPATH=.:/tmp/site \
-    && { timeout 360 python3 experiments/bench/bench_documents.py --config=configs/gpu_1b.py \
-           --profile --json=$OUT/documents_1b.json; \
-         timeout 200 python3 experiments/bench/bench_documents.py --config=configs/gpu_150m.py \
-           --arms=none,mask,packed --json=$OUT/documents_150m.json; }
+    && { timeout 300 python3 experiments/bench/bench_documents.py --config=configs/gpu_1b.py \
+           --config.model.num_layers=4 --profile --json=$OUT/documents_1b4.json; \
+         timeout 280 python3 experiments/bench/bench_documents.py --config=configs/gpu_1b.py \
+           --arms=none,mask,packed --json=$OUT/documents_1b.json; }
 
 `--arms=none,mask,moe` (any subset, none first for the ratios and kernel tables) trims
 the compiles; `--kernel_names=raw` keeps XLA's fusion numbers in the kernel tables.
