@@ -31,6 +31,7 @@ def test_smoke_prints_every_arm_and_each_ablation_changes_the_loss(tmp_path):
   rows = json.loads((tmp_path / "documents.json").read_text())["tables"]["documents"]["rows"]
   assert [r["arm"] for r in rows] == ["none", "mask", "kda_state", "conv", "moe", "attention"]
   assert all(r["ms fwd+bwd"] > 0 for r in rows) and rows[0]["ratio vs none"] == 1.0
+  assert all(r["temp GiB"] > 0 for r in rows)  # the CPU's compiled programs report their temporaries
   loss = {r["arm"]: r["loss"] for r in rows}
   for arm in ("mask", *bench_documents.USES):  # the padding tail makes the MoE mask matter
     assert loss[arm] != loss["none"], arm

@@ -51,7 +51,8 @@ The ablations wrap the layers in the benchmark (`Withheld`), not in the library.
 Segment ids: each row holds `--docs_per_row` documents of random lengths (cuts drawn
 uniformly) followed by a padding tail (id 0) of up to `--padding` of the row.
 
-Prints a table (arm, what reaches the layers, compile s, ms per forward+backward,
+Prints a table (arm, what reaches the layers, compile s, the program's temporaries in
+GiB (XLA rematerializes when they near the device's memory), ms per forward+backward,
 tokens/s, ratio to `none`, loss). `--profile` adds, after each arm's row, its kernels'
 device time against `none`'s (`pallas_kernels.tools.device_profile.kernel_ms`, over
 `--profile_calls` calls): kernel, ms none, ms arm, delta, launches, the `--top` largest
@@ -292,13 +293,23 @@ def _arms(on_gpu: bool) -> list[str]:
   return [name for name in FLAGS.arms if name != "packed" or packed_ok]
 
 
-def _time_arm(fn, args) -> tuple[float, float, float]:
-  """(compile s, ms per call, loss)."""
+def _compile(fn, args):
+  """(the compiled program, compile s, its temporaries in GiB or None where the backend
+  does not say). A program near the device's memory has XLA rematerialize, which the
+  time alone would not tell apart from slower kernels."""
   t0 = time.perf_counter()
-  loss, _ = jax.block_until_ready(fn(*args))
+  compiled = fn.lower(*args).compile()
   compile_s = time.perf_counter() - t0
-  ms = bench.pipelined_ms(fn, *args, iters=FLAGS.iters, rounds=FLAGS.rounds, warmup=1)
-  return compile_s, ms, float(loss)
+  memory = compiled.memory_analysis()
+  temp = getattr(memory, "temp_size_in_bytes", None)
+  return compiled, compile_s, None if temp is None else temp / 2**30
+
+
+def _time_arm(compiled, args) -> tuple[float, float]:
+  """(ms per call, loss) of the compiled program."""
+  loss, _ = jax.block_until_ready(compiled(*args))
+  ms = bench.pipelined_ms(compiled, *args, iters=FLAGS.iters, rounds=FLAGS.rounds, warmup=1)
+  return ms, float(loss)
 
 
 def _profile_table(tables, name: str, kernels: dict) -> None:
@@ -386,12 +397,14 @@ def run_arm(s: Setup, name: str, summary, profiles, kernels: dict, base_ms: floa
   fn, params, rest = loss_grad_fn(model, s.max_segments if arm.segments else None)
   args = (params, rest, s.batch)
   with _on_mesh(s.mesh, s.rules):
-    compile_s, ms, loss = _time_arm(fn, args)
+    compiled, compile_s, temp_gib = _compile(fn, args)
+    ms, loss = _time_arm(compiled, args)
     if FLAGS.profile:
-      kernels[name] = device_profile.kernel_ms(fn, *args, calls=FLAGS.profile_calls)
+      kernels[name] = device_profile.kernel_ms(compiled, *args, calls=FLAGS.profile_calls)
   tokens = s.batch["inputs"].size
   ratio = f"{ms / base_ms:.3f}" if base_ms else ("1.000" if name == "none" else "-")
-  summary.row([name, arm.describe(), f"{compile_s:.1f}", f"{ms:.3f}",
+  temp = "-" if temp_gib is None else f"{temp_gib:.2f}"
+  summary.row([name, arm.describe(), f"{compile_s:.1f}", temp, f"{ms:.3f}",
                f"{tokens / ms * 1e3:.0f}", ratio, f"{loss:.6f}"])
   if FLAGS.profile:
     _profile_table(profiles, name, kernels)
@@ -403,7 +416,7 @@ def main(argv):
   s = setup(FLAGS.config, config_flags.get_config_filename(FLAGS["config"]))
   _print_header(s)
   summary, profiles = bench_json.Tables(), bench_json.Tables()
-  summary.start("documents", ["arm", "segments reach", "compile s", "ms fwd+bwd", "tokens/s",
+  summary.start("documents", ["arm", "segments reach", "compile s", "temp GiB", "ms fwd+bwd", "tokens/s",
                               "ratio vs none", "loss"])
   base_ms, kernels = None, {}
   for name in _arms(jax.default_backend() == "gpu"):
