@@ -16,6 +16,7 @@ import bench_documents  # noqa: E402
 from k3jax.layers.kda import KDA  # noqa: E402
 from k3jax.layers.segments import Segments  # noqa: E402
 from pallas_kernels.kda.spec import KdaSpec  # noqa: E402
+from pallas_kernels.tools import bench  # noqa: E402
 
 
 def test_smoke_prints_every_arm_and_each_ablation_changes_the_loss(tmp_path):
@@ -41,7 +42,7 @@ def test_kda_view_withholds_only_its_part():
   layer = KDA(16, 2, 8, spec=KdaSpec(chunk_size=8, sub_chunk=4, implementation="naive"),
               rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (2, 16, 16))
-  segments = Segments.from_ids(bench_documents.packed_segment_ids(2, 16, 3, 0.2), 4)
+  segments = Segments.from_ids(bench.document_ids(2, 16, 3, 0.2), 4)
   view = lambda **kw: bench_documents.KdaSegments(segments, **kw)
   close = lambda a, b: np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), atol=1e-6)
   close(layer(x, view(state=True, conv=True)), layer(x, segments))

@@ -140,19 +140,6 @@ def _define_flags():
                       "commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 
-def packed_segment_ids(b: int, t: int, docs: int, padding: float, seed: int = 0) -> np.ndarray:
-  """[B, T] int32 ids: per row `docs` documents (ids 1..docs, cuts drawn uniformly) and a
-  padding tail (id 0) of 0 to padding * T tokens."""
-  rng = np.random.default_rng(seed)
-  ids = np.zeros((b, t), np.int32)
-  for r in range(b):
-    pad = int(rng.integers(0, min(int(padding * t), t - docs) + 1))
-    used = t - pad
-    cuts = np.sort(rng.choice(np.arange(1, used), size=docs - 1, replace=False))
-    ids[r, :used] = np.searchsorted(cuts, np.arange(used), side="right") + 1
-  return ids
-
-
 class KdaSegments:
   """What a KDA layer reads of `Segments` (`ids_bt`, `run_bt`, `conv_mask_btw`), with the
   state restarts (run_bt None) or the conv masks (None) withheld: `KDA._forward` then
@@ -367,7 +354,7 @@ def setup(config, name: str) -> Setup:
                                   expert_parallel=pconf.expert_parallel(sizes["expert"]))
   with packed_default(False):
     _, params, rest = nnx.split(build(), nnx.Param, ...)
-  batch = make_batch(model_cfg.vocab_size, packed_segment_ids(b, t, FLAGS.docs_per_row,
+  batch = make_batch(model_cfg.vocab_size, bench.document_ids(b, t, FLAGS.docs_per_row,
                                                               FLAGS.padding))
   mesh = pconf.make_mesh(jax.devices()[:1]) if FLAGS.mesh else None
   return Setup(name, model_cfg, build, params, rest, batch, max_segments, mesh, pconf.rules)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from k3jax.layers import packed_attention
@@ -49,16 +48,6 @@ _JSON = flags.DEFINE_string("json", "", "Also write the table's rows, the comman
                             "and commit to this JSON file (see pallas_kernels/tools/bench_json.py).")
 
 _LOWER = -5.0
-
-
-def segment_ids(b: int, t: int, docs: int, seed: int = 0) -> np.ndarray:
-  """[B, T] ids of `docs` documents of random lengths per row (cuts drawn uniformly)."""
-  rng = np.random.default_rng(seed)
-  ids = np.zeros((b, t), np.int32)
-  for r in range(b):
-    cuts = np.sort(rng.choice(np.arange(1, t), size=docs - 1, replace=False))
-    ids[r] = np.searchsorted(cuts, np.arange(t), side="right") + 1
-  return ids
 
 
 def _timed(fn, args, backward: bool) -> float:
@@ -83,7 +72,8 @@ def packed_rows(q, k, v, g, beta, offsets_bm, **kw):
 def kda_rows(b, t, h, d, interpret):
   """(name, function of (q, k, v, g, beta)) of the KDA rows."""
   kw = dict(lower_bound=_LOWER, implementation="pallas", interpret=interpret)
-  docs = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)), _MAX_SEGMENTS.value)
+  ids_bt = bench.document_ids(b, t, _DOCS.value)
+  docs = Segments.from_ids(jnp.asarray(ids_bt), _MAX_SEGMENTS.value)
   one = jnp.zeros((b, t), jnp.int32)
   masks = lambda ids: lambda q, k, v, g, beta: api.chunk_kda(q, k, v, g, beta, segment_ids=ids,
                                                              **kw)[0]
@@ -99,7 +89,8 @@ def kda_rows(b, t, h, d, interpret):
 def attention_rows(b, t):
   """(name, function of (q, k, v)) of the attention rows."""
   impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-  segments = Segments.from_ids(jnp.asarray(segment_ids(b, t, _DOCS.value)), _MAX_SEGMENTS.value)
+  ids_bt = bench.document_ids(b, t, _DOCS.value)
+  segments = Segments.from_ids(jnp.asarray(ids_bt), _MAX_SEGMENTS.value)
   mask = segments.attention_mask_b1tt()
   attend = lambda q, k, v, **kw: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                              implementation=impl, **kw)

@@ -11,6 +11,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kda import api
@@ -42,6 +43,20 @@ def make_inputs(key, b, t, h, d, dtype=jnp.bfloat16, lower_bound=-5.0):
   g = lower_bound * jax.nn.sigmoid(jax.random.normal(kg, (b, t, h, d)))
   beta = jax.nn.sigmoid(jax.random.normal(kb, (b, t, h))).astype(dtype)
   return q, k, v, g, beta
+
+
+def document_ids(b: int, t: int, docs: int, padding: float = 0.0, seed: int = 0) -> np.ndarray:
+  """[B, T] int32 segment ids: per row `docs` documents (ids 1..docs, cuts drawn uniformly)
+  followed, when `padding` > 0, by a padding tail (id 0) of 0 to padding * T tokens."""
+  rng = np.random.default_rng(seed)
+  ids = np.zeros((b, t), np.int32)
+  for r in range(b):
+    # No draw for the tail when there is none, so the cuts of a seed stay the same.
+    pad = int(rng.integers(0, min(int(padding * t), t - docs) + 1)) if padding > 0 else 0
+    used = t - pad
+    cuts = np.sort(rng.choice(np.arange(1, used), size=docs - 1, replace=False))
+    ids[r, :used] = np.searchsorted(cuts, np.arange(used), side="right") + 1
+  return ids
 
 
 def time_ms(fn, *args, iters=20, warmup=3):
