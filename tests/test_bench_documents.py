@@ -38,6 +38,20 @@ def test_smoke_prints_every_arm_and_each_ablation_changes_the_loss(tmp_path):
     assert loss[arm] != loss["none"], arm
 
 
+def test_document_ids_rows_hold_the_documents_then_a_bounded_tail():
+  for padding in (0.0, 0.25):
+    ids_bt = bench.document_ids(6, 40, 3, padding, seed=1)
+    assert ids_bt.dtype == np.int32 and ids_bt.shape == (6, 40)
+    for row in ids_bt:
+      used = int(np.sum(row > 0))
+      assert np.all(row[used:] == 0) and 40 - used <= int(padding * 40)
+      # ids 1, 2, 3 in order, each a nonempty run
+      assert list(np.unique(row[:used])) == [1, 2, 3] and np.all(np.diff(row[:used]) >= 0)
+  tails = [int(np.sum(row == 0)) for row in bench.document_ids(16, 40, 3, 0.25, seed=2)]
+  assert max(tails) > 0  # the tail is drawn, not always empty
+  np.testing.assert_array_equal(bench.document_ids(4, 40, 3, seed=5), bench.document_ids(4, 40, 3, seed=5))
+
+
 def test_kda_view_withholds_only_its_part():
   layer = KDA(16, 2, 8, spec=KdaSpec(chunk_size=8, sub_chunk=4, implementation="naive"),
               rngs=nnx.Rngs(0))

@@ -1,7 +1,8 @@
 """Benchmark helpers for the KDA kernels: inputs, timing, roofline, stages.
 
-Used by `experiments/bench/bench_kernels.py` and `experiments/bench/tune_kda.py`; no
-timing happens at import.
+Used by `experiments/bench/bench_kernels.py` and `experiments/bench/tune_kda.py`, and for
+inputs and timing by the other benches (`document_ids`: rows of packed documents for
+`bench_segments.py` and `bench_documents.py`); no timing happens at import.
 """
 from __future__ import annotations
 
