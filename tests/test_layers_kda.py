@@ -87,6 +87,56 @@ def test_causal_depthwise_conv_matches_loop():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _masked_taps_conv(x, w, run_bt):
+  """The conv with every tap masked where it leaves its run: tap j of t reads
+  t - (W - 1) + j only when that position lies in t's run."""
+  width, t = w.shape[0], x.shape[1]
+  y = jnp.zeros_like(x)
+  for j in range(width):
+    src = jnp.arange(t) - (width - 1) + j
+    ok = (src >= 0)[None] & (run_bt[:, jnp.clip(src, 0)] == run_bt)
+    tap = jnp.where(src[None, :, None, None] >= 0, x[:, jnp.clip(src, 0)], 0.0)
+    y = y + jnp.where(ok[..., None, None], tap, 0.0) * w[j]
+  return y
+
+
+@pytest.mark.parametrize("max_segments", [None, 4])
+def test_causal_depthwise_conv_restarts_at_every_run(max_segments):
+  """With `offsets_bm` each run's outputs are the run's own conv, zeros before its start:
+  runs shorter than W - 1, a padding run, a row of one run, and with M = 4 a row whose
+  runs past the fourth merge (no restart inside the merged run). Values against a float64
+  loop, gradients (x and w) against the conv with every tap masked."""
+  from k3jax.layers.segments import Segments
+  width = 4
+  ids = np.array([[1, 1, 1, 1, 1, 2, 3, 3, 4, 4, 4, 4, 4, 0, 0, 0],
+                  [7] * 16], np.int32)
+  seg = Segments.from_ids(ids, max_segments)
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((2, 16, H, K)).astype(np.float32)
+  w = rng.standard_normal((width, H, K)).astype(np.float32)
+  run = np.asarray(seg.run_bt)
+  want = np.zeros(x.shape, np.float64)
+  for b in range(2):
+    for t in range(16):
+      for j in range(width):
+        src = t - (width - 1) + j
+        if src >= 0 and run[b, src] == run[b, t]:
+          want[b, t] += w[j].astype(np.float64) * x[b, src]
+  conv = jax.jit(kda_lib.causal_depthwise_conv)
+  got = conv(x, w, seg.offsets_bm)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  if max_segments == 4:  # run 3 spans the merged tail: position 13 reads 12
+    assert abs(want[0, 13] - conv(x, w)[0, 13]).max() < 1e-5
+  assert np.abs(np.asarray(got) - np.asarray(conv(x, w))).max() > 0.1  # the restarts matter
+  ct = rng.standard_normal(x.shape).astype(np.float32)
+  grads = jax.grad(lambda x, w: jnp.sum(ct * kda_lib.causal_depthwise_conv(x, w, seg.offsets_bm)),
+                   argnums=(0, 1))(x, w)
+  want_grads = jax.grad(lambda x, w: jnp.sum(ct * _masked_taps_conv(x, w, seg.run_bt)),
+                        argnums=(0, 1))(x, w)
+  for g, r in zip(grads, want_grads):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_layer_matches_float64_reference(gate):
   layer = _layer(gate)

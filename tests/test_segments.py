@@ -180,9 +180,6 @@ def test_layout_of_runs():
   np.testing.assert_array_equal(seg.token_mask_bt()[0], ids[0] != 0)
   mask = np.asarray(seg.attention_mask_b1tt())[0, 0]
   assert mask[5, 5] and not mask[5, 0] and not mask[1, 2] and mask[7, 6] and not mask[6, 7]
-  conv = np.asarray(seg.conv_mask_btw(3))[0]   # taps t-2, t-1, t
-  np.testing.assert_array_equal(conv[2], [False, False, True])
-  np.testing.assert_array_equal(conv[4], [True, True, True])
   assert float(seg.overflow_rows()) == 0.0
   # Two segments a row: row 0's runs past the first merge into the second, and it is counted.
   small = Segments.from_ids(ids, 2)

@@ -43,7 +43,7 @@ Arms (`--arms`, in this order):
 and the ablations, segment ids reaching one use only (the others see none), attention on
 the mask path:
 * `kda_state`: the KDA state restarts per document (`chunk_kda(segment_ids=...)`);
-* `conv`: KDA's convolution taps masked at document boundaries;
+* `conv`: KDA's convolutions restarted at document boundaries;
 * `moe`: padding masked out of routing (the router's token mask);
 * `attention`: attention by document (the mask).
 The ablations wrap the layers in the benchmark (`Withheld`), not in the library.
@@ -141,17 +141,14 @@ def _define_flags():
 
 
 class KdaSegments:
-  """What a KDA layer reads of `Segments` (`ids_bt`, `run_bt`, `conv_mask_btw`), with the
-  state restarts (run_bt None) or the conv masks (None) withheld: `KDA._forward` then
-  runs that part's plain path."""
+  """What a KDA layer reads of `Segments` (`ids_bt`, `run_bt`, `offsets_bm`), with the
+  state restarts (run_bt None) or the conv restarts (offsets_bm None) withheld:
+  `KDA._forward` then runs that part's plain path."""
 
   def __init__(self, segments: Segments, *, state: bool, conv: bool):
     self.ids_bt = segments.ids_bt
     self.run_bt = segments.run_bt if state else None
-    self._segments, self._conv = segments, conv
-
-  def conv_mask_btw(self, width: int):
-    return self._segments.conv_mask_btw(width) if self._conv else None
+    self.offsets_bm = segments.offsets_bm if conv else None
 
 
 class Withheld(nnx.Module):

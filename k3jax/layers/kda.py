@@ -47,23 +47,54 @@ def interprets(implementation: str) -> bool:
 
 
 def causal_depthwise_conv(x_bthk: jax.Array, w_whk: jax.Array,
-                          tap_mask_btw: jax.Array | None = None) -> jax.Array:
+                          offsets_bm: jax.Array | None = None) -> jax.Array:
   """y[t] = sum_j w[j] * x[t - (W - 1) + j], zeros before the start.
 
-  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K]. tap_mask_btw
-  [B, T, W] bool (`Segments.conv_mask_btw`): tap j of position t adds nothing
-  where False, so no tap reaches across a document boundary.
+  x_bthk: [B, T, H, K]; w_whk: [W, H, K] -> [B, T, H, K]. offsets_bm [B, M + 1]
+  int32 (`Segments.offsets_bm`: each row's run starts, then T): every run
+  restarts the conv, its taps reading zeros before its start, so no tap reaches
+  across a document boundary.
   """
+  y_bthk = _conv_from_zeros(x_bthk, w_whk)
+  if offsets_bm is None or w_whk.shape[0] == 1 or offsets_bm.shape[1] <= 2:
+    return y_bthk
+  return _restart_runs(y_bthk, x_bthk, w_whk, offsets_bm)
+
+
+def _conv_from_zeros(x_bthk: jax.Array, w_whk: jax.Array) -> jax.Array:
+  """The conv of each row [B, T, H, K] with zeros before its start."""
   width = w_whk.shape[0]
   t = x_bthk.shape[1]
   xp = jnp.pad(x_bthk, ((0, 0), (width - 1, 0), (0, 0), (0, 0)))
   y = jnp.zeros_like(x_bthk)
   for j in range(width):
-    tap = xp[:, j:j + t]
-    if tap_mask_btw is not None:
-      tap = jnp.where(tap_mask_btw[:, :, j, None, None], tap, jnp.zeros((), tap.dtype))
-    y = y + tap * w_whk[j].astype(x_bthk.dtype)
+    y = y + xp[:, j:j + t] * w_whk[j].astype(x_bthk.dtype)
   return y
+
+
+def _restart_runs(y_bthk, x_bthk, w_whk, offsets_bm):
+  """`y_bthk` (the row's conv) with the first W - 1 outputs of each run after the row's
+  first recomputed from the run's own inputs, zeros before its start.
+
+  Only those B (M - 1) (W - 1) positions are gathered, convolved and scattered back, so
+  the [B, T] passes and their gradients stay the plain conv's: taps masked over all of
+  [B, T] made XLA fuse the weight gradients into one slow reduction (docs/benchmarks.md,
+  "Documents in a row").
+  """
+  width, (batch, length) = w_whk.shape[0], x_bthk.shape[:2]
+  lead = width - 1
+  pos_bmi = offsets_bm[:, 1:-1, None] + jnp.arange(lead, dtype=offsets_bm.dtype)
+  # A run shorter than W - 1 ends early; unused runs start at T.
+  inside_bmi = pos_bmi < offsets_bm[:, 2:, None]
+  rows = jnp.arange(batch)[:, None, None]
+  heads_bmihk = x_bthk.at[rows, pos_bmi].get(mode="fill", fill_value=0)
+  fresh_bmihk = _conv_from_zeros(heads_bmihk.reshape(-1, *heads_bmihk.shape[2:]),
+                                 w_whk).reshape(heads_bmihk.shape)
+  # Positions outside their run go to distinct indices past T (dropped), which keeps
+  # every index unique: the scatter's gradient then is a plain gather.
+  spare_bmi = length + jnp.arange(pos_bmi[0].size, dtype=pos_bmi.dtype).reshape(pos_bmi.shape[1:])
+  target_bmi = jnp.where(inside_bmi, pos_bmi, spare_bmi)
+  return y_bthk.at[rows, target_bmi].set(fresh_bmihk, mode="drop", unique_indices=True)
 
 
 def _conv_tail(x_bthk: jax.Array, width: int) -> jax.Array:
@@ -257,20 +288,20 @@ class KDA(nnx.Module):
     with k = v = 0 the delta rule leaves the zero state untouched, so each row's
     tokens see exactly what they would alone."""
     self._check(x_btd)
-    tap_mask, runs = None, None
+    offsets, runs = None, None
     if segments is not None:
       if segments.ids_bt.shape != x_btd.shape[:2]:
         raise ValueError(f"segments of shape {segments.ids_bt.shape} for KDA input "
                          f"{x_btd.shape}: they must cover [B, T]")
       # Run indices, not ids: a row's runs past its M-th merge as Segments merges them.
-      tap_mask, runs = segments.conv_mask_btw(self.conv_size), segments.run_bt
+      offsets, runs = segments.offsets_bm, segments.run_bt
     qp, kp, vp = self._project(x_btd)
     if valid_bt is not None:
       keep = valid_bt[:, :, None, None]
       qp, kp, vp = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (qp, kp, vp))
-    q = causal_depthwise_conv(qp, self.conv_q[...], tap_mask)
-    k = causal_depthwise_conv(kp, self.conv_k[...], tap_mask)
-    v = causal_depthwise_conv(vp, self.conv_v[...], tap_mask)
+    q = causal_depthwise_conv(qp, self.conv_q[...], offsets)
+    k = causal_depthwise_conv(kp, self.conv_k[...], offsets)
+    v = causal_depthwise_conv(vp, self.conv_v[...], offsets)
     q, k, v = self._activate(q, k, v)
     g_in, gate_bias, beta, stats = self._kernel_gates(x_btd)
     o, state = self._kernel(q, k, v, g_in, beta, output_final_state=with_cache,

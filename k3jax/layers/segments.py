@@ -9,7 +9,7 @@ rest into the last one (its documents then see each other), and is counted
 in `overflow_b` so the caller can report it.
 
     segments = Segments.from_ids(segment_ids_bt, max_segments)
-    KDA:       conv_mask_btw(width) per conv tap, run_bt as chunk_kda's segment_ids
+    KDA:       offsets_bm where the convs restart, run_bt as chunk_kda's segment_ids
     attention: attention_mask_b1tt(), or offsets_bm as cuDNN's packed layout (packed_attention)
     MoE:       token_mask_bt() (padding takes no expert)
 """
@@ -87,13 +87,6 @@ class Segments:
   def token_mask_bt(self) -> jax.Array:
     """[B, T] bool, True for document tokens, False for padding (id 0)."""
     return self.ids_bt != 0
-
-  def conv_mask_btw(self, width: int) -> jax.Array:
-    """[B, T, W] bool: tap j of a causal conv of width W at position t reads
-    t - (W - 1) + j; True where that position lies in t's run (False before the row)."""
-    pad = jnp.pad(self.run_bt, ((0, 0), (width - 1, 0)), constant_values=-1)
-    length = self.run_bt.shape[1]
-    return jnp.stack([pad[:, j:j + length] == self.run_bt for j in range(width)], axis=-1)
 
   def attention_mask_b1tt(self) -> jax.Array:
     """[B, 1, T, T] bool: query t may attend key s when s <= t and both lie in one run."""
