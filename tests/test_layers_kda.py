@@ -137,6 +137,29 @@ def test_causal_depthwise_conv_restarts_at_every_run(max_segments):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
+def test_causal_depthwise_conv_restarts_keep_rows_on_their_devices():
+  """Rows sharded over 8 devices: the restarts' gathers and scatters stay on each row's
+  device (no all-gather), and the only all-reduce is the weight gradient's, as for the
+  plain conv."""
+  import re
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from k3jax.layers.segments import Segments
+  mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+  rows = NamedSharding(mesh, PartitionSpec("data"))
+  ids = np.repeat(np.arange(1, 5), 4)[None].repeat(8, 0).astype(np.int32)
+  offsets = jax.device_put(Segments.from_ids(ids, 6).offsets_bm, rows)
+  x = jax.device_put(jnp.ones((8, 16, H, K)), rows)
+  w = jnp.ones((4, H, K))
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(kda_lib.causal_depthwise_conv(x, w, offsets) ** 2),
+                          argnums=(0, 1)))
+  hlo = grad.lower(x, w).compile().as_text()
+  assert "all-gather" not in hlo
+  reduced = re.findall(r"^\s*\S+ = (.*?) all-reduce(?:-start)?\(", hlo, re.M)
+  assert reduced, "the weight gradient sums over the rows' devices"
+  for shapes in reduced:
+    assert set(re.findall(r"\[([\d,]*)\]", shapes)) <= {f"{H},{K}", f"4,{H},{K}"}, shapes
+
+
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_layer_matches_float64_reference(gate):
   layer = _layer(gate)

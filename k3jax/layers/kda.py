@@ -79,22 +79,24 @@ def _restart_runs(y_bthk, x_bthk, w_whk, offsets_bm):
   Only those B (M - 1) (W - 1) positions are gathered, convolved and scattered back, so
   the [B, T] passes and their gradients stay the plain conv's: taps masked over all of
   [B, T] made XLA fuse the weight gradients into one slow reduction (docs/benchmarks.md,
-  "Documents in a row").
+  "Packed documents"). Mapped over the rows, so the gathers and scatters carry B as a
+  batch dimension and a batch-sharded row stays on its device.
   """
-  width, (batch, length) = w_whk.shape[0], x_bthk.shape[:2]
+  width, length = w_whk.shape[0], x_bthk.shape[1]
   lead = width - 1
-  pos_bmi = offsets_bm[:, 1:-1, None] + jnp.arange(lead, dtype=offsets_bm.dtype)
-  # A run shorter than W - 1 ends early; unused runs start at T.
-  inside_bmi = pos_bmi < offsets_bm[:, 2:, None]
-  rows = jnp.arange(batch)[:, None, None]
-  heads_bmihk = x_bthk.at[rows, pos_bmi].get(mode="fill", fill_value=0)
-  fresh_bmihk = _conv_from_zeros(heads_bmihk.reshape(-1, *heads_bmihk.shape[2:]),
-                                 w_whk).reshape(heads_bmihk.shape)
-  # Positions outside their run go to distinct indices past T (dropped), which keeps
-  # every index unique: the scatter's gradient then is a plain gather.
-  spare_bmi = length + jnp.arange(pos_bmi[0].size, dtype=pos_bmi.dtype).reshape(pos_bmi.shape[1:])
-  target_bmi = jnp.where(inside_bmi, pos_bmi, spare_bmi)
-  return y_bthk.at[rows, target_bmi].set(fresh_bmihk, mode="drop", unique_indices=True)
+
+  def row(y_thk, x_thk, offsets_m):
+    pos_mi = offsets_m[1:-1, None] + jnp.arange(lead, dtype=offsets_m.dtype)
+    # A run shorter than W - 1 ends early; unused runs start at T.
+    inside_mi = pos_mi < offsets_m[2:, None]
+    fresh_mihk = _conv_from_zeros(x_thk.at[pos_mi].get(mode="fill", fill_value=0), w_whk)
+    # Positions outside their run go to distinct indices past T (dropped), which keeps
+    # every index unique: the scatter's gradient then is a plain gather.
+    spare_mi = length + jnp.arange(pos_mi.size, dtype=pos_mi.dtype).reshape(pos_mi.shape)
+    target_mi = jnp.where(inside_mi, pos_mi, spare_mi)
+    return y_thk.at[target_mi].set(fresh_mihk, mode="drop", unique_indices=True)
+
+  return jax.vmap(row)(y_bthk, x_bthk, offsets_bm)
 
 
 def _conv_tail(x_bthk: jax.Array, width: int) -> jax.Array:
