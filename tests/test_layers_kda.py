@@ -1,12 +1,16 @@
 """KDA token-mixer layer (k3jax.layers.kda) against a float64 numpy reference."""
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.layers import kda as kda_lib
+from k3jax.layers.segments import Segments
 from k3jax.models.config import ModelConfig
 from pallas_kernels.kda.spec import KdaSpec
 
@@ -73,18 +77,27 @@ def _forward(layer, x):
   return nnx.jit(lambda m, x: m(x))(layer, x)
 
 
+def _conv_loop(x, w, run_bt=None):
+  """The causal depthwise conv in float64, tap by tap; with run_bt [B, T] a tap adds
+  only when it reads a position of t's own run."""
+  width, (batch, length) = w.shape[0], x.shape[:2]
+  run = np.zeros((batch, length), int) if run_bt is None else np.asarray(run_bt)
+  want = np.zeros(x.shape, np.float64)
+  for b in range(batch):
+    for t in range(length):
+      for j in range(width):
+        src = t - (width - 1) + j
+        if src >= 0 and run[b, src] == run[b, t]:
+          want[b, t] += w[j].astype(np.float64) * x[b, src]
+  return want
+
+
 def test_causal_depthwise_conv_matches_loop():
   rng = np.random.default_rng(0)
   x = rng.standard_normal((2, 7, H, K)).astype(np.float32)
   w = rng.standard_normal((4, H, K)).astype(np.float32)
   got = jax.jit(kda_lib.causal_depthwise_conv)(x, w)
-  want = np.zeros_like(x)
-  for t in range(7):
-    for j in range(4):
-      src = t - 3 + j
-      if src >= 0:
-        want[:, t] += w[j] * x[:, src]
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got, _conv_loop(x, w), rtol=1e-5, atol=1e-5)
 
 
 def _masked_taps_conv(x, w, run_bt):
@@ -106,7 +119,6 @@ def test_causal_depthwise_conv_restarts_at_every_run(max_segments):
   runs shorter than W - 1, a padding run, a row of one run, and with M = 4 a row whose
   runs past the fourth merge (no restart inside the merged run). Values against a float64
   loop, gradients (x and w) against the conv with every tap masked."""
-  from k3jax.layers.segments import Segments
   width = 4
   ids = np.array([[1, 1, 1, 1, 1, 2, 3, 3, 4, 4, 4, 4, 4, 0, 0, 0],
                   [7] * 16], np.int32)
@@ -114,20 +126,13 @@ def test_causal_depthwise_conv_restarts_at_every_run(max_segments):
   rng = np.random.default_rng(3)
   x = rng.standard_normal((2, 16, H, K)).astype(np.float32)
   w = rng.standard_normal((width, H, K)).astype(np.float32)
-  run = np.asarray(seg.run_bt)
-  want = np.zeros(x.shape, np.float64)
-  for b in range(2):
-    for t in range(16):
-      for j in range(width):
-        src = t - (width - 1) + j
-        if src >= 0 and run[b, src] == run[b, t]:
-          want[b, t] += w[j].astype(np.float64) * x[b, src]
+  want = _conv_loop(x, w, seg.run_bt)
   conv = jax.jit(kda_lib.causal_depthwise_conv)
-  got = conv(x, w, seg.offsets_bm)
+  got, plain = conv(x, w, seg.offsets_bm), np.asarray(conv(x, w))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   if max_segments == 4:  # run 3 spans the merged tail: position 13 reads 12
-    assert abs(want[0, 13] - conv(x, w)[0, 13]).max() < 1e-5
-  assert np.abs(np.asarray(got) - np.asarray(conv(x, w))).max() > 0.1  # the restarts matter
+    assert abs(want[0, 13] - plain[0, 13]).max() < 1e-5
+  assert np.abs(np.asarray(got) - plain).max() > 0.1  # the restarts matter
   ct = rng.standard_normal(x.shape).astype(np.float32)
   grads = jax.grad(lambda x, w: jnp.sum(ct * kda_lib.causal_depthwise_conv(x, w, seg.offsets_bm)),
                    argnums=(0, 1))(x, w)
@@ -141,9 +146,6 @@ def test_causal_depthwise_conv_restarts_keep_rows_on_their_devices():
   """Rows sharded over 8 devices: the restarts' gathers and scatters stay on each row's
   device (no all-gather), and the only all-reduce is the weight gradient's, as for the
   plain conv."""
-  import re
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
-  from k3jax.layers.segments import Segments
   mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
   rows = NamedSharding(mesh, PartitionSpec("data"))
   ids = np.repeat(np.arange(1, 5), 4)[None].repeat(8, 0).astype(np.int32)
