@@ -67,6 +67,26 @@ def test_the_layout_builds_mesh_aware_layers_with_the_plain_parameters():
     ModelLayout(mesh_aware_kda=True).check_built_for(plain)
 
 
+def test_the_layout_keeps_the_document_mask_on_a_mesh_of_devices():
+  """Attention's documents path: the layer's default on one device, the mask on any mesh
+  of more than one (the packed layout's split over devices is unchecked); a model whose
+  attention took another path is refused, naming the layer."""
+  one = {"stage": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 1}
+  assert ModelLayout.for_mesh(one, "pallas", 1).attention_documents is None
+  for axis in one:
+    assert ModelLayout.for_mesh(dict(one, **{axis: 2}), "xla", 4).attention_documents == "mask"
+  layout = ModelLayout(attention_documents="mask")
+  model = layout.build_lm(CONFIG, rngs=nnx.Rngs(0))
+  attention = model.layers[1].mixer
+  assert attention.documents == "mask"
+  layout.check_built_for(model)
+  attention.documents = "packed"  # as a model built for one GPU would hold
+  ModelLayout().check_built_for(model)
+  with pytest.raises(ValueError, match="layers/1/mixer keeps documents apart with 'packed', "
+                                       "but this mesh needs 'mask'"):
+    layout.check_built_for(model)
+
+
 def test_mesh_aware_layer_refuses_calls_it_cannot_split():
   """Built for a mesh, the layer does not fall back to the plain call: without a mesh, or on
   a batch the mesh's batch axes do not divide, it names the fix."""

@@ -9,8 +9,9 @@ own run, one of two ways (`documents`):
 - "packed": cuDNN's packed layout (`k3jax.layers.packed_attention`), the
   run starts and lengths of each row; no [T, T] mask, and the tiles between
   documents are skipped. Needs the cuDNN implementation, a Hopper or later
-  GPU, and a jax version whose private call was checked; opt-in until its
-  GPU twins pass (`packed_attention.DEFAULT_ON_GPU`).
+  GPU, and a jax version whose private call was checked; the default where
+  it compiles (`packed_attention.DEFAULT_ON_GPU`), except on a mesh of more
+  than one device (`k3jax.parallel.model_layout`).
 - "mask": a [B, 1, T, T] boolean mask (same run and causal) beside
   `is_causal=True`; XLA applies it to the logits, cuDNN takes it as an
   additive bias without a bias gradient, which doubles attention's cost.

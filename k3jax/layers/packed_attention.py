@@ -41,10 +41,12 @@ except ImportError:  # moved or gone in another jax: the layer keeps the mask
 
 # jax (major, minor) versions whose private packed-layout call this module was checked on.
 TESTED_JAX = ((0, 11),)
-# Whether `CausalSelfAttention(documents=None)` takes this path where it compiles. Off until
-# the GPU twins in tests/test_attention.py (`-m gpu`) pass: on the CPU only the layout's index
-# arithmetic is checked, not cuDNN's reading of it. `documents="packed"` opts in.
-DEFAULT_ON_GPU = False
+# Whether `CausalSelfAttention(documents=None)` takes this path where it compiles. On because
+# the one-GPU twins in tests/test_attention.py (`-m gpu`) pass, and the whole gpu_1b with the
+# reset is faster than with the mask (docs/benchmarks.md, "Packed documents"); on the CPU only
+# the layout's index arithmetic is checked. A mesh of more than one device keeps the mask
+# (`k3jax.parallel.model_layout`) until the two-GPU twin runs.
+DEFAULT_ON_GPU = True
 
 
 def available() -> bool:

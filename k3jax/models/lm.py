@@ -72,14 +72,16 @@ def _make_ffn(config: ModelConfig, layer: int, rngs: nnx.Rngs, moe_impl: str | N
   return MoE(moe_config, rngs=rngs)
 
 
-def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs, kda_class: type[KDA]):
+def _make_mixer(config: ModelConfig, kind: str, rngs: nnx.Rngs, kda_class: type[KDA],
+                attention_documents: str | None):
   dtype, pdt = config.compute_dtype, config.params_dtype
   if kind == "K":
     return kda_class(config.d_model, config.num_heads, config.head_dim, spec=config.kda,
                conv_size=config.conv_size, decode_implementation=config.kda_decode, fuse_gate=config.kda_fuse_gate,
                dtype=dtype, param_dtype=pdt, rngs=rngs)
   return CausalSelfAttention(config.d_model, config.num_heads, config.num_kv_heads,
-                             config.head_dim, dtype=dtype, param_dtype=pdt, rngs=rngs)
+                             config.head_dim, dtype=dtype, param_dtype=pdt,
+                             documents=attention_documents, rngs=rngs)
 
 
 def _full_pass(segments: segments_lib.Segments | None):
@@ -109,11 +111,11 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs,
                moe_impl: str | None = None, expert_parallel: ExpertParallel | None = None,
-               kda_class: type[KDA] = KDA):
+               kda_class: type[KDA] = KDA, attention_documents: str | None = None):
     pdt = config.params_dtype
     self.kind = config.layer_types[layer]
     self.mixer_norm = RMSNorm(config.d_model, param_dtype=pdt)
-    self.mixer = _make_mixer(config, self.kind, rngs, kda_class)
+    self.mixer = _make_mixer(config, self.kind, rngs, kda_class, attention_documents)
     self.ffn_norm = RMSNorm(config.d_model, param_dtype=pdt)
     self.ffn = _make_ffn(config, layer, rngs, moe_impl, expert_parallel)
 
@@ -143,11 +145,14 @@ class HybridLM(nnx.Module):
   runs them on each device's tokens. `kda_class` builds the KDA layers: a
   subclass of `KDA` that holds the same variables (the mesh-aware
   `k3jax.parallel.layers.ContextParallelKDA`) changes where their scan runs.
-  None of the three changes a parameter.
+  `attention_documents` is the attention layers' `documents` path ("mask",
+  "packed", or None for `CausalSelfAttention`'s default). None of the four
+  changes a parameter.
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe_impl: str | None = None,
-               expert_parallel: ExpertParallel | None = None, kda_class: type[KDA] = KDA):
+               expert_parallel: ExpertParallel | None = None, kda_class: type[KDA] = KDA,
+               attention_documents: str | None = None):
     if not isinstance(config, ModelConfig):
       raise ValueError(f"HybridLM needs a ModelConfig, got {type(config)}")
     self.config = config
@@ -155,7 +160,8 @@ class HybridLM(nnx.Module):
     self.embed = logical_param(rngs, jax.nn.initializers.normal(d ** -0.5), (v, d),
                                ("vocab", "embed"), pdt)
     self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs, moe_impl=moe_impl,
-                                         expert_parallel=expert_parallel, kda_class=kda_class)
+                                         expert_parallel=expert_parallel, kda_class=kda_class,
+                                         attention_documents=attention_documents)
                             for i in range(config.num_layers)])
     self.residual = make_residual(config.residual, config.num_sublayers, d,
                                   block_size=config.attnres_block_size, param_dtype=pdt)

@@ -1,9 +1,10 @@
-"""The model built for its mesh: which KDA layer, how many pipeline stages.
+"""The model built for its mesh: which KDA layer, which attention documents path, how many
+pipeline stages.
 
     layout = ModelLayout.for_mesh(sizes, config.kda.implementation, microbatches=8)
     model = layout.build_lm(config, rngs=rngs)   # HybridLM or PipelinedLM
 
-Both choices are made here, once, from the mesh's axis sizes, and the model is
+The choices are made here, once, from the mesh's axis sizes, and the model is
 constructed with them; every layout holds the same parameters under the same
 names (`PipelinedLM` stacks the layers per stage), so checkpoints move between
 layouts.
@@ -11,9 +12,11 @@ layouts.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from flax import nnx
 
+from k3jax.layers.attention import CausalSelfAttention
 from k3jax.layers.kda import KDA
 from k3jax.layers.moe_path import ExpertParallel
 from k3jax.models.config import ModelConfig
@@ -31,10 +34,16 @@ class ModelLayout:
       kernel through the mesh: needed when the mesh splits the sequence
       (context > 1), or splits the batch while the kernel is Pallas (the
       compiler cannot split a kernel call over the batch).
+    attention_documents: the attention layers' `documents` path: None for
+      the layer's default (cuDNN's packed layout on GPU where it compiles),
+      "mask" on a mesh of more than one device, where the packed layout's
+      split over devices waits for its two-GPU twin
+      (tests/test_attention.py::test_gpu_packed_layout_with_the_batch_split).
     stages: pipeline stages; > 1 builds a `PipelinedLM`.
     microbatches: the pipeline's microbatches (1 without stages).
   """
   mesh_aware_kda: bool = False
+  attention_documents: str | None = None
   stages: int = 1
   microbatches: int = 1
 
@@ -44,7 +53,9 @@ class ModelLayout:
     batch_devices = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     splits_kernel_calls = kda_implementation == "pallas" and batch_devices > 1
     stages = sizes["stage"]
-    return cls(mesh_aware_kda=sizes["context"] > 1 or splits_kernel_calls, stages=stages,
+    one_device = math.prod(sizes.values()) == 1
+    return cls(mesh_aware_kda=sizes["context"] > 1 or splits_kernel_calls,
+               attention_documents=None if one_device else "mask", stages=stages,
                microbatches=microbatches if stages > 1 else 1)
 
   @property
@@ -55,7 +66,8 @@ class ModelLayout:
                expert_parallel: ExpertParallel | None = None) -> HybridLM:
     """`HybridLM(config, ...)` built for this layout (a `PipelinedLM` under stages)."""
     return self.pipelined(HybridLM(config, rngs=rngs, moe_impl=moe_impl,
-                                   expert_parallel=expert_parallel, kda_class=self.kda_class))
+                                   expert_parallel=expert_parallel, kda_class=self.kda_class,
+                                   attention_documents=self.attention_documents))
 
   def pipelined(self, model: nnx.Module) -> nnx.Module:
     """`model` (a plain HybridLM under stages) as this layout's pipeline; itself without stages.
@@ -68,11 +80,17 @@ class ModelLayout:
 
   def check_built_for(self, model: nnx.Module) -> None:
     """Raises ValueError when `model`, built elsewhere, holds a KDA layer that this layout
-    needs mesh-aware (the layout cannot be changed after construction)."""
-    if not self.mesh_aware_kda:
-      return
+    needs mesh-aware, or an attention layer on another documents path than the layout's
+    (the layout cannot be changed after construction)."""
     for path, module in nnx.iter_modules(model):
-      if type(module) is KDA:  # pylint: disable=unidiomatic-typecheck
-        raise ValueError(f"the KDA layer at {'/'.join(map(str, path))} must be a "
+      where = "/".join(map(str, path))
+      if self.mesh_aware_kda and type(module) is KDA:  # pylint: disable=unidiomatic-typecheck
+        raise ValueError(f"the KDA layer at {where} must be a "
                          "k3jax.parallel.layers.ContextParallelKDA on this mesh (context > 1, or "
                          "a Pallas kernel on a batch split over devices): build it with that class")
+      if (self.attention_documents is not None and isinstance(module, CausalSelfAttention)
+          and module.documents != self.attention_documents):
+        raise ValueError(f"the attention layer at {where} keeps documents apart with "
+                         f"{module.documents!r}, but this mesh needs "
+                         f"{self.attention_documents!r}: build it with "
+                         f"documents={self.attention_documents!r}")

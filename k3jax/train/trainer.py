@@ -87,7 +87,8 @@ def _default_model(model_cfg, seq_len: int, expert_parallel, layout: ModelLayout
 def _given_model(model_fn: Callable[[nnx.Rngs], nnx.Module], layout: ModelLayout
                  ) -> Callable[[nnx.Rngs], nnx.Module]:
   """A given `model_fn` built for `layout`: pipelined under stages; its KDA layers must be
-  mesh-aware where the layout needs them. A model that cannot be is a config error."""
+  mesh-aware and its attention layers on the documents path where the layout needs them.
+  A model that cannot be is a config error."""
   def build(rngs):
     try:
       model = layout.pipelined(model_fn(rngs))
