@@ -52,21 +52,9 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace an existing --out.")
 flags.mark_flag_as_required("out")
 
 
-def _fail(message: str):
-  cli_errors.exit_with(message, cli_errors.EXIT_INPUT_ERROR, show_traceback=False)
-
-
-def _parse_flags(argv):
-  """absl's flag parsing, with a bad flag as one `error:` paragraph and exit status 2."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(cli_errors.then(str(e), "Pass --helpshort to list the flags."))
-
-
 def main(argv):
   if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --input=DIR")
+    cli_errors.fail_input(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --input=DIR")
   options = PrepareOptions(patterns=tuple(_PATTERNS.value or ()), jsonl_field=_JSONL_FIELD.value,
                            parquet_column=_PARQUET_COLUMN.value, heldout_fraction=_HELDOUT.value,
                            shards=_SHARDS.value, add_eos=_ADD_EOS.value)
@@ -74,7 +62,7 @@ def main(argv):
     manifest = prepare(_INPUT.value or [stdlib_source_dir()], load_tokenizer(_TOKENIZER.value), _OUT.value,
                        options, workers=_WORKERS.value, overwrite=_OVERWRITE.value)
   except ValueError as e:
-    _fail(str(e))
+    cli_errors.fail_input(str(e))
   splits = ", ".join(f"{s} {v['documents']} documents / {v['tokens']} tokens"
                      for s, v in manifest["splits"].items())
   print(f"wrote {_OUT.value}: {splits}; vocab {manifest['tokenizer']['vocab_size']}, "
@@ -82,4 +70,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli_errors.parse_flags)

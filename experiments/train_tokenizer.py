@@ -32,21 +32,9 @@ _OUT = flags.DEFINE_string("out", None, "Path of the tokenizer.json to write.")
 flags.mark_flag_as_required("out")
 
 
-def _fail(message: str):
-  cli_errors.exit_with(message, cli_errors.EXIT_INPUT_ERROR, show_traceback=False)
-
-
-def _parse_flags(argv):
-  """absl's flag parsing, with a bad flag as one `error:` paragraph and exit status 2."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(cli_errors.then(str(e), "Pass --helpshort to list the flags."))
-
-
 def main(argv):
   if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --input=DIR")
+    cli_errors.fail_input(f"unexpected arguments {argv[1:]}: every setting is a flag, e.g. --input=DIR")
   inputs = _INPUT.value or [stdlib_source_dir()]
   try:
     files = [path for path, _ in list_documents(inputs, tuple(_PATTERNS.value))]
@@ -55,10 +43,10 @@ def main(argv):
     tok = train_bpe(files, vocab_size=_VOCAB_SIZE.value, out_path=_OUT.value,
                     min_frequency=_MIN_FREQUENCY.value)
   except ValueError as e:
-    _fail(str(e))
+    cli_errors.fail_input(str(e))
   print(f"wrote {_OUT.value}: {tok.vocab_size} tokens from {len(files)} files, bos {tok.bos_id}, "
         f"eos {tok.eos_id}, pad {tok.pad_id}, sha256 {tok.sha256}", flush=True)
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli_errors.parse_flags)
