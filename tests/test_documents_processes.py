@@ -1,13 +1,6 @@
 """Two real processes (jax.distributed on localhost, two CPU devices each) read packed documents:
 each reads only its own share of every epoch's pieces, and their rows form the global batch."""
-import json
-import os
-import subprocess
-import sys
-
-from tests.test_train_pipeline_processes import _free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.processes import run_two_processes
 
 # argv = port, process id. Builds the trainer's iterator for this process's rows of a global
 # batch of 8 over data 4, places two batches on the mesh and gathers them back whole.
@@ -41,21 +34,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_each_process_reads_its_own_documents_and_the_rows_form_the_global_batch():
-  port = _free_port()
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(pid)], cwd=ROOT, env=env,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-           for pid in (0, 1)]
-  results = []
-  try:
-    for proc in procs:
-      out, _ = proc.communicate(timeout=300)
-      lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-      assert proc.returncode == 0 and lines, out[-4000:]
-      results.append(json.loads(lines[-1][len("RESULT "):]))
-  finally:
-    for proc in procs:
-      proc.kill()
+  results = run_two_processes(WORKER, timeout=300)
   assert [r["block"] for r in results] == [[0, 2], [1, 2]]
   # Disjoint pieces: every token id is unique and an input at most once per epoch.
   tokens_of = lambda r: {x for batch in r["local"] for row in batch for x in row if x}

@@ -3,19 +3,12 @@ stage per process (the processes feed the same rows) matches the one-process pip
 and resumes through one device and back; data parallelism over both (each feeds its own
 rows of sampled windows) matches one process. Packed documents are read per process, so their
 global batch depends on how the processes split it (tests/test_documents_processes.py)."""
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import numpy as np
 
 from k3jax.train.trainer import train_and_evaluate
+from tests.processes import run_two_processes
 from tests.test_train import _stop_at
 from tests.test_train_pipeline import RTOL, _config, _losses
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One process of the run: argv = port, process id, workdir, the step to stop after (0: none),
 # stages (1: data parallelism over the four devices), data.packing.
@@ -39,30 +32,8 @@ print("RESULT " + json.dumps({k: out[k] for k in ("step", "mesh", "interrupted")
 """
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def _two_processes(workdir: str, stop: int, stages: int = 2, packing: str = "documents") -> list[dict]:
-  port = _free_port()
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(port), str(pid), workdir,
-                             str(stop), str(stages), packing], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-           for pid in (0, 1)]
-  results = []
-  try:
-    for proc in procs:
-      out, _ = proc.communicate(timeout=600)
-      lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-      assert proc.returncode == 0 and lines, out[-4000:]
-      results.append(json.loads(lines[-1][len("RESULT "):]))
-  finally:
-    for proc in procs:
-      proc.kill()
-  return results
+  return run_two_processes(WORKER, workdir, str(stop), str(stages), packing, timeout=600)
 
 
 def test_a_stage_per_process_matches_one_process_and_resumes(tmp_path):
