@@ -89,7 +89,6 @@ def main(argv):
   if _JSON.value:
     bench_json.write(_JSON.value, tables.tables, peer_or_base=(
         "base: xla_copy, an XLA elementwise pass over the same array in the same call"))
-    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":

@@ -251,7 +251,6 @@ def write_json(path: str) -> None:
   """Writes the tables printed so far to `path` (bench_json's record)."""
   bench_json.write(path, _TABLES.tables, peer_or_base=(
       "base: the first implementation of each B (and T_new) in the same call"))
-  print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -413,7 +413,6 @@ def main(argv):
     bench_json.write(FLAGS.json, {**summary.tables, **profiles.tables}, peer_or_base=(
         "base: arm none (the same model and batch without segment ids) in the same run"),
         config=s.name, batch=b, seq_len=t, max_segments=s.max_segments)
-    print(f"wrote {FLAGS.json}", flush=True)
 
 
 @contextlib.contextmanager

@@ -148,7 +148,6 @@ def summary_table(rows) -> None:
   if FLAGS.json:
     bench_json.write(FLAGS.json, tables.tables,
                      peer_or_base="base: the unfused gate of the same shape and part in the same call")
-    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,6 @@ def table(rows, json_path: str = "") -> None:
   if json_path:
     bench_json.write(json_path, tables.tables, peer_or_base=(
         "none: absolute times and bytes (the policies of one T side by side)"))
-    print(f"wrote {json_path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -295,7 +295,6 @@ def _write_json(path, rows, peer, ceil):
       dtype="bfloat16", iters=_ITERS.value, lower_bound=_LOWER_BOUND.value, chunk_size=_CHUNK.value,
       sub_chunk=_SUB.value, overrides=_OVERRIDES.value,
       ceilings={"copy_bandwidth_tb_s": ceil.bandwidth / 1e12, "bf16_matmul_tflop_s": ceil.matmul / 1e12})
-  print(f"wrote {path}", flush=True)
 
 
 def main(argv):

@@ -77,7 +77,6 @@ def main(argv):
   if _JSON.value:
     bench_json.write(_JSON.value, tables.tables, peer_or_base=(
         f"base: --consumption, {_CONSUMPTION.value:.0f} tokens/s a training run consumes"))
-    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":

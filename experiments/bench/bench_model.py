@@ -131,7 +131,6 @@ def main(argv):
   if FLAGS.json:
     bench_json.write(FLAGS.json, tables.tables, peer_or_base=(
         "base: the first implementation of the same pass in the same call"))
-    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

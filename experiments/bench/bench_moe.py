@@ -484,7 +484,6 @@ def main(argv):
                      "(table 'grouped matmuls')", dtype=FLAGS.dtype, router=FLAGS.router,
                      capacity_factor=FLAGS.capacity_factor, iters=FLAGS.iters, rounds=FLAGS.rounds,
                      matmul_tflop_s=tflops, shapes={name: SHAPES[name] for name in FLAGS.shapes})
-    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

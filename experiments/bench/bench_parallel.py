@@ -202,7 +202,6 @@ def main(argv):
     bench_json.write(FLAGS.json, tables.tables, peer_or_base=(
         "base: the first mesh of each table in the same call (eff vs base: tokens/s per device "
         "over its)"))
-    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

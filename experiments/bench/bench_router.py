@@ -219,7 +219,6 @@ def main(argv):
     bench_json.write(FLAGS.json, _TABLES.tables, peer_or_base=(
         "balance: none (absolute values); timing, thresholds: exact quantiles against the "
         "histogram in the same call; overhead: each router against the layer without its router"))
-    print(f"wrote {FLAGS.json}", flush=True)
 
 
 if __name__ == "__main__":

@@ -122,7 +122,6 @@ def main(argv):
     bench_json.write(_JSON.value, tables.tables, peer_or_base=(
         "base: the same call without segments in the same run (kda for the kda rows, "
         "attention causal for attention by document)"))
-    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,6 @@ def _write(path: str, tables: dict, gpu: str) -> None:
   bench_json.write(path, tables, gpu=gpu, platform="cuda (torch)",
                    peer_or_base="none: the peer's own kernel times (fla chunk_kda); "
                    "share: of the pass's summed kernel time")
-  print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,6 @@ def main(argv):
     bench_json.write(FLAGS.json, _TABLES.tables, peer_or_base=(
         "state: S = 1 (one device holds every layer); boundary: the formula's prediction "
         "beside the compiled program's bytes"))
-    print(f"wrote {FLAGS.json}", flush=True)
 
 
 def boundary_table(stage_counts: list[int]) -> None:

@@ -82,7 +82,6 @@ def main(argv):
     from pallas_kernels.tools import bench_json  # pylint: disable=g-import-not-at-top
     bench_json.write(_JSON.value, {"stages": bench_json.parse_table(text.replace("*", ""))},
                      peer_or_base="none: absolute per-stage times, configurations side by side")
-    print(f"wrote {_JSON.value}", flush=True)
 
 
 if __name__ == "__main__":

@@ -61,11 +61,12 @@ def record(tables: dict, *, peer_or_base: str, **extra) -> dict:
 
 
 def write(path: str, tables: dict, *, peer_or_base: str, **extra) -> None:
-  """Writes `record(...)` to `path` (directories made as needed)."""
+  """Writes `record(...)` to `path` (directories made as needed) and says so on stdout."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
     json.dump(record(tables, peer_or_base=peer_or_base, **extra), f, indent=1, allow_nan=False)
     f.write("\n")
+  print(f"wrote {path}", flush=True)
 
 
 def cell(text: str):
