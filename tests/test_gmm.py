@@ -119,9 +119,12 @@ def test_config_and_argument_errors():
   assert GmmConfig(wgrad_block_n=256).wgrad_tile(1536, 1536) == (128, 256)
   assert GmmConfig(wgrad_block_n=256).wgrad_tile(96, 768) == (32, 256)
   assert GmmConfig(wgrad_block=64, wgrad_block_n=256).wgrad_tile(1536, 1536) == (64, 256)
+  # The heuristic: [128, 256] at 8 warps for 16-bit operands, square 64 for float32.
+  assert default_config(jnp.bfloat16).wgrad_tile(1536, 1536) == (128, 256)
+  assert default_config(jnp.bfloat16).wgrad_warps == 8
+  assert default_config(jnp.float32).wgrad_tile(1536, 1536) == (64, 64)
   # The benchmarks' --gmm_config items over the heuristic.
-  assert with_fields(["wgrad_block_n=256", "wgrad_warps=8"]) == GmmConfig(wgrad_block_n=256,
-                                                                         wgrad_warps=8)
+  assert with_fields(["wgrad_block_n=128", "wgrad_warps=4"]) == GmmConfig(wgrad_block_n=128)
   for bad in ("wgrad_block_n", "no_such_field=4", "wgrad_warps=eight", "wgrad_block_n=96"):
     with pytest.raises(ValueError, match="GmmConfig"):
       with_fields([bad])
@@ -179,9 +182,10 @@ def test_gpu_kernel_calls_match_reference(call, dtype, out_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("call", [c for c in LAYER_CALLS if LAYER_CALLS[c][0] == "tgmm"])
-def test_gpu_tgmm_with_128_by_256_result_tiles_matches_reference(call):
-  """The weight gradients with [128, 256] result tiles at 8 warps (`wgrad_block_n`)."""
-  cfg = dataclasses.replace(default_config(jnp.bfloat16), wgrad_block_n=256, wgrad_warps=8)
+def test_gpu_tgmm_with_square_128_result_tiles_matches_reference(call):
+  """The weight gradients with square [128, 128] result tiles at 4 warps (the heuristic
+  takes [128, 256] at 8; `--gmm_config=wgrad_block_n=128,wgrad_warps=4` selects these)."""
+  cfg = dataclasses.replace(default_config(jnp.bfloat16), wgrad_block_n=None, wgrad_warps=4)
   _check_layer_call(call, jnp.bfloat16, jnp.float32, cfg)
 
 

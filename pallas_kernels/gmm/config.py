@@ -34,10 +34,10 @@ class GmmConfig:
       each tgmm program a 256 x 256 float32 accumulator, which spills (0.10
       of the dense rate on the H200).
     wgrad_block_n: N side of that tile (shrunk to divide N); None: square,
-      wgrad_block. A [128, 256] tile streams each lhs row tile (the layer's
-      gathered rows) half as often as [128, 128]; with wgrad_warps=8 its
-      float32 accumulator is 128 registers a thread, as the products' 128 x
-      256 tiles at 8 warps.
+      wgrad_block. A [128, 256] tile (`default_config`'s for 16-bit
+      operands) streams each lhs row tile (the layer's gathered rows) half
+      as often as [128, 128]; with wgrad_warps=8 its float32 accumulator is
+      128 registers a thread, as the products' 128 x 256 tiles at 8 warps.
     backend: the GPU body of `gmm`'s plain product: "triton" (`kernel_gmm`)
       or "mosaic_gpu" (`kernel_gmm_mosaic`, a Hopper prototype: 16-bit
       operands, no SwiGLU fusion or transposed rhs, block_m a multiple of
@@ -107,23 +107,25 @@ class GmmConfig:
 
 
 def default_config(dtype=jnp.bfloat16) -> GmmConfig:
-  """The heuristic, from the tile sweep in docs/benchmarks.md (one H200, bf16).
+  """The heuristic, from the tile sweeps in docs/benchmarks.md (bf16).
 
   Products (`gmm`): 128 x 256 result tiles, 64-deep slices, 8 warps, 3
   stages, launch groups of 8 row tiles (against 128 x 128 tiles: 0.79
   against 0.68 of the dense rate for the gathered forward at the gpu_1b
   shape, 0.75 against 0.62 at the fine shape; 4 stages were slower).
-  Weight gradients (`tgmm`): 128 x 128 result tiles, 64-row steps, 5
-  stages, 4 warps: the gathered operand's row indices take a pipeline stage
-  of their own, and with 3 stages its loads did not overlap the products
-  (0.42 of the dense rate at the gpu_1b shape against 0.74 with these).
-  float32 operands take twice the shared memory: 64-wide tiles, 32-deep
-  slices, 2 stages.
+  Weight gradients (`tgmm`): [128, 256] result tiles at 8 warps, 64-row
+  steps, 5 stages. The gathered operand's row indices take a pipeline stage
+  of their own: with 3 stages its loads did not overlap the products (0.42
+  of the dense rate at the gpu_1b shape against 0.74). The wide tile reads
+  each gathered row tile half as often as [128, 128] at 4 warps, and takes
+  11-16% less time at the gpu_1b and gpu_150m shapes on an H100 (6-8% on an
+  H200). float32 operands take twice the shared memory: 64-wide square
+  tiles, 32-deep slices, 2 stages.
   """
   if jnp.dtype(dtype).itemsize >= 4:
     return GmmConfig(block_n=64, block_k=32, num_stages=2, wgrad_stages=2, wgrad_warps=8,
                      wgrad_block=64)
-  return GmmConfig()
+  return GmmConfig(wgrad_warps=8, wgrad_block_n=256)
 
 
 def with_fields(items, dtype=jnp.bfloat16) -> GmmConfig:
