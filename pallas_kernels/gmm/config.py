@@ -118,9 +118,9 @@ def default_config(dtype=jnp.bfloat16) -> GmmConfig:
   of their own: with 3 stages its loads did not overlap the products (0.42
   of the dense rate at the gpu_1b shape against 0.74). The wide tile reads
   each gathered row tile half as often as [128, 128] at 4 warps, and takes
-  11-16% less time at the gpu_1b and gpu_150m shapes on an H100 (6-8% on an
-  H200). float32 operands take twice the shared memory: 64-wide square
-  tiles, 32-deep slices, 2 stages.
+  12% and 15% less time at the gpu_1b and gpu_150m shapes on an H100 (6%
+  and 8% on an H200, one process each). float32 operands take twice the
+  shared memory: 64-wide square tiles, 32-deep slices, 2 stages.
   """
   if jnp.dtype(dtype).itemsize >= 4:
     return GmmConfig(block_n=64, block_k=32, num_stages=2, wgrad_stages=2, wgrad_warps=8,
