@@ -116,16 +116,24 @@ class TestDecodeInterpret(DecodeChecks):
     np.testing.assert_array_equal(np.asarray(o), np.asarray(o_ref))
     np.testing.assert_array_equal(np.asarray(s), np.asarray(s_ref))
 
-  def test_auto_picks_the_kernel_for_multi_token_steps_on_the_gpu(self):
-    """What measured fastest on the H200: the kernel from 2 tokens, the fused step for one."""
+  def test_auto_picks_the_kernel_for_multi_token_steps_and_wide_batches_on_the_gpu(self):
+    """What measured fastest: the kernel from 2 tokens; for one token from B * H = 1024
+    states (B 64 at H 16), the fused step below."""
     for t_new in (2, 4, 16):
-      assert decode.resolve_decode("auto", t_new, 128, platform="gpu") == "pallas"
+      assert decode.resolve_decode("auto", t_new, 128, platform="gpu", states=16) == "pallas"
+    wide = decode.MIN_KERNEL_STATES_ONE_TOKEN
+    assert wide == 64 * 16
+    assert decode.resolve_decode("auto", 1, 128, platform="gpu", states=wide) == "pallas"
+    assert decode.resolve_decode("auto", 1, 128, platform="gpu", states=wide - 1) == "fused"
     assert decode.resolve_decode("auto", 1, 128, platform="gpu") == "fused"
     assert decode.resolve_decode("auto", None, platform="gpu") == "fused"
     assert decode.resolve_decode("auto", 4, 96, platform="gpu") == "fused"   # Triton tiles
+    assert decode.resolve_decode("auto", 1, 96, platform="gpu", states=wide) == "fused"
     for platform in ("cpu", "tpu"):
       assert decode.resolve_decode("auto", 4, 128, platform=platform) == "fused"
+      assert decode.resolve_decode("auto", 1, 128, platform=platform, states=wide) == "fused"
     assert decode.resolve_decode("naive", 4, platform="gpu") == "naive"
+    assert decode.resolve_decode("fused", 1, 128, platform="gpu", states=wide) == "fused"
 
   def test_bad_arguments(self):
     x = self._inputs(31, 2)

@@ -205,6 +205,24 @@ def test_decode_equals_full_pass(decode_implementation, tokens_per_step):
   assert cache["state"].dtype == jnp.float32
 
 
+def test_decode_resolves_auto_by_tokens_and_states(monkeypatch):
+  """The layer hands "auto" the step's tokens, head width and B * H states, which pick
+  the kernel for a single token only in a wide batch (resolved as on the GPU here)."""
+  seen = []
+  resolve = kda_lib.kda_decode.resolve_decode
+
+  def on_the_gpu(implementation, t_new=None, head_k=None, platform=None, *, states=None):
+    if implementation == "auto":  # the layer's call, not the step's own check of "fused"
+      seen.append((t_new, head_k, states, resolve("auto", t_new, head_k, "gpu", states=states)))
+    return "fused"   # the CPU runs the fused step whatever the GPU would pick
+  layer = _layer()
+  monkeypatch.setattr(kda_lib.kda_decode, "resolve_decode", on_the_gpu)
+  wide_b = kda_lib.kda_decode.MIN_KERNEL_STATES_ONE_TOKEN // H
+  for b, t_new in ((2, 1), (wide_b, 1), (2, 2)):
+    layer.decode(_x(b, t_new, seed=8), layer.init_cache(b))
+  assert seen == [(1, K, 2 * H, "fused"), (1, K, wide_b * H, "pallas"), (2, K, 2 * H, "pallas")]
+
+
 def test_short_prompt_and_empty_cache_decode():
   """A prompt shorter than the conv window, and decoding from init_cache."""
   layer = _layer()

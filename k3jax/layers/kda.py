@@ -123,7 +123,8 @@ class KDA(nnx.Module):
       `ModelConfig` checks the pair (`kda_fuse_gate`); a direct caller
       without a bound gets the bounded gate's error at the first call. Default off.
     decode_implementation: how `decode` steps the state: "auto" (on the GPU
-      the Pallas kernel for steps of 2 or more tokens, else the fused jnp
+      the Pallas kernel for steps of 2 or more tokens or batches of at least
+      `kda_decode.MIN_KERNEL_STATES_ONE_TOKEN` states B * H, else the fused jnp
       step; `kda_decode.resolve_decode`) or one of
       `kda_decode.DECODE_IMPLEMENTATIONS` ("pallas" on the CPU runs the
       kernel interpreted).
@@ -346,7 +347,8 @@ class KDA(nnx.Module):
       new_cache[name] = window[:, t_new:]
     q, k, v = self._activate(*acts)
     g, beta = self._gates(x_btd)
-    impl = kda_decode.resolve_decode(self.decode_implementation, t_new, self.head_dim)
+    impl = kda_decode.resolve_decode(self.decode_implementation, t_new, self.head_dim,
+                                     states=x_btd.shape[0] * self.num_heads)
     o, state = kda_decode.kda_decode_step(
         q, k, v, g, beta, cache["state"].astype(jnp.float32), implementation=impl,
         interpret=impl == "pallas" and platform.interprets("kda_decode"))

@@ -52,10 +52,11 @@ class ModelConfig:
   # it the unbounded softplus baseline, which needs diagonal="pairwise". The
   # trainer config's section `model.kda` holds the same fields by the same names.
   kda: KdaSpec = DEFAULT_KDA
-  # How decoding steps the KDA state: "auto" (on the GPU the decode kernel for
-  # steps of 2 or more tokens at a power-of-two head width, else the fused jnp
-  # step; `kda_decode.resolve_decode`), "pallas" (the decode kernel), "fused" or
-  # "naive" (the reference token loop; `pallas_kernels.kda.decode`).
+  # How decoding steps the KDA state: "auto" (on the GPU the decode kernel at a
+  # power-of-two head width for steps of 2 or more tokens or batches of many
+  # states, else the fused jnp step; `kda_decode.resolve_decode`), "pallas" (the
+  # decode kernel), "fused" or "naive" (the reference token loop;
+  # `pallas_kernels.kda.decode`).
   kda_decode: str = "auto"
   # Bounded gate with the pallas path only: apply lower_bound * sigmoid(.) inside the
   # gate-cumsum kernels instead of writing the f32 gate (same values; off until

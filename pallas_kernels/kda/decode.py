@@ -21,11 +21,13 @@ memory bandwidth (`state_roofline_s`). Implementations (`DECODE_IMPLEMENTATIONS`
   source of truth.
 
 "auto" (`resolve_decode`) picks what measured fastest: on the GPU the kernel
-for steps of 2 or more tokens and the fused step for single tokens, the fused
-step elsewhere. On one H200 (H16, K = V = 128, bf16; docs/benchmarks.md,
-"Decode step") the kernel with BV 128 and 8 warps took 0.78x / 0.72x the
-fused step's time at 4 tokens (B 8 / 64) and 0.53x at 16 (B 8), and 1.31x /
-0.97x at 1 token.
+for steps of 2 or more tokens, and for single tokens once the batch holds
+`MIN_KERNEL_STATES_ONE_TOKEN` states (B * H); the fused step for smaller
+single-token steps and on every other backend. At H16, K = V = 128, bf16
+(docs/benchmarks.md, "Decode step") the kernel with BV 128 and 8 warps took
+0.78x / 0.72x the fused step's time at 4 tokens (B 8 / 64) and 0.53x at 16
+(B 8) on one H200. At 1 token it took 0.97x (H200) and 0.90x (H100) at B 64,
+but at B 8 1.31x (H200) against 0.96x (H100), and 1.40x at B 1 (H100).
 """
 from __future__ import annotations
 
@@ -49,25 +51,32 @@ MAX_DECODE_TOKENS = 16
 # H200 2.0x faster than BV 32 with 4 warps at 1 token, 1.6x at 4, B 8).
 DEFAULT_BLOCK_V = 128
 DEFAULT_NUM_WARPS = 8
+# States (B * H) from which "auto" runs a single-token step on the kernel. The
+# kernel's grid holds B * H * V / BV programs: 1024 at B 64, H 16 (several per
+# SM), where it beat the fused step on both GPUs; at 128 (B 8) the GPUs disagreed.
+MIN_KERNEL_STATES_ONE_TOKEN = 1024
 
 _F32 = jnp.float32
 
 
 def resolve_decode(implementation: str, t_new: int | None = None, head_k: int | None = None,
-                   platform: str | None = None) -> str:
-  """The implementation a step of `t_new` tokens at head width `head_k` runs on `platform`.
+                   platform: str | None = None, *, states: int | None = None) -> str:
+  """The implementation a step of `t_new` tokens over `states` (B * H) states of
+  head width `head_k` runs on `platform`.
 
-  "auto" is "pallas" on the GPU ("gpu") for t_new >= 2 when K is a power of
-  two (the kernel's Triton tiles), else "fused" (module docstring); t_new
-  None (unknown) resolves like 1. platform defaults to
-  `jax.default_backend()`. Other names are checked and returned.
+  "auto" is "pallas" on the GPU ("gpu") when K is a power of two (the kernel's
+  Triton tiles) and either t_new >= 2 or states >= `MIN_KERNEL_STATES_ONE_TOKEN`,
+  else "fused" (module docstring); t_new None (unknown) resolves like 1 and
+  states None like a small batch. platform defaults to `jax.default_backend()`.
+  Other names are checked and returned.
   """
   if implementation == "auto":
     platform = jax.default_backend() if platform is None else platform
     multi = t_new is not None and t_new >= 2
+    wide = states is not None and states >= MIN_KERNEL_STATES_ONE_TOKEN
     tiles = head_k is None or is_pow2(head_k)
     compiled = not interprets("kda_decode", platform)
-    return "pallas" if compiled and multi and tiles else "fused"
+    return "pallas" if compiled and (multi or wide) and tiles else "fused"
   if implementation not in DECODE_IMPLEMENTATIONS:
     raise ValueError(f"decode implementation must be 'auto' or one of {DECODE_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
@@ -124,7 +133,7 @@ def kda_decode_step(q, k, v, g, beta, state, *, scale=None, implementation: str 
     (o [B, T_new, H, V] in q.dtype, new state [B, H, K, V] float32).
   """
   scale, g = _validate(q, k, v, g, beta, state, scale)
-  impl = resolve_decode(implementation, q.shape[1], q.shape[-1])
+  impl = resolve_decode(implementation, q.shape[1], q.shape[-1], states=q.shape[0] * q.shape[2])
   if impl != "pallas" and (block_v is not None or num_warps is not None):
     raise ValueError(f"block_v / num_warps tune the 'pallas' decode kernel; implementation="
                      f"{implementation!r} resolved to {impl!r}")
