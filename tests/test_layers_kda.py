@@ -206,14 +206,14 @@ def test_decode_equals_full_pass(decode_implementation, tokens_per_step):
 
 
 def test_decode_resolves_auto_by_tokens_and_states(monkeypatch):
-  """The layer hands "auto" the step's tokens, head width and B * H states, which pick
-  the kernel for a single token only in a wide batch (resolved as on the GPU here)."""
+  """The layer's decode resolves "auto" from the step's tokens, head width and B * H
+  states, which pick the kernel for a single token only in a wide batch (resolved as
+  on the GPU here)."""
   seen = []
   resolve = kda_lib.kda_decode.resolve_decode
 
   def on_the_gpu(implementation, t_new=None, head_k=None, platform=None, *, states=None):
-    if implementation == "auto":  # the layer's call, not the step's own check of "fused"
-      seen.append((t_new, head_k, states, resolve("auto", t_new, head_k, "gpu", states=states)))
+    seen.append((t_new, head_k, states, resolve(implementation, t_new, head_k, "gpu", states=states)))
     return "fused"   # the CPU runs the fused step whatever the GPU would pick
   layer = _layer()
   monkeypatch.setattr(kda_lib.kda_decode, "resolve_decode", on_the_gpu)

@@ -347,10 +347,9 @@ class KDA(nnx.Module):
       new_cache[name] = window[:, t_new:]
     q, k, v = self._activate(*acts)
     g, beta = self._gates(x_btd)
-    impl = kda_decode.resolve_decode(self.decode_implementation, t_new, self.head_dim,
-                                     states=x_btd.shape[0] * self.num_heads)
+    # The step resolves "auto" from q's shape; interpret only reaches the Pallas kernel.
     o, state = kda_decode.kda_decode_step(
-        q, k, v, g, beta, cache["state"].astype(jnp.float32), implementation=impl,
-        interpret=impl == "pallas" and platform.interprets("kda_decode"))
+        q, k, v, g, beta, cache["state"].astype(jnp.float32),
+        implementation=self.decode_implementation, interpret=platform.interprets("kda_decode"))
     new_cache["state"] = state
     return self._output(x_btd, o), new_cache
